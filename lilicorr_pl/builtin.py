@@ -1,0 +1,78 @@
+"""Built-in targets and data that need no download (``builtin:`` names in configs).
+
+- ``builtin:tiny`` / ``builtin:quick`` / ``builtin:full``: a small Qwen3-architecture target trained on
+  the Python standard library (see :mod:`lilicorr_pl.demo.tiny_target`), built once and cached.
+- ``builtin:stdlib-train[:N]`` / ``builtin:stdlib-heldout[:N]`` as a data file: ``N`` text records cut
+  from the standard library's own source (train or held-out modules), written once as jsonl.
+
+Everything resolves to ordinary local paths, so the rest of the code only sees ``from_pretrained``
+directories and jsonl files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+PREFIX = "builtin:"
+# builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
+TARGET_PRESETS = {"tiny": "test", "quick": "quick", "full": "full"}
+
+
+def cache_root() -> Path:
+    """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``."""
+    if os.environ.get("LILICORR_CACHE"):
+        return Path(os.environ["LILICORR_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lilicorr_pl"
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """Map ``builtin:<preset>`` to a built (cached) local target directory; pass anything else through."""
+    if not str(name_or_path).startswith(PREFIX):
+        return str(name_or_path)
+    preset = str(name_or_path)[len(PREFIX):]
+    if preset not in TARGET_PRESETS:
+        raise ValueError(
+            f"unknown built-in target {name_or_path!r}; use one of "
+            f"{[PREFIX + p for p in TARGET_PRESETS]} or a hub name / local path"
+        )
+    from lilicorr_pl.demo.tiny_target import build_tiny_target
+
+    return str(build_tiny_target(TARGET_PRESETS[preset], progress=False))
+
+
+def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
+    """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records."""
+    if not str(path).startswith(PREFIX):
+        return str(path)
+    spec = str(path)[len(PREFIX):]
+    name, _, count = spec.partition(":")
+    splits = {"stdlib-train": "train", "stdlib-heldout": "heldout"}
+    if name not in splits:
+        raise ValueError(f"unknown built-in data {path!r}; use builtin:stdlib-train[:N] or builtin:stdlib-heldout[:N]")
+    n = int(count) if count else 256
+    from lilicorr_pl.demo.corpus import corpus_fingerprint, read_corpus
+
+    out = cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
+    if out.exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for text in read_corpus(splits[name]):
+        for start in range(0, len(text), chars_per_record):
+            chunk = text[start : start + chars_per_record]
+            if len(chunk.strip()) > chars_per_record // 4:
+                records.append({"text": chunk})
+            if len(records) >= n:
+                break
+        if len(records) >= n:
+            break
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, out)  # atomic: a concurrent reader never sees half a file
+    return str(out)

@@ -1,0 +1,525 @@
+"""Training-data formats: read records, render chats, tokenize, mask the loss, truncate, pack.
+
+Accepted record formats, one JSON object per line of a ``.jsonl`` file (or one row of a ``.parquet``
+file, with ``pip install pyarrow``). Extra keys (``id``, metadata) are ignored.
+
+=====================  ==============================================  ===========================
+format                 record                                          supervised (loss) tokens
+=====================  ==============================================  ===========================
+plain text             ``{"text": str}``                               all tokens
+prompt / completion    ``{"prompt": str, "completion": str}``          completion tokens only
+OpenAI messages        ``{"messages": [{"role", "content"}, ...]}``    assistant tokens only
+ShareGPT               ``{"conversations": [{"from", "value"}, ...]}`` assistant tokens only
+=====================  ==============================================  ===========================
+
+ShareGPT speakers map ``human``/``user`` → user, ``gpt``/``assistant`` → assistant, ``system`` → system.
+
+Chat records are rendered with the tokenizer's chat template (or ``chat_template``), passing the
+recorded ``enable_thinking`` as a template variable, then tokenized with ``add_special_tokens=False``
+(the template writes any BOS itself). Text and prompts are tokenized with the tokenizer's default
+special tokens (a BOS for Llama-style tokenizers, nothing for Qwen); completions without.
+
+**Assistant loss mask.** Qwen's template has no ``{% generation %}`` markers and does not even render
+a conversation's prefixes consistently (the last assistant turn gets a think block, earlier ones do
+not), so rendering prefixes and diffing is fragile. Instead, for each assistant turn we render the
+whole conversation twice more with that turn's content replaced by two different placeholders; the
+characters where the real rendering differs from both are exactly where the template placed that
+turn's content (whatever it did to it: stripping, moving the reasoning into a think block, dropping
+the reasoning of old turns). Tokens that *start* inside that span are supervised, plus the special
+token the template closes the turn with (``<|im_end|>``, ``<|eot_id|>``): the drafter must learn to
+predict the end of a turn. The template's own scaffolding (role headers, the empty think block) is
+never supervised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Bump when tokenization or masking changes, so fingerprinted caches are rebuilt.
+FORMAT_VERSION = 1
+
+FORMATS = ("text", "prompt_completion", "messages", "sharegpt")
+ACCEPTED_FORMATS_HELP = (
+    '{"text": ...}, {"prompt": ..., "completion": ...}, {"messages": [{"role", "content"}, ...]}, '
+    '{"conversations": [{"from", "value"}, ...]}'
+)
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
+
+
+class DataFormatError(ValueError):
+    """A training file or record that cannot be used; the message names the file and line."""
+
+
+@dataclass
+class TokenizedExample:
+    """One training sequence."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]  # True where the token is supervised (predicted from the tokens before it)
+    source: str = ""  # "file.jsonl:12", or "a:1+a:2" after packing
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(
+                f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length"
+            )
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_supervised(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class LoadStats:
+    """What ``load_examples`` read and what it had to drop."""
+
+    records: int = 0
+    examples: int = 0
+    truncated: int = 0
+    dropped_unsupervised: int = 0  # records whose supervised tokens all fell past max_length (or none)
+    supervised_tokens: int = 0
+    tokens: int = 0
+    formats: dict[str, int] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- reading
+def check_data_files(paths: Sequence[str | os.PathLike], setting: str = "data.train_files") -> list[Path]:
+    """Resolve and check the files exist and have a supported suffix; raise before any heavy work."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise DataFormatError(f"no data files given; set {setting} to one or more .jsonl/.parquet files")
+    out = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"data file {str(p)!r} does not exist (resolved to {path.resolve()}); fix {setting}"
+            )
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise DataFormatError(
+                f"data file {str(p)!r} has suffix {path.suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)} "
+                f"(convert it or fix {setting})"
+            )
+        if path.suffix.lower() == ".parquet":
+            _require_pyarrow(path)
+        out.append(path)
+    return out
+
+
+def _require_pyarrow(path: Path) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"reading {path.name} needs pyarrow, which is not installed; run `pip install pyarrow` "
+            "(or `pip install lilicorr_pl[parquet]`), or convert the file to .jsonl"
+        ) from None
+    return pq
+
+
+def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_or_row_number, record)``; jsonl lines are numbered from 1, parquet rows from 1.
+
+    Blank jsonl lines are skipped. A line that is not a JSON object raises ``DataFormatError`` naming
+    the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    if path.suffix.lower() == ".parquet":
+        pq = _require_pyarrow(path)
+        table = pq.read_table(path)
+        for i, row in enumerate(table.to_pylist(), start=1):
+            yield i, row
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    f"{path.name} line {i}: malformed JSON ({err.msg} at column {err.colno}); "
+                    f"each line of a .jsonl file must be one JSON object ({path})"
+                ) from None
+            if not isinstance(record, dict):
+                raise DataFormatError(
+                    f"{path.name} line {i}: expected a JSON object, got {type(record).__name__}; "
+                    f"each line must look like one of {ACCEPTED_FORMATS_HELP}"
+                )
+            yield i, record
+
+
+def detect_format(record: dict[str, Any], where: str = "record") -> str:
+    """Which of ``FORMATS`` a record is, from its keys (extra keys are ignored)."""
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    raise DataFormatError(
+        f"{where}: unknown record format; keys seen: {sorted(record)}; accepted formats: {ACCEPTED_FORMATS_HELP}"
+    )
+
+
+def _text_of(content: Any, where: str) -> str:
+    """Message content as a string (OpenAI multi-part content: the text parts joined)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
+                parts.append(str(part["text"]))
+            else:
+                raise DataFormatError(f"{where}: unsupported message content part {part!r}; only text parts")
+        return "".join(parts)
+    raise DataFormatError(f"{where}: message content must be a string, got {type(content).__name__}")
+
+
+def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> list[dict[str, str]]:
+    """Normalise a chat record (``messages`` or ShareGPT) into ``[{"role", "content"}, ...]``."""
+    if fmt == "messages":
+        raw = record["messages"]
+        key, role_key, content_key = "messages", "role", "content"
+    elif fmt == "sharegpt":
+        raw = record["conversations"]
+        key, role_key, content_key = "conversations", "from", "value"
+    else:
+        raise ValueError(f"{fmt!r} is not a chat format")
+    if not isinstance(raw, list):
+        raise DataFormatError(f"{where}: {key!r} must be a list of turns, got {type(raw).__name__}")
+    if not raw:
+        raise DataFormatError(f"{where}: empty conversation ({key!r} is []); remove the record or fill it")
+    out = []
+    for j, turn in enumerate(raw):
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            seen = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+            raise DataFormatError(
+                f"{where}: turn {j} of {key!r} needs keys {role_key!r} and {content_key!r}, saw {seen}"
+            )
+        role = turn[role_key]
+        if fmt == "sharegpt":
+            if role not in SHAREGPT_ROLES:
+                raise DataFormatError(
+                    f"{where}: turn {j} has speaker {role!r}; ShareGPT speakers must be one of "
+                    f"{sorted(SHAREGPT_ROLES)}"
+                )
+            role = SHAREGPT_ROLES[role]
+        elif not isinstance(role, str):
+            raise DataFormatError(f"{where}: turn {j} role must be a string, got {role!r}")
+        out.append({"role": role, "content": _text_of(turn[content_key], f"{where} turn {j}")})
+    return out
+
+
+# ---------------------------------------------------------------------- chat templates
+def resolve_chat_template(chat_template: str | None) -> str | None:
+    """``chat_template`` may be a Jinja string or the path of a file holding one."""
+    if chat_template is None:
+        return None
+    if "{" not in chat_template and len(chat_template) < 4096:
+        path = Path(chat_template).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        raise FileNotFoundError(
+            f"chat_template {chat_template!r} is neither a Jinja template nor an existing file; "
+            "pass the template text or a path to a .jinja file (data.chat_template)"
+        )
+    return chat_template
+
+
+def effective_chat_template(tokenizer: Any, chat_template: str | None = None) -> str | None:
+    """The template text that will be used: the override, else the tokenizer's own (None if neither)."""
+    template = resolve_chat_template(chat_template)
+    if template is not None:
+        return template
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: the default one
+        own = own.get("default")
+    return own
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    enable_thinking: bool = False,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """Render messages to text with the chat template, passing ``enable_thinking`` to the template."""
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        enable_thinking=enable_thinking,
+    )
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[-1 - i] == b[-1 - i]:
+        i += 1
+    return i
+
+
+_PLACEHOLDERS = ("", "\u2603\u2603")  # differ at their first character from each other and from EOT
+
+
+def assistant_char_spans(
+    tokenizer: Any, messages: list[dict[str, str]], rendered: str, **render_kwargs: Any
+) -> list[tuple[int, int]]:
+    """Character spans of ``rendered`` where each assistant turn's content was placed (see module doc)."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        starts, ends = [], []
+        for placeholder in _PLACEHOLDERS:
+            other = [dict(m) for m in messages]
+            other[i]["content"] = placeholder
+            alt = render_chat(tokenizer, other, **render_kwargs)
+            start = _common_prefix(rendered, alt)
+            suffix = _common_suffix(rendered, alt, limit=min(len(rendered), len(alt)) - start)
+            starts.append(start)
+            ends.append(len(rendered) - suffix)
+        start, end = min(starts), max(ends)
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(i for i, tok in decoder.items() if getattr(tok, "special", False))
+    return ids
+
+
+def tokenize_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    enable_thinking: bool = False,
+    chat_template: str | None = None,
+) -> tuple[list[int], list[bool]]:
+    """Render and tokenize a conversation; the mask covers assistant content plus its end-of-turn token."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(
+            f"chat loss masks need a fast tokenizer (character offsets); {type(tokenizer).__name__} is not one. "
+            "Load the target's tokenizer with AutoTokenizer.from_pretrained(..., use_fast=True)"
+        )
+    kwargs = {"enable_thinking": enable_thinking, "chat_template": chat_template}
+    rendered = render_chat(tokenizer, messages, **kwargs)
+    spans = assistant_char_spans(tokenizer, messages, rendered, **kwargs)
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    offsets = enc["offset_mapping"]
+    special = _special_ids(tokenizer)
+    mask = [False] * len(ids)
+    j = 0
+    for start, end in spans:
+        while j < len(ids) and offsets[j][0] < start:
+            j += 1
+        while j < len(ids) and offsets[j][0] < end:
+            mask[j] = True
+            j += 1
+        # The special token that closes the turn (e.g. <|im_end|>) right after the content.
+        if j < len(ids) and ids[j] in special and offsets[j][0] >= end:
+            mask[j] = True
+            j += 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------- one record
+def tokenize_record(
+    record: dict[str, Any],
+    tokenizer: Any,
+    *,
+    enable_thinking: bool = False,
+    chat_template: str | None = None,
+    where: str = "record",
+    fmt: str | None = None,
+) -> tuple[list[int], list[bool], str]:
+    """Tokenize one record (any of ``FORMATS``) → ``(input_ids, loss_mask, format)``, untruncated."""
+    fmt = fmt or detect_format(record, where)
+    if fmt == "text":
+        text = record["text"]
+        if not isinstance(text, str):
+            raise DataFormatError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        ids = list(tokenizer(text)["input_ids"])
+        return ids, [True] * len(ids), fmt
+    if fmt == "prompt_completion":
+        prompt, completion = record["prompt"], record["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataFormatError(f"{where}: 'prompt' and 'completion' must be strings")
+        p = list(tokenizer(prompt)["input_ids"])
+        c = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+        return p + c, [False] * len(p) + [True] * len(c), fmt
+    messages = record_messages(record, fmt, where)
+    template = resolve_chat_template(chat_template)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise DataFormatError(
+            f"{where}: chat data ({fmt}) but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "
+            "chat template; pass data.chat_template (a Jinja template or a .jinja file) or use a chat "
+            "model's tokenizer"
+        )
+    ids, mask = tokenize_chat(tokenizer, messages, enable_thinking=enable_thinking, chat_template=template)
+    return ids, mask, fmt
+
+
+# ---------------------------------------------------------------------- many records
+def iter_examples(
+    paths: Sequence[str | os.PathLike],
+    tokenizer: Any,
+    *,
+    max_length: int = 3072,
+    enable_thinking: bool = False,
+    chat_template: str | None = None,
+    pack: bool = False,
+    max_examples: int | None = None,
+    setting: str = "data.train_files",
+    stats: LoadStats | None = None,
+) -> Iterator[TokenizedExample]:
+    """Stream the examples of ``paths`` (in order): read, tokenize, mask, truncate, optionally pack.
+
+    Records longer than ``max_length`` keep their first ``max_length`` tokens. Records left without a
+    supervised token (e.g. the assistant turn fell past ``max_length``, or a chat with no assistant
+    turn) are dropped and counted in ``stats.dropped_unsupervised``. ``max_examples`` caps the number
+    of records read (before packing). Raises ``DataFormatError`` at the end if nothing at all was
+    supervised. Streaming keeps memory flat for large datasets (the data module writes straight into
+    its token cache).
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 to have anything to predict, got {max_length}")
+    files = check_data_files(paths, setting)
+    template = resolve_chat_template(chat_template)
+    stats = stats if stats is not None else LoadStats()
+
+    def unpacked() -> Iterator[TokenizedExample]:
+        for path in files:
+            if max_examples is not None and stats.records >= max_examples:
+                return
+            for line, record in read_records(path):
+                if max_examples is not None and stats.records >= max_examples:
+                    return
+                where = f"{path.name} line {line}"
+                stats.records += 1
+                ids, mask, fmt = tokenize_record(
+                    record, tokenizer, enable_thinking=enable_thinking, chat_template=template, where=where
+                )
+                stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
+                if len(ids) > max_length:
+                    ids, mask = ids[:max_length], mask[:max_length]
+                    stats.truncated += 1
+                # Position 0 has no prefix to predict it from: it is never a target.
+                if not any(mask[1:]):
+                    stats.dropped_unsupervised += 1
+                    continue
+                yield TokenizedExample(ids, mask, f"{path.name}:{line}")
+
+    stream = iter_packed(unpacked(), max_length) if pack else unpacked()
+    for ex in stream:
+        stats.examples += 1
+        stats.tokens += len(ex)
+        stats.supervised_tokens += ex.num_supervised
+        yield ex
+    if stats.examples == 0:
+        names = ", ".join(p.name for p in files)
+        raise DataFormatError(
+            f"no supervised tokens in {names} ({stats.records} records, {stats.dropped_unsupervised} without "
+            "any supervised token inside max_length): chat data needs assistant turns, prompt/completion "
+            "needs a non-empty completion; check the files or raise data.max_length"
+        )
+
+
+def load_examples(
+    paths: Sequence[str | os.PathLike],
+    tokenizer: Any,
+    *,
+    max_length: int = 3072,
+    enable_thinking: bool = False,
+    chat_template: str | None = None,
+    pack: bool = False,
+    max_examples: int | None = None,
+    setting: str = "data.train_files",
+    stats: LoadStats | None = None,
+) -> list[TokenizedExample]:
+    """``iter_examples`` as a list (see there)."""
+    return list(
+        iter_examples(
+            paths,
+            tokenizer,
+            max_length=max_length,
+            enable_thinking=enable_thinking,
+            chat_template=chat_template,
+            pack=pack,
+            max_examples=max_examples,
+            setting=setting,
+            stats=stats,
+        )
+    )
+
+
+def iter_packed(examples: Iterable[TokenizedExample], max_length: int) -> Iterator[TokenizedExample]:
+    """Greedily concatenate consecutive examples into sequences of at most ``max_length`` tokens.
+
+    Order is kept (first-fit on the running sequence); each example's loss mask is kept as is, except
+    that the first token of every packed example after the first is not supervised (it has no prefix
+    of its own). Packed examples attend to each other (plain causal attention, no document masking):
+    cheap, and harmless for chat data whose supervised tokens always follow their own prompt.
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    sources: list[str] = []
+    for ex in examples:
+        if ids and len(ids) + len(ex) > max_length:
+            yield TokenizedExample(ids, mask, "+".join(sources))
+            ids, mask, sources = [], [], []
+        ex_mask = list(ex.loss_mask)
+        if ids:
+            ex_mask[0] = False
+        ids = ids + list(ex.input_ids[:max_length])
+        mask = mask + ex_mask[:max_length]
+        sources.append(ex.source)
+    if ids:
+        yield TokenizedExample(ids, mask, "+".join(sources))
+
+
+def pack_examples(examples: Iterable[TokenizedExample], max_length: int) -> list[TokenizedExample]:
+    """``iter_packed`` as a list (see there)."""
+    return list(iter_packed(examples, max_length))

@@ -1,0 +1,424 @@
+"""Regenerate training responses with the target itself (DESIGN §8).
+
+Drafters learn to predict *the target's* continuations, so the published DFlash drafters are trained
+on the target's own answers to the dataset's prompts rather than on the dataset's answers. This
+module turns a dataset of prompts into such training data:
+
+- chat records (``messages`` / ShareGPT): everything from the first assistant turn on is dropped; the
+  leading system/user messages are rendered with the chat template (``add_generation_prompt=True`` and
+  the recorded ``enable_thinking``), the target answers, and the output is
+  ``{"messages": [...prompt messages, {"role": "assistant", "content": answer}]}``;
+- text records: the text (or its first ``prefix_chars`` characters) is the prompt and the output is
+  ``{"prompt": prompt, "completion": continuation}``; prompt/completion records keep their prompt and
+  get a new completion.
+
+Every output line also carries ``source_index`` (0-based record index in the input), the input's
+``id`` if it had one, and ``generation`` settings (target, template hash, thinking flag, temperature,
+max tokens, finish reason), so the thinking flag and template travel with the data.
+
+The run is resumable: records whose ``source_index`` is already in the output are skipped; each line
+is appended and flushed as soon as it is generated, so a kill loses at most the batch in flight (a
+partial last line is cut off on the next run). A record that raises (bad format, generation error)
+counts as failed, is reported, and the run goes on; rerunning retries it.
+
+Generation is plain ``AutoModelForCausalLM.generate``: greedy at ``temperature=0``, sampling otherwise,
+left-padded batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lilicorr_pl.data.cache import text_sha256
+from lilicorr_pl.data.formats import (
+    DataFormatError,
+    _require_pyarrow,
+    detect_format,
+    effective_chat_template,
+    record_messages,
+    render_chat,
+    resolve_chat_template,
+)
+
+
+@dataclass
+class RegenerationStats:
+    """Outcome of one ``regenerate`` run."""
+
+    succeeded: int = 0  # written in this run
+    failed: int = 0  # raised; not written, retried by the next run
+    skipped: int = 0  # already in the output file
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (source_index, message), first 50
+
+    def __str__(self) -> str:
+        return f"succeeded {self.succeeded}, failed {self.failed}, skipped {self.skipped}"
+
+
+@dataclass
+class _Job:
+    index: int
+    record: dict[str, Any]
+    kind: str  # "chat" or "text"
+    prompt_ids: list[int]
+    prompt_messages: list[dict[str, str]] | None = None
+    prompt_text: str | None = None
+
+
+# ---------------------------------------------------------------------- input / output files
+def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
+    """``(source_index, record or the parse error)`` for every non-blank jsonl line / parquet row."""
+    if path.suffix.lower() == ".parquet":
+        pq = _require_pyarrow(path)
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield i, row
+        return
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise DataFormatError(f"{path.name} line {line_no}: expected a JSON object")
+                yield index, record
+            except json.JSONDecodeError as err:
+                yield index, DataFormatError(f"{path.name} line {line_no}: malformed JSON ({err.msg})")
+            except DataFormatError as err:
+                yield index, err
+            index += 1
+
+
+def _done_indices(output: Path) -> set[int]:
+    """Source indices already written; cuts off a partial last line left by a killed run."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(output, "rb+") as f:
+            f.truncate(keep)
+        print(f"[lilicorr] regenerate: removed a partial last line from {output}", file=sys.stderr)
+        data = data[:keep]
+    done = set()
+    for line in data.decode("utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+            done.add(int(rec["source_index"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return done
+
+
+# ---------------------------------------------------------------------- prompts
+def prompt_messages(messages: list[dict[str, str]], where: str = "record") -> list[dict[str, str]]:
+    """The leading messages before the first assistant turn (must include a user message)."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append(m)
+    if not any(m["role"] == "user" for m in head):
+        raise DataFormatError(f"{where}: no user message before the first assistant turn; nothing to answer")
+    return head
+
+
+def _make_job(
+    index: int,
+    record: dict[str, Any],
+    tokenizer: Any,
+    *,
+    enable_thinking: bool,
+    chat_template: str | None,
+    prefix_chars: int | None,
+) -> _Job:
+    where = f"record {index}"
+    fmt = detect_format(record, where)
+    if fmt in ("messages", "sharegpt"):
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise DataFormatError(
+                f"{where}: chat record but the target's tokenizer has no chat template; pass --chat-template "
+                "or use a chat model"
+            )
+        head = prompt_messages(record_messages(record, fmt, where), where)
+        text = render_chat(
+            tokenizer, head, enable_thinking=enable_thinking, chat_template=chat_template, add_generation_prompt=True
+        )
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _Job(index, record, "chat", ids, prompt_messages=head)
+    prompt = record["text"] if fmt == "text" else record["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise DataFormatError(f"{where}: empty or non-string prompt")
+    if fmt == "text" and prefix_chars is not None:
+        prompt = prompt[:prefix_chars]
+    ids = list(tokenizer(prompt)["input_ids"])
+    if not ids:
+        raise DataFormatError(f"{where}: prompt tokenizes to nothing")
+    return _Job(index, record, "text", ids, prompt_text=prompt)
+
+
+def _stop_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):  # chat end-of-turn markers
+        if tok in vocab:
+            ids.add(int(vocab[tok]))
+    return sorted(ids)
+
+
+def _generate(
+    model: Any,
+    jobs: Sequence[_Job],
+    *,
+    pad_id: int,
+    stop_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+) -> list[tuple[list[int], str]]:
+    """Left-padded batched generation → per job (new token ids up to the first stop, finish reason)."""
+    device = next(model.parameters()).device
+    width = max(len(j.prompt_ids) for j in jobs)
+    ids = torch.full((len(jobs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(jobs), width), dtype=torch.long)
+    for r, job in enumerate(jobs):
+        n = len(job.prompt_ids)
+        ids[r, width - n :] = torch.tensor(job.prompt_ids, dtype=torch.long)
+        attn[r, width - n :] = 1
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": pad_id}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs)
+    results = []
+    for r in range(len(jobs)):
+        new = out[r, width:].tolist()
+        finish = "length"
+        for k, t in enumerate(new):
+            if t in stop_ids:
+                new, finish = new[:k], "stop"
+                break
+        results.append((new, finish))
+    return results
+
+
+# ---------------------------------------------------------------------- the command
+def regenerate(
+    target: str,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    max_new_tokens: int = 1024,
+    temperature: float = 0.0,
+    batch_size: int = 8,
+    enable_thinking: bool = False,
+    limit: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    prefix_chars: int | None = None,
+    chat_template: str | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+) -> RegenerationStats:
+    """Answer every prompt of ``input_path`` with the target and append the results to ``output_path``.
+
+    Args:
+        target: hub name or local directory of the target (model and tokenizer).
+        input_path: ``.jsonl``/``.parquet`` of chat, text or prompt/completion records.
+        output_path: ``.jsonl`` to append to; existing lines are kept and their records skipped.
+        max_new_tokens: generation budget per record.
+        temperature: 0 = greedy; > 0 samples with that temperature (no top-k/top-p).
+        batch_size: records per ``generate`` call (left-padded).
+        enable_thinking: the chat template's thinking flag (record it: training and evaluation must use
+            the same value).
+        limit: only consider the first ``limit`` input records.
+        seed: torch seed for sampling.
+        progress: show a progress bar.
+        prefix_chars: for text records, use only the first ``prefix_chars`` characters as the prompt.
+        chat_template: Jinja template (text or file) overriding the tokenizer's.
+        dtype: target weights dtype; ``auto`` = bfloat16 on CUDA, float32 on CPU.
+        device: where to run; None = CUDA when available.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lilicorr_pl.target import resolve_dtype
+
+    input_path, output_path = Path(input_path), Path(output_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"regeneration input {str(input_path)!r} does not exist (--input)")
+    if input_path.resolve() == output_path.resolve():
+        raise ValueError(f"--output must differ from --input ({input_path}); regeneration appends to the output")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    template = resolve_chat_template(chat_template)
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        pad_id = 0
+    stop_ids = _stop_ids(tokenizer, model)
+    torch.manual_seed(seed)
+    generation_meta = {
+        "target": str(target),
+        "enable_thinking": bool(enable_thinking),
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+        "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
+    }
+
+    stats = RegenerationStats()
+    done = _done_indices(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def fail(index: int, err: BaseException) -> None:
+        stats.failed += 1
+        msg = f"{type(err).__name__}: {err}"
+        if len(stats.errors) < 50:
+            stats.errors.append((index, msg))
+        print(f"[lilicorr] regenerate: record {index} failed: {msg}", file=sys.stderr)
+
+    records = []
+    for index, record in _iter_input(input_path):
+        if limit is not None and index >= limit:
+            break
+        records.append((index, record))
+
+    bar = tqdm(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
+    with open(output_path, "a", encoding="utf-8") as out:
+
+        def write(job: _Job, new_ids: list[int], finish: str) -> None:
+            text = tokenizer.decode(new_ids, skip_special_tokens=True)
+            line: dict[str, Any] = {"source_index": job.index}
+            if "id" in job.record:
+                line["id"] = job.record["id"]
+            if job.kind == "chat":
+                line["messages"] = [*job.prompt_messages, {"role": "assistant", "content": text}]
+            else:
+                line["prompt"] = job.prompt_text
+                line["completion"] = text
+            line["generation"] = {**generation_meta, "finish": finish, "new_tokens": len(new_ids)}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            stats.succeeded += 1
+
+        def run(batch: list[_Job]) -> None:
+            try:
+                results = _generate(
+                    model, batch, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, temperature=temperature
+                )
+            except Exception as err:  # noqa: BLE001 - isolate the failing record, keep going
+                if len(batch) == 1:
+                    fail(batch[0].index, err)
+                    return
+                for job in batch:
+                    run([job])
+                return
+            for job, (new_ids, finish) in zip(batch, results):
+                try:
+                    write(job, new_ids, finish)
+                except Exception as err:  # noqa: BLE001
+                    fail(job.index, err)
+
+        pending: list[_Job] = []
+        for index, record in records:
+            if index in done:
+                stats.skipped += 1
+                bar.update(1)
+                continue
+            try:
+                if isinstance(record, Exception):
+                    raise record
+                pending.append(
+                    _make_job(
+                        index,
+                        record,
+                        tokenizer,
+                        enable_thinking=enable_thinking,
+                        chat_template=template,
+                        prefix_chars=prefix_chars,
+                    )
+                )
+            except Exception as err:  # noqa: BLE001
+                fail(index, err)
+                bar.update(1)
+            if len(pending) >= batch_size:
+                run(pending)
+                bar.update(len(pending))
+                pending = []
+        if pending:
+            run(pending)
+            bar.update(len(pending))
+    bar.close()
+    print(f"[lilicorr] regenerate: {stats} -> {output_path}", file=sys.stderr)
+    return stats
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lilicorr regenerate",
+        description="Answer a dataset's prompts with the target model to make drafter training data (resumable).",
+    )
+    p.add_argument("--target", required=True, help="hub name or local directory of the target model")
+    p.add_argument("--input", required=True, help=".jsonl/.parquet of chat, text or prompt/completion records")
+    p.add_argument("--output", required=True, help=".jsonl to append to (existing records are skipped)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="generation budget per record")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampling")
+    p.add_argument("--batch-size", type=int, default=8, help="records per generate call")
+    p.add_argument("--limit", type=int, default=None, help="only the first N input records")
+    p.add_argument("--enable-thinking", action="store_true", help="pass enable_thinking=True to the chat template")
+    p.add_argument("--prefix-chars", type=int, default=None, help="text records: prompt = first N characters")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) overriding the tokenizer's")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA when available)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lilicorr regenerate`` entry point; exit code 1 when some records failed (rerun to retry them)."""
+    args = build_parser().parse_args(argv)
+    stats = regenerate(
+        args.target,
+        args.input,
+        args.output,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        enable_thinking=args.enable_thinking,
+        limit=args.limit,
+        seed=args.seed,
+        progress=not args.no_progress,
+        prefix_chars=args.prefix_chars,
+        chat_template=args.chat_template,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    print(f"regenerate: {stats}")
+    return 1 if stats.failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

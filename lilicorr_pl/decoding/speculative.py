@@ -1,0 +1,452 @@
+"""Speculative decoding with a DFlash drafter and any selector, plus the plain-decoding baseline (DESIGN §7).
+
+One round: the drafter proposes a block ``[anchor, d_1..d_S]`` in one forward pass, the selector picks
+``d_1..d_S``, and the frozen target verifies the whole block in one forward pass over its KV cache.
+``y_k`` is the target's own choice after block token ``k`` (argmax at T = 0, a sample at T > 0);
+``acc`` is the longest prefix with ``d_{k+1} == y_k``; the anchor and ``acc`` drafts are committed and
+``y_acc`` (the *bonus* token) becomes the next anchor. τ for the round is ``acc + 1``: it **includes**
+the bonus token, so ``1 <= τ <= B``.
+
+Losslessness: a deterministic draft accepted iff it equals the target's own sample is exactly the
+speculative-sampling rule for a point-mass draft distribution, so the output is distributed as plain
+target sampling; at T = 0 it equals greedy target decoding token for token. A selector that samples
+its block and returns the draft distribution ``q`` gets the standard ``min(1, p/q)`` rule with
+residual resampling (:func:`speculative_sampling_accept`).
+
+Batch size 1 for now; the helpers work on ``[b, ...]`` tensors so batching can be added later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lilicorr_pl.target import FrozenTarget
+
+__all__ = [
+    "GenerationResult",
+    "default_stop_token_ids",
+    "greedy_accept",
+    "sample_tokens",
+    "speculative_generate",
+    "speculative_sampling_accept",
+    "target_generate",
+    "warp_probs",
+]
+
+
+@dataclass
+class GenerationResult:
+    """What one generation returns. All timings are wall-clock seconds (CUDA-synchronised).
+
+    τ counts committed tokens per verify round **including the target's bonus token**:
+    ``τ_round = accepted + 1``. Stops truncate the last round's output, so ``len(tokens)`` can be
+    smaller than ``1 + Σ τ_round`` (the leading 1 is the token sampled from the prefill).
+    """
+
+    tokens: list[int]
+    """Generated token ids, prompt excluded; a stop token, when hit, is the last entry."""
+    accepted_lengths: list[int] = field(default_factory=list)
+    """Per verify round, accepted draft tokens ``acc`` in ``0..S`` (τ_round = acc + 1, bonus included).
+    Recorded as verified, before any stop truncation. Empty for plain target decoding."""
+    num_rounds: int = 0
+    """Verify rounds (= ``len(accepted_lengths)``; 0 for plain target decoding)."""
+    tau: float = 1.0
+    """Mean ``acc + 1`` over rounds: acceptance length **including the bonus token** (1.0 for plain
+    decoding and when no round ran)."""
+    prefill: float = 0.0
+    """Target prefill over the prompt plus the first sample."""
+    draft: float = 0.0
+    """Drafter forward passes."""
+    head: float = 0.0
+    """Selector (top-1, LiLiCorr, …) time, measured separately from the drafter."""
+    verify: float = 0.0
+    """Target verify passes, acceptance and cache cropping (plain decoding: all decode steps)."""
+    total: float = 0.0
+    """End-to-end time of the call."""
+    stopped_on: str = "max_new_tokens"
+    """``"eos"`` (a stop token was generated) or ``"max_new_tokens"``."""
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    """The first ``record_rounds`` rounds for display: ``anchor``, ``drafted`` (d_1..d_S),
+    ``target`` (y_0..y_S, the target's choices after each block token), ``accepted`` (acc),
+    ``committed`` (accepted drafts + bonus, before truncation)."""
+    prompt_length: int = 0
+    """Prompt tokens ``P``."""
+    target_calls: int = 0
+    """Target forward passes, prefill included."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens (prompt excluded)."""
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of ``total`` time."""
+        return len(self.tokens) / self.total if self.total > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------- sampling
+def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution ``softmax(logits / T)`` with optional nucleus (top-p) truncation.
+
+    ``logits [..., V]`` -> float32 probabilities ``[..., V]``. Requires ``temperature > 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"warp_probs needs temperature > 0, got {temperature}; T = 0 is greedy")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}; 1.0 disables nucleus sampling")
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top-1 token is always kept).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs [..., V]`` -> ``[...]`` long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The target's choice at every position: ``logits [..., V]`` -> ``[...]`` long.
+
+    Argmax at ``temperature == 0``; otherwise one independent draw per position from
+    :func:`warp_probs`. Plain and speculative decoding both sample through this function.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return _multinomial(warp_probs(logits, temperature, top_p), generator)
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_choices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance for deterministic drafts (point-mass ``q``): accept ``d_{k+1}`` iff it equals ``y_k``.
+
+    Args:
+        draft_tokens: ``[b, S]`` drafted tokens ``d_1..d_S``.
+        target_choices: ``[b, S+1]`` target choices ``y_0..y_S`` after ``anchor, d_1..d_S``.
+
+    Returns:
+        ``(acc [b], next_token [b])``: accepted drafts and the bonus token ``y_acc``.
+    """
+    match = (draft_tokens == target_choices[:, :-1]).long()  # [b, S]
+    acc = match.cumprod(dim=-1).sum(dim=-1)  # [b] longest matching prefix
+    return acc, target_choices.gather(1, acc.unsqueeze(1)).squeeze(1)
+
+
+def speculative_sampling_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard speculative-sampling rule for a stochastic draft.
+
+    Draft ``d_{k+1}`` was drawn from ``q_k``; it is accepted with probability
+    ``min(1, p_k(d) / q_k(d))``. At the first rejection the bonus token is drawn from the residual
+    ``normalise(max(0, p_k − q_k))``; if every draft is accepted it is drawn from ``p_S``. The committed
+    tokens are then distributed exactly as sampling from ``p``.
+
+    Args:
+        draft_tokens: ``[b, S]`` drafted tokens.
+        draft_probs: ``[b, S, V]`` the distributions ``q`` the drafts were drawn from.
+        target_probs: ``[b, S+1, V]`` target distributions ``p`` after ``anchor, d_1..d_S``
+            (already temperature/top-p warped).
+        generator: RNG for the acceptance uniforms and the residual draw.
+
+    Returns:
+        ``(acc [b], next_token [b])``.
+    """
+    b, s = draft_tokens.shape
+    p = target_probs.float()
+    q = draft_probs.float()
+    p_d = p[:, :s].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [b, S]
+    q_d = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [b, S]
+    rng_device = generator.device if generator is not None else p.device
+    u = torch.rand(b, s, generator=generator, device=rng_device).to(p.device)  # [b, S]
+    accept = (u * q_d < p_d).long()  # u < p/q without dividing by q
+    acc = accept.cumprod(dim=-1).sum(dim=-1)  # [b]
+    # Residual at every position; q is padded with zeros at position S, so the residual there is p_S.
+    residual = (p - torch.cat([q, q.new_zeros(b, 1, q.shape[-1])], dim=1)).clamp_(min=0.0)
+    rows = residual.gather(1, acc.view(b, 1, 1).expand(b, 1, p.shape[-1])).squeeze(1)  # [b, V]
+    p_rows = p.gather(1, acc.view(b, 1, 1).expand(b, 1, p.shape[-1])).squeeze(1)
+    # p == q at a rejected position has probability zero; guard against rounding all the same.
+    empty = rows.sum(-1, keepdim=True) <= 0
+    rows = torch.where(empty, p_rows, rows)
+    return acc, _multinomial(rows / rows.sum(-1, keepdim=True), generator)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def default_stop_token_ids(target: FrozenTarget) -> list[int]:
+    """EOS ids from the tokenizer, the model config and its generation config (union, sorted)."""
+    ids: set[int] = set()
+    sources = [
+        getattr(target.tokenizer, "eos_token_id", None),
+        getattr(target.config, "eos_token_id", None),
+        getattr(getattr(target.model, "generation_config", None), "eos_token_id", None),
+    ]
+    for value in sources:
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return sorted(ids)
+
+
+def _stop_set(target: FrozenTarget, stop_token_ids: Sequence[int] | None) -> set[int]:
+    if stop_token_ids is None:
+        return set(default_stop_token_ids(target))
+    return {int(t) for t in stop_token_ids}
+
+
+def _prompt_tensor(input_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(
+            f"speculative decoding supports one prompt at a time (batch size 1); got input_ids of shape "
+            f"{tuple(ids.shape)}. Pass a [1, P] tensor or a list of token ids."
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty; pass at least one token (e.g. BOS or a chat template)")
+    return ids
+
+
+class _Clock:
+    """Wall-clock timer that synchronises CUDA so asynchronous kernels are counted where they run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@contextlib.contextmanager
+def _eval_mode(*modules: Any) -> Iterator[None]:
+    """Run modules in eval mode, restoring each submodule's training flag afterwards."""
+    saved = [(m, m.training) for mod in modules if isinstance(mod, nn.Module) for m in mod.modules()]
+    for mod in modules:
+        if isinstance(mod, nn.Module):
+            mod.eval()
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def _positions(start: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + length, device=device).unsqueeze(0)  # [1, length]
+
+
+def _commit(tokens: list[int], new: Sequence[int], stops: set[int], max_new_tokens: int) -> str | None:
+    """Append ``new`` until a stop token (kept) or the token budget; returns why it stopped, if it did."""
+    for tok in new:
+        tokens.append(int(tok))
+        if tok in stops:
+            return "eos"
+        if len(tokens) >= max_new_tokens:
+            return "max_new_tokens"
+    return None
+
+
+def _prefill(
+    target: FrozenTarget,
+    prompt: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Target over the prompt: ``(first_token [1], features [1, P, n*H], cache)``."""
+    out = target(prompt, position_ids=_positions(0, prompt.shape[1], prompt.device), use_cache=True)
+    logits = target.lm_head(out.normed_hidden[:, -1:])  # [1, 1, V]: only the last position is needed
+    first = sample_tokens(logits, temperature, top_p, generator)[:, 0]
+    return first, out.features, out.cache
+
+
+def _finish(result: GenerationResult, clock: _Clock, start: float) -> GenerationResult:
+    result.num_rounds = len(result.accepted_lengths)
+    if result.accepted_lengths:
+        result.tau = sum(result.accepted_lengths) / result.num_rounds + 1.0
+    result.total = clock() - start
+    return result
+
+
+# ---------------------------------------------------------------------------------------- decoding
+@torch.no_grad()
+def speculative_generate(
+    target: FrozenTarget,
+    drafter: Any,
+    selector: Any,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    record_rounds: int = 0,
+) -> GenerationResult:
+    """Speculative decoding of one prompt (DESIGN §7); lossless with respect to the target.
+
+    Args:
+        target: the frozen target; its KV cache is used for prefill and verification.
+        drafter: a built :class:`~lilicorr_pl.models.dflash.DFlashDrafter` (or anything with
+            ``new_cache()``, ``draft(...)``, ``num_slots``).
+        selector: chooses ``d_1..d_S`` from the drafter outputs (``select(...) -> Selection``). If the
+            selection carries ``q [b, S, V]`` (the distribution its tokens were drawn from) and
+            ``temperature > 0``, the ``min(1, p/q)`` rule is used; otherwise drafts are accepted iff
+            they equal the target's own choice.
+        input_ids: the prompt, ``[1, P]`` / ``[P]`` tensor or a list of ids.
+        max_new_tokens: generation budget; the last block is truncated to it.
+        temperature: 0 = greedy (output equals plain greedy decoding); > 0 samples ``softmax(z/T)``.
+        top_p: nucleus truncation of the target distribution when sampling.
+        stop_token_ids: generation stops after the first of these (it is kept in the output);
+            None = :func:`default_stop_token_ids`, ``[]`` = never stop early.
+        generator: RNG for sampling (on the target's device).
+        record_rounds: keep drafted/accepted details of this many leading rounds in ``rounds``.
+
+    Returns:
+        A :class:`GenerationResult`; ``tau`` is the mean acceptance length **including the bonus
+        token**.
+    """
+    clock = _Clock(target.device)
+    start = clock()
+    prompt = _prompt_tensor(input_ids, target.device)
+    stops = _stop_set(target, stop_token_ids)
+    result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
+    if max_new_tokens <= 0:
+        return _finish(result, clock, start)
+    num_slots = int(drafter.num_slots)
+    device = prompt.device
+
+    with _eval_mode(drafter, selector):
+        # 1. Prefill: the first token becomes the anchor; all prompt features go to the drafter.
+        anchor, pending_features, cache = _prefill(target, prompt, temperature, top_p, generator)
+        committed = prompt.shape[1]  # tokens in the target cache (the anchor is not yet in it)
+        result.target_calls = 1
+        t = clock()
+        result.prefill = t - start
+        stopped = _commit(result.tokens, [int(anchor[0])], stops, max_new_tokens)
+        draft_cache = drafter.new_cache()
+
+        while stopped is None:
+            # 2. Draft: one drafter pass over [anchor, MASK x S], then the selector.
+            out = drafter.draft(draft_cache, pending_features, anchor, target.embed, target.lm_head)
+            t_draft = clock()
+            selection = selector.select(out.slot_hidden, out.slot_logits, out.anchor_feature, target.embed)
+            drafts = selection.tokens.to(device=device, dtype=torch.long).view(1, num_slots)  # [1, S]
+            t_head = clock()
+
+            # 3. Verify: one target pass over [anchor, d_1..d_S] on top of the committed cache.
+            block = torch.cat([anchor.view(1, 1), drafts], dim=1)  # [1, S+1]
+            ver = target(
+                block,
+                position_ids=_positions(committed, num_slots + 1, device),
+                cache=cache,
+                use_cache=True,
+                return_logits=True,
+            )
+            cache = ver.cache if ver.cache is not None else cache
+            q = getattr(selection, "q", None)
+            if q is not None and temperature > 0:
+                p = warp_probs(ver.logits, temperature, top_p)  # [1, S+1, V]
+                acc_t, anchor = speculative_sampling_accept(drafts, q.to(device), p, generator)
+                choices = None
+            else:
+                choices = sample_tokens(ver.logits, temperature, top_p, generator)  # [1, S+1]
+                acc_t, anchor = greedy_accept(drafts, choices)
+            acc = int(acc_t[0])
+            # Commit anchor + acc drafts: crop the rejected tail; their features feed the next draft.
+            committed += acc + 1
+            FrozenTarget.crop_cache(cache, committed)
+            pending_features = ver.features[:, : acc + 1]
+            result.target_calls += 1
+            t_verify = clock()
+
+            result.draft += t_draft - t
+            result.head += t_head - t_draft
+            result.verify += t_verify - t_head
+            t = t_verify
+            result.accepted_lengths.append(acc)
+            new_tokens = drafts[0, :acc].tolist() + [int(anchor[0])]
+            if len(result.rounds) < record_rounds:
+                result.rounds.append(
+                    {
+                        "anchor": int(block[0, 0]),
+                        "drafted": drafts[0].tolist(),
+                        "target": choices[0].tolist() if choices is not None else None,
+                        "accepted": acc,
+                        "committed": list(new_tokens),
+                    }
+                )
+            stopped = _commit(result.tokens, new_tokens, stops, max_new_tokens)
+
+    result.stopped_on = stopped
+    return _finish(result, clock, start)
+
+
+@torch.no_grad()
+def target_generate(
+    target: FrozenTarget,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Plain autoregressive decoding with the same wrapper, KV cache and sampling code: the baseline.
+
+    Same arguments and stops as :func:`speculative_generate`. ``accepted_lengths`` is empty, ``tau``
+    is 1.0 and the decode steps are timed under ``verify``.
+    """
+    clock = _Clock(target.device)
+    start = clock()
+    prompt = _prompt_tensor(input_ids, target.device)
+    stops = _stop_set(target, stop_token_ids)
+    result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
+    if max_new_tokens <= 0:
+        return _finish(result, clock, start)
+    token, _, cache = _prefill(target, prompt, temperature, top_p, generator)
+    position = prompt.shape[1]
+    result.target_calls = 1
+    t = clock()
+    result.prefill = t - start
+    stopped = _commit(result.tokens, [int(token[0])], stops, max_new_tokens)
+    while stopped is None:
+        out = target(
+            token.view(1, 1),
+            position_ids=_positions(position, 1, prompt.device),
+            cache=cache,
+            use_cache=True,
+            return_logits=True,
+        )
+        cache = out.cache if out.cache is not None else cache
+        position += 1
+        token = sample_tokens(out.logits, temperature, top_p, generator)[:, -1]
+        result.target_calls += 1
+        stopped = _commit(result.tokens, [int(token[0])], stops, max_new_tokens)
+    result.verify = clock() - t
+    result.stopped_on = stopped
+    return _finish(result, clock, start)

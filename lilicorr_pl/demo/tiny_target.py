@@ -1,0 +1,729 @@
+"""A tiny but real Qwen3 target model, trained offline on the Python standard library.
+
+The embedded demo must run without a model hub, yet a drafter only learns something meaningful from a
+target that has learned something. :func:`build_tiny_target` trains one from scratch on CPU:
+
+1. a byte-level BPE (Qwen's pre-tokenizer regex) on the training split of :mod:`.corpus`, with
+   ``<|endoftext|>`` (eos and pad), ``<|im_start|>`` and ``<|im_end|>`` appended after the learned
+   vocabulary, as in Qwen;
+2. a ``Qwen3ForCausalLM`` whose embedding has more rows than the tokenizer has tokens (rounded up to
+   a multiple of 64), like Qwen3's 151,936 rows for 151,669 tokens; the first padded row,
+   ``len(tokenizer)``, is recorded as ``mask_token_id`` (Qwen3's 151669) for DFlash drafters;
+3. plain-PyTorch pre-training on a packed token stream: raw files plus a share of ChatML samples
+   ("user: code ending in a ``def``/``class`` header" → "assistant: its body"), so that the chat
+   template is something the model has actually seen;
+4. an evaluation on held-out modules (loss, top-1 accuracy, repetition of generated text).
+
+The result is a directory that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load,
+cached under a fingerprint of everything it depends on and written atomically, with a
+``build_report.json`` that doubles as its manifest.
+
+Chat template: Qwen-style ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``, no default system
+message). ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``. ``enable_thinking`` is
+accepted so that Qwen3 callers work unchanged, but it changes nothing: the tiny target has no thinking
+mode and never emits a think block.
+
+Run ``python -m lilicorr_pl.demo.tiny_target --preset quick`` to build one and print its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lilicorr_pl.demo import corpus
+
+#: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
+BUILDER_VERSION = 1
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+#: Qwen2/Qwen3's pre-tokenizer split: words, single digits, punctuation runs, and whitespace runs
+#: that keep indentation together (important for Python).
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{#- ChatML as in Qwen3, without a default system message. `enable_thinking` is accepted for "
+    "compatibility with Qwen3 callers and ignored: this model has no thinking mode. -#}\n"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+REPORT_NAME = "build_report.json"
+WEIGHTS_NAME = "model.safetensors"
+
+# A one-line def/class header, and the indentation that opens it (to find where its body ends).
+_HEADER_RE = re.compile(r"^(\s*)(?:async\s+def|def|class)\s+\w+.*:\s*(?:#.*)?$")
+
+
+@dataclass(frozen=True)
+class TinyTargetConfig:
+    """Everything that determines a tiny target build; every field enters the cache fingerprint."""
+
+    name: str = "custom"
+    """Human-readable preset name, used in the cache directory name."""
+    vocab_size: int = 4096
+    """Tokenizer size: learned BPE tokens plus the 3 special tokens. The model's embedding has more
+    rows (see ``vocab_pad_multiple``)."""
+    vocab_pad_multiple: int = 64
+    """Embedding rows = the smallest multiple of this strictly larger than ``vocab_size``, so padded
+    rows exist (the first one is the DFlash ``mask_token_id``), as in Qwen3."""
+    hidden_size: int = 256
+    """Residual-stream width."""
+    num_hidden_layers: int = 8
+    """Decoder layers. Keep several (≥ 6 for the demo) so a drafter has distinct layers to read."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention, as in Qwen3); must divide ``num_attention_heads``."""
+    head_dim: int = 64
+    """Width of each attention head."""
+    intermediate_size: int = 768
+    """SwiGLU MLP width."""
+    max_seq_len: int = 512
+    """Training window and ``max_position_embeddings``; keep prompt + generation within it."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base, Qwen3's value."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon, Qwen3's value."""
+    tie_word_embeddings: bool = False
+    """Share embedding and LM head. Qwen3-8B does not (small Qwen3 models do)."""
+    train_steps: int = 800
+    """Optimizer steps."""
+    batch_size: int = 6
+    """Windows of ``max_seq_len + 1`` tokens per step, sampled at random from the packed stream."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to ``lr * min_lr_ratio``."""
+    warmup_steps: int = 60
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW decay on weight matrices. Embeddings and norms are not decayed, so padded embedding rows
+    (the mask row among them) keep their random initialisation instead of shrinking to zero."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    chat_fraction: float = 0.15
+    """Share of training characters drawn from ChatML "complete this def/class body" samples."""
+    corpus_max_bytes: int | None = None
+    """Use only the first this-many bytes of training files (whole files), for fast test builds;
+    ``None`` uses the whole training split."""
+    eval_tokens: int = 32768
+    """Held-out tokens scored for loss and top-1 accuracy."""
+    eval_prefixes: int = 16
+    """Held-out prompts continued to measure repetition."""
+    eval_prefix_tokens: int = 64
+    """Token budget of each held-out prompt."""
+    eval_new_tokens: int = 128
+    """Tokens generated per prompt (greedy and at temperature 1)."""
+    seed: int = 0
+    """Seeds data sampling, initialisation and evaluation sampling."""
+
+    @classmethod
+    def full(cls) -> TinyTargetConfig:
+        """The demo target: the best quality a one-time build of about 25 minutes on 2 CPU cores allows.
+
+        The field defaults are this preset (8 layers of width 256, ~8 M parameters, ~2.5 M training
+        tokens ≈ 1.1 epochs of the training split).
+        """
+        return cls(name="full")
+
+    @classmethod
+    def quick(cls) -> TinyTargetConfig:
+        """A smaller build of about 2-3 minutes on 2 CPU cores, for trying the demo quickly."""
+        return cls(
+            name="quick", hidden_size=192, num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
+            intermediate_size=576, max_seq_len=256, train_steps=220, batch_size=8, lr=3e-3, warmup_steps=30,
+            eval_tokens=16384,
+        )
+
+    @classmethod
+    def test(cls) -> TinyTargetConfig:
+        """A seconds-long build for unit tests: tiny everything, still a real trained Qwen3."""
+        return cls(
+            name="test", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=128, max_seq_len=64, train_steps=40,
+            batch_size=8, lr=5e-3, warmup_steps=5, corpus_max_bytes=300_000, eval_tokens=2048,
+            eval_prefixes=2, eval_prefix_tokens=24, eval_new_tokens=16,
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> TinyTargetConfig:
+        """The preset called ``name`` (``full``, ``quick`` or ``test``)."""
+        presets: dict[str, Callable[[], TinyTargetConfig]] = {"full": cls.full, "quick": cls.quick, "test": cls.test}
+        if name not in presets:
+            raise ValueError(f"Unknown tiny-target preset {name!r}; choose one of {sorted(presets)} or pass a TinyTargetConfig.")
+        return presets[name]()
+
+    @property
+    def embedding_rows(self) -> int:
+        """Rows of the model's embedding and LM head: padded past the tokenizer, like Qwen3."""
+        return (self.vocab_size // self.vocab_pad_multiple + 1) * self.vocab_pad_multiple
+
+    @property
+    def mask_token_id(self) -> int:
+        """The first padded embedding row, used as the DFlash MASK token (Qwen3: 151669)."""
+        return self.vocab_size
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` on settings that cannot build, before any heavy work starts."""
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+            raise ValueError(f"vocab_size={self.vocab_size} leaves no room for merges beyond the 256 byte tokens "
+                             f"and {len(SPECIAL_TOKENS)} special tokens; use at least 512.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}; pick kv heads that divide it.")
+        if self.eval_prefix_tokens + self.eval_new_tokens > self.max_seq_len:
+            raise ValueError(f"eval_prefix_tokens + eval_new_tokens = {self.eval_prefix_tokens + self.eval_new_tokens} "
+                             f"exceeds max_seq_len={self.max_seq_len}, where RoPE positions were never trained; "
+                             "shorten the evaluation or raise max_seq_len.")
+        if not 0.0 <= self.chat_fraction < 1.0:
+            raise ValueError(f"chat_fraction={self.chat_fraction} must lie in [0, 1).")
+        if self.train_steps < 1 or self.batch_size < 1 or self.warmup_steps < 0:
+            raise ValueError(f"train_steps={self.train_steps}, batch_size={self.batch_size} and "
+                             f"warmup_steps={self.warmup_steps} must be positive (warmup may be 0).")
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache location and fingerprint
+
+
+def default_cache_root() -> Path:
+    """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``."""
+    if os.environ.get("LILICORR_CACHE"):
+        return Path(os.environ["LILICORR_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lilicorr_pl"
+    return Path.home() / ".cache" / "lilicorr_pl"
+
+
+def build_fingerprint(config: TinyTargetConfig) -> str:
+    """A hash of the builder version, the config, the corpus and the torch/transformers major versions."""
+    import transformers
+
+    key = {
+        "builder_version": BUILDER_VERSION,
+        "config": dataclasses.asdict(config),
+        "corpus": corpus.corpus_fingerprint(),
+        "torch_major": torch.__version__.split(".")[0],
+        "transformers_major": transformers.__version__.split(".")[0],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_build_report(directory: str | Path) -> dict[str, Any]:
+    """The ``build_report.json`` of a built tiny target (config, metrics, manifest)."""
+    path = Path(directory) / REPORT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {directory} is not a finished tiny-target build. "
+                                "Build one with lilicorr_pl.demo.tiny_target.build_tiny_target().")
+    return json.loads(path.read_text())
+
+
+def _cache_problem(directory: Path, fingerprint: str) -> str | None:
+    """Why a cached build cannot be used, or ``None`` if its report and every listed file check out."""
+    if not directory.exists():
+        return "not built yet"
+    try:
+        report = load_build_report(directory)
+    except (FileNotFoundError, json.JSONDecodeError) as error:
+        return f"unreadable build report ({error})"
+    if report.get("fingerprint") != fingerprint:
+        return f"fingerprint {report.get('fingerprint')} != expected {fingerprint}"
+    manifest: dict[str, dict[str, Any]] = report.get("files", {})
+    if WEIGHTS_NAME not in manifest or "config.json" not in manifest or "tokenizer.json" not in manifest:
+        return "manifest lacks weights, config or tokenizer"
+    for name, entry in manifest.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its manifest checksum"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer and data
+
+
+def _log(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[tiny_target] {message}", file=sys.stderr, flush=True)
+
+
+def _training_texts(config: TinyTargetConfig) -> list[str]:
+    texts = []
+    total = 0
+    for text in corpus.read_corpus("train"):
+        if config.corpus_max_bytes is not None and total >= config.corpus_max_bytes:
+            break
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+    return texts
+
+
+def train_tokenizer(texts: Sequence[str], config: TinyTargetConfig) -> Any:
+    """A byte-level BPE of ``config.vocab_size`` tokens, wrapped as a ``transformers`` fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    # Special tokens go after the learned vocabulary, as in Qwen (<|endoftext|> = 151643 there).
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        extra_special_tokens=[IM_START, IM_END],
+        model_max_length=config.max_seq_len,
+        chat_template=CHAT_TEMPLATE,
+    )
+    if len(tokenizer) != config.vocab_size:
+        # Too small a corpus cannot supply enough merges; a shorter vocabulary would silently move
+        # the mask row, so refuse instead.
+        raise ValueError(f"The BPE learned only {len(tokenizer)} of vocab_size={config.vocab_size} tokens from "
+                         f"{sum(map(len, texts))} characters; lower vocab_size or raise corpus_max_bytes.")
+    return tokenizer
+
+
+def chat_samples(texts: Sequence[str], tokenizer: Any, target_chars: int, seed: int) -> list[str]:
+    """ChatML samples: the user sends code ending in a ``def``/``class`` header, the assistant its body.
+
+    Candidates are one-line headers whose body (the following lines indented deeper, 2-48 lines) is
+    complete; the user's context is 4-40 lines ending at the header. Samples are drawn with
+    ``random.Random(seed)`` until their rendered length reaches ``target_chars``.
+    """
+    rng = random.Random(seed)
+    candidates: list[tuple[int, int, int]] = []  # (text index, header line, body end line)
+    split_texts = [text.splitlines(keepends=True) for text in texts]
+    for text_index, lines in enumerate(split_texts):
+        for line_index, line in enumerate(lines):
+            match = _HEADER_RE.match(line)
+            if not match:
+                continue
+            indent = len(match.group(1).expandtabs())
+            end = line_index + 1
+            while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+                end += 1
+            while end > line_index + 1 and not lines[end - 1].strip():  # trailing blank lines are not body
+                end -= 1
+            if 2 <= end - line_index - 1 <= 48:
+                candidates.append((text_index, line_index, end))
+    rng.shuffle(candidates)
+    samples: list[str] = []
+    chars = 0
+    for text_index, header, end in candidates:
+        if chars >= target_chars:
+            break
+        lines = split_texts[text_index]
+        start = max(0, header - rng.randint(3, 39))
+        messages = [
+            {"role": "user", "content": "".join(lines[start : header + 1])},
+            {"role": "assistant", "content": "".join(lines[header + 1 : end])},
+        ]
+        sample = tokenizer.apply_chat_template(messages, tokenize=False)
+        samples.append(sample)
+        chars += len(sample)
+    return samples
+
+
+def _token_stream(documents: Sequence[str], tokenizer: Any) -> torch.Tensor:
+    """All documents tokenized and packed into one stream, each followed by ``<|endoftext|>``."""
+    encodings = tokenizer.backend_tokenizer.encode_batch(list(documents), add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for encoding in encodings:
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model, training, evaluation
+
+
+def make_model(config: TinyTargetConfig, tokenizer: Any) -> Any:
+    """An untrained ``Qwen3ForCausalLM`` with a padded vocabulary and the token ids of ``tokenizer``."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    model_config = Qwen3Config(
+        vocab_size=config.embedding_rows,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=tokenizer.eos_token_id,  # Qwen3 also uses <|endoftext|> as bos
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    # Not a Qwen3Config field: the DFlash MASK row, saved with the config for drafters to read.
+    model_config.mask_token_id = config.mask_token_id
+    torch.manual_seed(config.seed)
+    model = Qwen3ForCausalLM(model_config)
+    # Stop at <|endoftext|> (raw code) and at <|im_end|> (chat), as Qwen3's generation config does.
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, im_end_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def _lr_lambda(config: TinyTargetConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.train_steps - config.warmup_steps)
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, progress: bool = True) -> dict[str, Any]:
+    """Pre-train ``model`` in place on random windows of ``stream``; returns timing and the loss curve."""
+    from tqdm.auto import tqdm
+
+    window = config.max_seq_len + 1
+    if stream.numel() <= window:
+        raise ValueError(f"The training stream has {stream.numel()} tokens, fewer than one window of {window}; "
+                         "raise corpus_max_bytes or lower max_seq_len.")
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    generator = torch.Generator().manual_seed(config.seed)
+    offsets = torch.arange(window)
+    model.train()
+    curve: list[tuple[int, float]] = []
+    running, running_steps = 0.0, 0
+    log_every = max(1, config.train_steps // 50)
+    start = time.perf_counter()
+    bar = tqdm(range(config.train_steps), desc="tiny target", disable=not progress, mininterval=2.0)
+    for step in bar:
+        starts = torch.randint(0, stream.numel() - window, (config.batch_size,), generator=generator)
+        batch = stream[starts[:, None] + offsets].long()  # [batch, T + 1]
+        logits = model(input_ids=batch[:, :-1]).logits  # [batch, T, rows]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        running += loss.item()
+        running_steps += 1
+        if (step + 1) % log_every == 0 or step + 1 == config.train_steps:
+            curve.append((step + 1, round(running / running_steps, 4)))
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{running / running_steps:.3f}",
+                            tok_s=f"{(step + 1) * config.batch_size * config.max_seq_len / elapsed:.0f}")
+            running, running_steps = 0.0, 0
+    bar.close()
+    seconds = time.perf_counter() - start
+    model.eval()
+    return {
+        "train_seconds": round(seconds, 1),
+        "train_tokens": config.train_steps * config.batch_size * config.max_seq_len,
+        "train_tokens_per_second": round(config.train_steps * config.batch_size * config.max_seq_len / seconds, 1),
+        "train_loss_curve": curve,
+    }
+
+
+@torch.no_grad()
+def heldout_metrics(model: Any, stream: torch.Tensor, config: TinyTargetConfig) -> dict[str, float]:
+    """Mean next-token loss and top-1 accuracy over ``config.eval_tokens`` held-out tokens.
+
+    The tokens are scored in windows of ``max_seq_len`` spread evenly over the held-out stream (so
+    every held-out module contributes), each window predicting its own tokens 2..T+1.
+    """
+    window = config.max_seq_len + 1
+    num_windows = max(1, config.eval_tokens // config.max_seq_len)
+    if stream.numel() < window:
+        raise ValueError(f"The held-out stream has only {stream.numel()} tokens; it needs at least {window}.")
+    starts = torch.linspace(0, stream.numel() - window, num_windows).long()
+    total_loss, total_correct, total = 0.0, 0, 0
+    for chunk in starts.split(16):
+        batch = stream[chunk[:, None] + torch.arange(window)].long()
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        labels = batch[:, 1:]
+        total_loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
+        total_correct += (logits.argmax(-1) == labels).sum().item()
+        total += labels.numel()
+    return {"heldout_loss": round(total_loss / total, 4), "heldout_top1": round(total_correct / total, 4),
+            "heldout_tokens": total}
+
+
+def repetition_rate(sequences: Sequence[Sequence[int]], n: int = 4) -> float:
+    """Fraction of the n-grams in each sequence that already occurred earlier in the same sequence.
+
+    Pooled over all sequences (repeated n-grams / all n-grams); 0.0 when there are no n-grams.
+    """
+    repeated, total = 0, 0
+    for sequence in sequences:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(sequence) - n + 1):
+            gram = tuple(sequence[i : i + n])
+            repeated += gram in seen
+            total += 1
+            seen.add(gram)
+    return repeated / total if total else 0.0
+
+
+@torch.no_grad()
+def generate_continuations(model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int,
+                           temperature: float, seed: int) -> list[list[int]]:
+    """Continue each prompt (batched, left-padded); each result is cut before its first stop token."""
+    encoded = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+    width = max(map(len, encoded))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        # top_k=0 / top_p=1: sample from the full distribution, not generate()'s default top-50.
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(seed)
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                            **sampling)
+    stops = set(model.generation_config.eos_token_id)
+    continuations = []
+    for row in output[:, width:].tolist():
+        cut = next((i for i, token in enumerate(row) if token in stops), len(row))
+        continuations.append(row[:cut])
+    return continuations
+
+
+def evaluate(model: Any, tokenizer: Any, heldout_stream: torch.Tensor, config: TinyTargetConfig) -> dict[str, Any]:
+    """Held-out loss/top-1 and the 4-gram repetition rate of greedy and T=1 continuations."""
+    metrics: dict[str, Any] = dict(heldout_metrics(model, heldout_stream, config))
+    prompts = corpus.heldout_prefixes(tokenizer, config.eval_prefixes, config.eval_prefix_tokens, seed=config.seed)
+    for name, temperature in (("t0", 0.0), ("t1", 1.0)):
+        continuations = generate_continuations(model, tokenizer, prompts, config.eval_new_tokens, temperature, config.seed)
+        metrics[f"repetition_rate_{name}"] = round(repetition_rate(continuations), 4)
+        metrics[f"mean_new_tokens_{name}"] = round(sum(map(len, continuations)) / len(continuations), 1)
+        metrics[f"sample_{name}"] = {"prompt": prompts[0], "continuation": tokenizer.decode(continuations[0])}
+    # The same statistic on real held-out code of the same length, to read the numbers above against.
+    length = config.eval_new_tokens
+    chunks = heldout_stream[: (heldout_stream.numel() // length) * length].view(-1, length)  # [chunks, length]
+    chosen = torch.linspace(0, chunks.shape[0] - 1, min(64, chunks.shape[0])).long()
+    metrics["repetition_rate_reference"] = round(repetition_rate(chunks[chosen].tolist()), 4)
+    return metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Build orchestration
+
+
+def _build_into(directory: Path, config: TinyTargetConfig, fingerprint: str, progress: bool) -> dict[str, Any]:
+    """Train tokenizer and model, evaluate, and save everything (report last) into ``directory``."""
+    import transformers
+
+    started = time.perf_counter()
+    texts = _training_texts(config)
+    _log(progress, f"training a {config.vocab_size}-token BPE on {len(texts)} stdlib files")
+    tokenizer = train_tokenizer(texts, config)
+
+    raw_chars = sum(map(len, texts))
+    chat_target = int(raw_chars * config.chat_fraction / (1 - config.chat_fraction))
+    documents = texts + chat_samples(texts, tokenizer, chat_target, config.seed)
+    random.Random(config.seed).shuffle(documents)
+    train_stream = _token_stream(documents, tokenizer)
+    heldout_stream = _token_stream(list(corpus.read_corpus("heldout")), tokenizer)
+    _log(progress, f"{train_stream.numel():,} training tokens ({len(documents) - len(texts)} chat samples), "
+                   f"{heldout_stream.numel():,} held-out tokens")
+
+    model = make_model(config, tokenizer)
+    num_params = sum(p.numel() for p in model.parameters())
+    _log(progress, f"training Qwen3 with {num_params / 1e6:.2f} M parameters for {config.train_steps} steps "
+                   f"of {config.batch_size}x{config.max_seq_len} tokens on {torch.get_num_threads()} threads")
+    training = train_model(model, train_stream, config, progress=progress)
+    _log(progress, "evaluating on held-out modules")
+    metrics = evaluate(model, tokenizer, heldout_stream, config)
+
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    files = {
+        path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(directory.iterdir()) if path.is_file()
+    }
+    report = {
+        "fingerprint": fingerprint,
+        "builder_version": BUILDER_VERSION,
+        "config": dataclasses.asdict(config),
+        "num_params": num_params,
+        "vocab_size": len(tokenizer),
+        "embedding_rows": config.embedding_rows,
+        "mask_token_id": config.mask_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "im_end_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "uniform_loss": round(math.log(len(tokenizer)), 4),
+        "train_stream_tokens": train_stream.numel(),
+        "train_epochs": round(training["train_tokens"] / train_stream.numel(), 2),
+        **training,
+        **metrics,
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "num_threads": torch.get_num_threads(),
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "corpus_fingerprint": corpus.corpus_fingerprint(),
+        "files": files,
+    }
+    # Written last: its presence (with a matching manifest) is what marks a build as complete.
+    (directory / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _remove_stale_temporaries(root: Path, name: str) -> None:
+    """Delete temp dirs of interrupted builds of ``name`` whose process no longer runs."""
+    for path in root.glob(f".{name}.tmp-*"):
+        try:
+            pid = int(path.name.rsplit("-", 2)[-2])
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, PermissionError, IndexError):
+            continue
+
+
+def _training_threads(config: TinyTargetConfig) -> int:
+    """All cores, except one for test-size models: their matmuls are too small to split, and the
+    OpenMP barriers of a 2-thread step stall for whole scheduler slices when the cores are shared."""
+    if config.hidden_size * config.num_hidden_layers < 1024:
+        return 1
+    return os.cpu_count() or 1
+
+
+def build_tiny_target(
+    preset: str | TinyTargetConfig = "full",
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Build (or reuse from cache) a tiny Qwen3 target trained on the stdlib; returns its directory.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained`` and holds ``build_report.json`` (see :func:`load_build_report`).
+
+    Args:
+        preset: ``"full"`` (≈25 min on 2 CPU cores), ``"quick"`` (≈2-3 min), ``"test"`` (seconds), or a
+            :class:`TinyTargetConfig`.
+        cache_dir: where builds live; defaults to :func:`default_cache_root`. Each build is a
+            subdirectory named by its fingerprint, reused only if its report and checksums match.
+        force: rebuild even if a valid cached build exists.
+        progress: print stages and a training progress bar to stderr.
+    """
+    config = TinyTargetConfig.preset(preset) if isinstance(preset, str) else preset
+    config.validate()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    fingerprint = build_fingerprint(config)
+    name = f"tiny-target-{config.name}-{fingerprint}"
+    final = root / name
+    problem = "rebuild forced" if force else _cache_problem(final, fingerprint)
+    if problem is None:
+        _log(progress, f"using cached build {final}")
+        return final
+    _log(progress, f"building {final} ({problem})")
+
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root, name)
+    temporary = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary.mkdir()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(_training_threads(config))
+    try:
+        report = _build_into(temporary, config, fingerprint, progress)
+        if final.exists():
+            # An invalid (or forcibly replaced) build: move it aside first so the rename is atomic.
+            trash = root / f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(temporary, final)
+        except OSError:
+            # Another process finished the same build first; keep its (equivalent) result.
+            if _cache_problem(final, fingerprint) is not None:
+                raise
+    finally:
+        torch.set_num_threads(previous_threads)
+        shutil.rmtree(temporary, ignore_errors=True)
+    _log(progress, f"built {final} in {report['build_seconds']} s: held-out loss {report['heldout_loss']}, "
+                   f"top-1 {report['heldout_top1']}")
+    return final
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command-line entry: build a preset and print its path and report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     prog="python -m lilicorr_pl.demo.tiny_target")
+    parser.add_argument("--preset", choices=["quick", "full", "test"], default="quick",
+                        help="which TinyTargetConfig preset to build (default: quick)")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: $LILICORR_CACHE, "
+                        "$XDG_CACHE_HOME/lilicorr_pl or ~/.cache/lilicorr_pl)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a valid cached build exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+    directory = build_tiny_target(args.preset, cache_dir=args.cache_dir, force=args.force, progress=not args.quiet)
+    report = load_build_report(directory)
+    report.pop("files", None)
+    report.pop("train_loss_curve", None)
+    print(json.dumps(report, indent=2))
+    print(f"\ntiny target: {directory}")
+
+
+if __name__ == "__main__":
+    main()

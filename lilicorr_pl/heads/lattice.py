@@ -1,0 +1,198 @@
+"""Lattice decoding and oracle-prefix utilities (DESIGN §4.2 step 7, §5.2, §6).
+
+All functions are batched over blocks ``M``; the only Python loops run over slots, never over
+candidates or blocks. Shapes: ``start [M, K]``, ``pair [M, S-1, K, K]``, paths ``[M, S]`` of
+candidate ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_scores(start: torch.Tensor, pair: torch.Tensor) -> None:
+    if start.dim() != 2 or pair.dim() != 4:
+        raise ValueError(
+            f"expected start [M, K] and pair [M, S-1, K, K], got start {tuple(start.shape)} and "
+            f"pair {tuple(pair.shape)}; pass the fields of a Lattice"
+        )
+    m, k = start.shape
+    if pair.shape[0] != m or pair.shape[2] != k or pair.shape[3] != k:
+        raise ValueError(
+            f"start {tuple(start.shape)} and pair {tuple(pair.shape)} disagree on M or K; "
+            f"pair must be [M, S-1, K, K] with the start's M={m} and K={k}"
+        )
+
+
+def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """Greedy walk through the lattice: ``j_1 = argmax start``, ``j_{s+1} = argmax pair[s, j_s, :]``.
+
+    Greedy on purpose (DESIGN §4.2): under prefix acceptance an early slot must never be sacrificed
+    for a better tail. Only this ``K``-wide argmax is sequential over slots.
+
+    Args:
+        start: ``[M, K]`` start scores.
+        pair: ``[M, S-1, K, K]`` pair scores.
+
+    Returns:
+        ``[M, S]`` long: the chosen candidate rank at every slot.
+    """
+    _check_scores(start, pair)
+    rows = torch.arange(start.shape[0], device=start.device)
+    index = start.argmax(dim=-1)  # [M]
+    path = [index]
+    for s in range(pair.shape[1]):
+        index = pair[rows, s, index].argmax(dim=-1)  # row leaving the current pick: [M, K] -> [M]
+        path.append(index)
+    return torch.stack(path, dim=1)  # [M, S]
+
+
+def viterbi(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """Max-sum best path through the lattice (the ablation to :func:`greedy_walk`).
+
+    Args:
+        start: ``[M, K]`` start scores.
+        pair: ``[M, S-1, K, K]`` pair scores.
+
+    Returns:
+        ``[M, S]`` long: the candidate ranks of the path maximising :func:`path_score`.
+    """
+    _check_scores(start, pair)
+    best = start  # [M, K]: best score of a path ending in each candidate of the current slot
+    backpointers = []
+    for s in range(pair.shape[1]):
+        best, back = (best.unsqueeze(-1) + pair[:, s]).max(dim=1)  # [M, K, K] -> [M, K]
+        backpointers.append(back)
+    index = best.argmax(dim=-1)  # [M]
+    path = [index]
+    for back in reversed(backpointers):
+        index = back.gather(1, index.unsqueeze(1)).squeeze(1)
+        path.append(index)
+    return torch.stack(path[::-1], dim=1)  # [M, S]
+
+
+def path_score(start: torch.Tensor, pair: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Score of a path: ``start[j_1] + Σ_s pair[s, j_s, j_{s+1}]``.
+
+    Args:
+        start: ``[M, K]`` start scores.
+        pair: ``[M, S-1, K, K]`` pair scores.
+        index: ``[M, S]`` candidate rank per slot.
+
+    Returns:
+        ``[M]`` path scores.
+    """
+    _check_scores(start, pair)
+    m, transitions = start.shape[0], pair.shape[1]
+    if index.shape != (m, transitions + 1):
+        raise ValueError(
+            f"path index has shape {tuple(index.shape)} but the lattice needs [M, S] = "
+            f"[{m}, {transitions + 1}]; pass one candidate rank per slot"
+        )
+    score = start.gather(1, index[:, :1]).squeeze(1)  # [M]
+    if transitions:
+        rows = torch.arange(m, device=start.device).unsqueeze(1)
+        slots = torch.arange(transitions, device=start.device).unsqueeze(0)
+        score = score + pair[rows, slots, index[:, :-1], index[:, 1:]].sum(dim=1)  # [M, S-1] -> [M]
+    return score
+
+
+def prefix_length(correct: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of ``True`` in each row.
+
+    Args:
+        correct: ``[M, S]`` bool.
+
+    Returns:
+        ``[M]`` long.
+    """
+    return correct.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def oracle_prefix(
+    candidates: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Oracle (forced) prefix of each block: the best any chain reranker over this lattice can do.
+
+    The oracle prefix is the longest run of leading slots whose true token is among the slot's
+    candidates *and* whose label is supervised. An unsupervised slot (past the sequence end or
+    outside the loss mask) ends the run, so no loss or metric ever reads an unsupervised label.
+
+    Args:
+        candidates: ``[M, S, K]`` candidate token ids.
+        labels: ``[M, S]`` true tokens (arbitrary where ``label_mask`` is False).
+        label_mask: ``[M, S]`` bool, supervised slots.
+
+    Returns:
+        ``(length, true_rank)``: ``length [M]`` long, the oracle prefix length; ``true_rank [M, S]``
+        long, the rank of the true token among the slot's candidates, ``-1`` where it is absent or the
+        slot is unsupervised.
+    """
+    if candidates.shape[:2] != labels.shape or labels.shape != label_mask.shape:
+        raise ValueError(
+            f"candidates {tuple(candidates.shape)}, labels {tuple(labels.shape)} and label_mask "
+            f"{tuple(label_mask.shape)} must share [M, S]"
+        )
+    match = candidates == labels.unsqueeze(-1)  # [M, S, K]
+    present = match.any(dim=-1) & label_mask.bool()  # [M, S]
+    true_rank = torch.where(present, match.long().argmax(dim=-1), torch.full_like(labels, -1))
+    return prefix_length(present), true_rank.long()
+
+
+def forced_prefix_mask(length: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Slots inside each block's oracle prefix.
+
+    Args:
+        length: ``[M]`` oracle prefix lengths (from :func:`oracle_prefix`).
+        num_slots: ``S``.
+
+    Returns:
+        ``[M, S]`` bool, True for slot ``s < length``.
+    """
+    return torch.arange(num_slots, device=length.device).unsqueeze(0) < length.unsqueeze(1)
+
+
+class _CandidateLogProbs(torch.autograd.Function):
+    """``log_softmax(logits)`` gathered at a few ids, without a full-vocabulary fp32 copy.
+
+    The logits ``[M, S, V]`` are the largest tensor of a training step. Autograd through
+    ``log_softmax(logits.float())`` would keep an fp32 copy (and its output) alive until backward;
+    here only the per-row log-normaliser is kept and the softmax is recomputed, chunk by chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least
+        log_norm = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)  # [M, S]
+        for rows in _row_chunks(logits):
+            log_norm[rows] = torch.logsumexp(logits[rows].to(dtype), dim=-1)
+        ctx.save_for_backward(logits, ids, log_norm)
+        return logits.gather(-1, ids).to(dtype) - log_norm.unsqueeze(-1)  # [M, S, J]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, ids, log_norm = ctx.saved_tensors
+        # d/dx_v of Σ_j g_j·(x_{id_j} − lse(x)) = Σ_j g_j·[v = id_j] − softmax(x)_v · Σ_j g_j
+        grad = torch.empty_like(logits)
+        total = grad_out.sum(dim=-1, keepdim=True)  # [M, S, 1]
+        for rows in _row_chunks(logits):
+            softmax = (logits[rows].to(log_norm.dtype) - log_norm[rows].unsqueeze(-1)).exp_()
+            grad[rows] = (-softmax * total[rows]).to(grad.dtype)
+        grad.scatter_add_(-1, ids, grad_out.to(grad.dtype))
+        return grad, None
+
+
+def _row_chunks(logits: torch.Tensor, max_elements: int = 1 << 26) -> list[slice]:
+    """Slices over the first dim keeping each chunk at most ``max_elements`` (≈256 MiB in fp32)."""
+    per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
+    step = max(1, max_elements // per_row)
+    return [slice(i, i + step) for i in range(0, logits.shape[0], step)]
+
+
+def candidate_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Drafter log-probabilities of ``ids`` ``[M, S, J]`` under ``logits`` ``[M, S, V]`` (fp32 or wider), with gradient.
+
+    Equals ``logits.float().log_softmax(-1).gather(-1, ids)`` but never materialises a full fp32 copy
+    of the logits.
+    """
+    return _CandidateLogProbs.apply(logits, ids)

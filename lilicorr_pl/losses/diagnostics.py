@@ -1,0 +1,99 @@
+"""Teacher-forced lattice diagnostics per block (DESIGN §6); aggregated by ``LatticeMetrics``.
+
+All prefixes count leading slots that are correct *and* supervised, so a block that runs off the
+sequence or the loss mask ends its prefixes there. Simulated τ = 1 + prefix (the bonus token counts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lilicorr_pl.heads.base import Lattice
+from lilicorr_pl.heads.lattice import greedy_walk, oracle_prefix, prefix_length
+
+
+def logfactor_spread(lattice: Lattice) -> torch.Tensor:
+    """Collapse signal: the mean, over every K-wide score row of a block, of the row's std.
+
+    The rows are the start row and every pair row ``pair[s, i, :]``; the std is the population std
+    over the row's K entries. It is 0 exactly when every row is flat (the head cannot tell candidates
+    apart, so the walk degenerates to rank order) and is at most σ.
+
+    Returns:
+        ``[M]``.
+    """
+    start, pair = lattice.start.detach().float(), lattice.pair.detach().float()
+    m, k = start.shape
+    rows = torch.cat([start.unsqueeze(1), pair.reshape(m, -1, k)], dim=1)  # [M, 1 + (S-1)·K, K]
+    return rows.std(dim=-1, correction=0).mean(dim=-1)
+
+
+@torch.no_grad()
+def lattice_diagnostics(
+    lattice: Lattice | None,
+    drafter_logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    selected_tokens: torch.Tensor | None = None,
+    top_k: int = 8,
+) -> dict[str, torch.Tensor]:
+    """Per-block and per-slot diagnostics of the drafter, the selector and the lattice.
+
+    Args:
+        lattice: the head's lattice, or None for heads without one.
+        drafter_logits: ``[M, S, V]`` drafter logits.
+        labels: ``[M, S]`` true tokens (arbitrary where ``label_mask`` is False).
+        label_mask: ``[M, S]`` bool, supervised slots.
+        selected_tokens: ``[M, S]`` tokens chosen by the selector. Default: the greedy walk over
+            ``lattice`` when given, else the drafter's top-1.
+        top_k: lattice width for the oracle when ``lattice`` is None (the drafter's own top-K).
+
+    Returns:
+        Per block ``[M]``: ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``
+        (oracle − selected), ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``,
+        ``full_block`` (every slot supervised), ``exact_block`` (full block, every selected token
+        right), and ``logfactor_spread`` when a lattice is given. Per block and slot ``[M, S]`` bool:
+        ``supervised``, ``covered`` (true token among the candidates), ``top1_correct``,
+        ``selected_correct``.
+    """
+    mask = label_mask.bool()
+    top1 = drafter_logits.argmax(dim=-1)  # [M, S]
+    if lattice is not None:
+        candidates = lattice.candidates  # [M, S, K]
+    else:
+        k = min(top_k, drafter_logits.shape[-1])
+        candidates = drafter_logits.topk(k, dim=-1).indices  # [M, S, K]
+    if selected_tokens is None:
+        if lattice is not None:
+            index = greedy_walk(lattice.start, lattice.pair)  # [M, S]
+            selected_tokens = candidates.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        else:
+            selected_tokens = top1
+    if selected_tokens.shape != labels.shape:
+        raise ValueError(
+            f"selected_tokens has shape {tuple(selected_tokens.shape)}, labels {tuple(labels.shape)}; "
+            f"pass one token per block and slot"
+        )
+    top1_correct = (top1 == labels) & mask
+    selected_correct = (selected_tokens == labels) & mask
+    oracle_len, true_rank = oracle_prefix(candidates, labels, mask)
+    top1_len, selected_len = prefix_length(top1_correct), prefix_length(selected_correct)
+    full_block = mask.all(dim=-1)
+    out = {
+        "top1_prefix": top1_len,
+        "selected_prefix": selected_len,
+        "oracle_prefix": oracle_len,
+        "oracle_gap": oracle_len - selected_len,
+        "sim_tau_top1": 1 + top1_len,
+        "sim_tau_selected": 1 + selected_len,
+        "sim_tau_oracle": 1 + oracle_len,
+        "full_block": full_block,
+        "exact_block": full_block & selected_correct.all(dim=-1),
+        "supervised": mask,
+        "covered": true_rank >= 0,
+        "top1_correct": top1_correct,
+        "selected_correct": selected_correct,
+    }
+    if lattice is not None:
+        out["logfactor_spread"] = logfactor_spread(lattice)
+    return out

@@ -1,0 +1,105 @@
+"""Training-time lattice metrics as a sum-reduced ``torchmetrics.Metric`` (DESIGN §6).
+
+Every state is a count or a sum with ``dist_reduce_fx="sum"``, so the means are exact under DDP and
+``merge_state`` equals one update on the concatenated data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+from lilicorr_pl.heads.base import Lattice
+from lilicorr_pl.losses.diagnostics import lattice_diagnostics
+
+__all__ = ["LatticeMetrics", "lattice_diagnostics"]
+
+_BLOCK_SUMS = ("top1_prefix", "selected_prefix", "oracle_prefix")
+_SLOT_SUMS = ("slot_supervised", "slot_covered", "slot_correct_top1", "slot_correct_selected")
+
+
+class LatticeMetrics(Metric):
+    """Teacher-forced prefix, coverage and accuracy statistics of a drafter and its selector.
+
+    ``compute()`` returns the means over all blocks seen of ``top1_prefix``, ``selected_prefix``,
+    ``oracle_prefix``, ``oracle_gap``, ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``
+    (τ = 1 + prefix, bonus token included); ``exact_block_rate`` (over fully supervised blocks);
+    per-slot ``slot_coverage``, ``slot_accuracy`` (selected) and ``slot_accuracy_top1`` ``[S]`` (over
+    supervised slots); and ``logfactor_spread`` when any update carried a lattice.
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_slots: int, top_k: int = 8, **kwargs) -> None:
+        """
+        Args:
+            num_slots: speculative slots per block, ``S = block_size - 1`` (sizes the per-slot states).
+            top_k: lattice width for the oracle when an update has no lattice (drafter's own top-K).
+            **kwargs: passed to ``torchmetrics.Metric``.
+        """
+        super().__init__(**kwargs)
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1 (block_size - 1), got {num_slots}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.num_slots = num_slots
+        self.top_k = top_k
+        self.add_state("blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for key in _BLOCK_SUMS:
+            self.add_state(key, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("full_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("exact_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for key in _SLOT_SUMS:
+            self.add_state(key, torch.zeros(num_slots, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("spread_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("spread_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(
+        self,
+        lattice: Lattice | None,
+        drafter_logits: torch.Tensor,
+        labels: torch.Tensor,
+        label_mask: torch.Tensor,
+        selected_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Accumulate one batch; same inputs as :func:`lattice_diagnostics`."""
+        if labels.dim() != 2 or labels.shape[1] != self.num_slots:
+            raise ValueError(
+                f"LatticeMetrics was built for {self.num_slots} slots but labels have shape "
+                f"{tuple(labels.shape)}; construct it with num_slots = block_size - 1 = {labels.shape[-1]}"
+            )
+        d = lattice_diagnostics(lattice, drafter_logits, labels, label_mask, selected_tokens, top_k=self.top_k)
+        f64 = torch.float64
+        self.blocks += labels.shape[0]
+        for key in _BLOCK_SUMS:
+            setattr(self, key, getattr(self, key) + d[key].sum().to(f64))
+        self.full_blocks += d["full_block"].sum().to(f64)
+        self.exact_blocks += d["exact_block"].sum().to(f64)
+        self.slot_supervised += d["supervised"].sum(dim=0).to(f64)
+        self.slot_covered += (d["covered"] & d["supervised"]).sum(dim=0).to(f64)
+        self.slot_correct_top1 += d["top1_correct"].sum(dim=0).to(f64)
+        self.slot_correct_selected += d["selected_correct"].sum(dim=0).to(f64)
+        if "logfactor_spread" in d:
+            self.spread_sum += d["logfactor_spread"].sum().to(f64)
+            self.spread_blocks += labels.shape[0]
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        blocks = self.blocks.clamp_min(1)
+        top1, selected, oracle = (getattr(self, key) / blocks for key in _BLOCK_SUMS)
+        supervised = self.slot_supervised.clamp_min(1)
+        out = {
+            "top1_prefix": top1,
+            "selected_prefix": selected,
+            "oracle_prefix": oracle,
+            "oracle_gap": oracle - selected,
+            "sim_tau_top1": 1 + top1,
+            "sim_tau_selected": 1 + selected,
+            "sim_tau_oracle": 1 + oracle,
+            "exact_block_rate": self.exact_blocks / self.full_blocks.clamp_min(1),
+            "slot_coverage": self.slot_covered / supervised,
+            "slot_accuracy": self.slot_correct_selected / supervised,
+            "slot_accuracy_top1": self.slot_correct_top1 / supervised,
+        }
+        if self.spread_blocks > 0:
+            out["logfactor_spread"] = self.spread_sum / self.spread_blocks
+        return {key: value.float() for key, value in out.items()}

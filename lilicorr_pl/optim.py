@@ -1,0 +1,49 @@
+"""Learning-rate schedules used by the shipped recipes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+class WarmupCosine(LambdaLR):
+    """Linear warmup then cosine decay to ``min_lr_ratio × lr``, stepped every optimizer step.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        total_steps: schedule length in optimizer steps; None = filled in by the system from
+            ``trainer.estimated_stepping_batches`` before training starts.
+        warmup_fraction: share of ``total_steps`` spent warming up (0.04 in the LiLiCorr recipe).
+        min_lr_ratio: final learning rate as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int | None = None,
+        warmup_fraction: float = 0.04,
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        if not 0.0 <= warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+        self.total_steps = total_steps
+        self.warmup_fraction = warmup_fraction
+        self.min_lr_ratio = min_lr_ratio
+        super().__init__(optimizer, self._factor)
+
+    def _factor(self, step: int) -> float:
+        total = self.total_steps
+        if not total or total <= 0:
+            return 1.0
+        warmup = int(self.warmup_fraction * total)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("lr_lambdas", None)
+        return state

@@ -1,0 +1,421 @@
+"""The Lightning system: wires the frozen target, the DFlash drafter, a selector/head and losses.
+
+The system computes nothing of its own: the drafter, head and losses are plain modules injected by
+``class_path``; this module runs them in order, sums the weighted losses, updates metrics and logs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from lilicorr_pl.builtin import resolve_target_path
+from lilicorr_pl.heads.base import Lattice, Selector
+from lilicorr_pl.heads.top1 import Top1Selector
+from lilicorr_pl.losses.base import LossComponent, LossInputs
+from lilicorr_pl.losses.dflash import DFlashCE
+from lilicorr_pl.losses.diagnostics import lattice_diagnostics
+from lilicorr_pl.metrics import LatticeMetrics
+from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput, block_labels, sample_anchors
+from lilicorr_pl.optim import WarmupCosine
+from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids
+
+TARGET_PREFIX = "target."
+
+
+def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
+
+
+class DraftSystem(L.LightningModule):
+    """Trains a DFlash drafter (and optionally a lattice head) against a frozen target.
+
+    Args:
+        target: how to load the frozen target (path, dtype, layer ids). Its weights are loaded in
+            ``configure_model`` and never saved in checkpoints.
+        drafter: the DFlash drafter; sizes left unset are derived from the target config.
+        head: the selector used at inference and, for lattice heads, trained with the lattice losses.
+            None = vanilla DFlash (per-slot top-1).
+        losses: loss components summed with their weights. Default: ``DFlashCE`` only.
+        num_anchors: blocks drawn per sequence and step (512 in the published recipe).
+        optimizer: optimizer factory over the trainable parameters.
+        lr_scheduler: scheduler factory; ``WarmupCosine`` gets its length from the Trainer.
+        target_logits: where the distractor penalty reads target logits: ``"cache"`` (the data
+            module's precomputed top-M cache), ``"exact"`` (candidate-restricted logits from the online
+            target) or ``"auto"`` (cache when the batch carries it, else exact).
+        max_length: longest training sequence (linked from ``data.max_length``); checked against the
+            target's ``max_position_embeddings``.
+        disabled_losses: names of loss components to drop (ablation flags, e.g.
+            ``[distractor_penalty]``); an unknown name is an error.
+        loss_weights: per-name weight overrides (e.g. ``{margin_hinge: 0.125}`` for the margin variant).
+        init_drafter_from: warm start from a z-lab-format DFlash drafter directory (ours or released).
+        freeze_drafter: keep the drafter fixed and train only the head.
+    """
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        drafter: DFlashDrafter,
+        head: Selector | None = None,
+        losses: list[LossComponent] | None = None,
+        num_anchors: int = 512,
+        optimizer: OptimizerCallable = _default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
+        target_logits: str = "auto",
+        max_length: int | None = None,
+        disabled_losses: list[str] | None = None,
+        loss_weights: dict[str, float] | None = None,
+        init_drafter_from: str | None = None,
+        freeze_drafter: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(target, Mapping):
+            target = TargetSpec(**target)
+        if target_logits not in ("auto", "cache", "exact"):
+            raise ValueError(f"target_logits must be 'auto', 'cache' or 'exact', got {target_logits!r}")
+        if num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+        # Under LightningCLI these are the parsed class_path configs, so load_from_checkpoint rebuilds them.
+        self.save_hyperparameters()
+        self.target_spec = target
+        self.num_anchors = num_anchors
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        self.target_logits_mode = target_logits
+        self.losses = torch.nn.ModuleList(
+            self._apply_loss_flags(losses if losses is not None else [DFlashCE()], disabled_losses, loss_weights)
+        )
+        self._check_losses(head)
+
+        from transformers import AutoConfig
+
+        path = resolve_target_path(target.name_or_path)
+        self.target_path = path
+        config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+        n_layers = config.num_hidden_layers
+        layer_ids = target.layer_ids or default_layer_ids(n_layers, min(target.num_features, n_layers))
+        if max_length is not None and max_length > getattr(config, "max_position_embeddings", max_length):
+            raise ValueError(
+                f"data.max_length {max_length} exceeds the target's max_position_embeddings "
+                f"{config.max_position_embeddings}; lower data.max_length (or extend RoPE, e.g. YaRN)"
+            )
+        self.drafter = drafter.build(config, layer_ids)
+        self.head = (head or Top1Selector()).build(config.hidden_size, config.vocab_size)
+        if init_drafter_from:
+            self._warm_start(init_drafter_from, config)
+        if freeze_drafter:
+            if not any(p.requires_grad for p in self.head.parameters()):
+                raise ValueError("freeze_drafter=True with a parameter-free head leaves nothing to train")
+            self.drafter.requires_grad_(False)
+        self.target: FrozenTarget | None = None
+        self.train_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
+        self.val_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
+        self._timings: dict[str, float] = {}
+        self.record_timings = False
+
+    @staticmethod
+    def _apply_loss_flags(
+        losses: list[LossComponent], disabled: list[str] | None, weights: dict[str, float] | None
+    ) -> list[LossComponent]:
+        names = [loss.name for loss in losses]
+        for flag, requested in (("disabled_losses", disabled or []), ("loss_weights", list(weights or {}))):
+            unknown = sorted(set(requested) - set(names))
+            if unknown:
+                raise ValueError(f"model.{flag} names {unknown}, but the configured losses are {names}")
+        for loss in losses:
+            if weights and loss.name in weights:
+                w = float(weights[loss.name])
+                if w < 0:
+                    raise ValueError(f"model.loss_weights[{loss.name}] must be >= 0, got {w}")
+                loss.weight = w
+        return [loss for loss in losses if loss.name not in set(disabled or [])]
+
+    def _warm_start(self, directory: str, config: Any) -> None:
+        from lilicorr_pl.interop import check_compatible, load_drafter
+
+        loaded = load_drafter(directory)
+        check_compatible(loaded, config)
+        ours, theirs = self.drafter.state_dict(), loaded.state_dict()
+        bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+        if bad or loaded.target_layer_ids != self.drafter.target_layer_ids:
+            raise ValueError(
+                f"model.init_drafter_from={directory} does not match model.drafter (differs at {bad[:4]}, "
+                f"layer ids {loaded.target_layer_ids} vs {self.drafter.target_layer_ids}); set num_layers, "
+                "block_size and target layer ids to the released drafter's config.json"
+            )
+        self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
+
+    def _top_k(self) -> int:
+        return int(getattr(self.head, "top_k", 8)) if self.head is not None else 8
+
+    def _check_losses(self, head: Selector | None) -> None:
+        names = [loss.name for loss in self.losses]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"two loss components share the log name(s) {sorted(dupes)}; pass name=... to one")
+        if not self.losses:
+            raise ValueError("model.losses is empty; add at least lilicorr_pl.losses.DFlashCE")
+        lattice_needed = [l.name for l in self.losses if l.requires_lattice]
+        if lattice_needed and (head is None or not head.uses_lattice):
+            raise ValueError(
+                f"loss components {lattice_needed} need a lattice head, but model.head is "
+                f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.LiLiCorrHead "
+                "or drop those losses (see configs/ablations/dflash_only.yaml)"
+            )
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """True when some active loss reads the target's logits (the data module caches them)."""
+        return any(l.requires_target_logits and l.weight > 0 for l in self.losses)
+
+    # ------------------------------------------------------------------ target lifecycle
+    def configure_model(self) -> None:
+        """Load the frozen target once (idempotent); the strategy has set the device by now."""
+        if self.target is not None:
+            return
+        spec = self.target_spec
+        target = FrozenTarget.from_pretrained(
+            self.target_path,
+            dtype=spec.dtype,
+            layer_ids=self.drafter.target_layer_ids,
+            trust_remote_code=spec.trust_remote_code,
+            **spec.load_kwargs,
+        )
+        if target.tokenizer is not None:
+            target.check_tokenizer(target.tokenizer)
+        target.check_token_id(self.drafter.mask_token_id, setting="model.drafter.init_args.mask_token_id")
+        self.target = target.to(self.device)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        return {k: v for k, v in state.items() if not k.startswith(prefix + TARGET_PREFIX)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        # The target never travels in checkpoints: ignore its keys on both sides, stay strict otherwise.
+        own = {k for k in super().state_dict() if not k.startswith(TARGET_PREFIX)}
+        given = {k for k in state_dict if not k.startswith(TARGET_PREFIX)}
+        if strict and own != given:
+            missing, unexpected = sorted(own - given), sorted(given - own)
+            raise RuntimeError(
+                f"checkpoint does not match the system: missing {missing[:8]}, unexpected {unexpected[:8]}; "
+                "was it trained with a different drafter/head config?"
+            )
+        filtered = {k: v for k, v in state_dict.items() if not k.startswith(TARGET_PREFIX)}
+        return super().load_state_dict(filtered, strict=False, assign=assign)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        checkpoint["lilicorr"] = {
+            "target": {"name_or_path": self.target_spec.name_or_path, "resolved_path": self.target_path,
+                       "dtype": self.target_spec.dtype, "layer_ids": self.drafter.target_layer_ids},
+            "block_size": self.drafter.block_size,
+            "mask_token_id": self.drafter.mask_token_id,
+            "enable_thinking": getattr(dm, "enable_thinking", None),
+            "chat_template": getattr(dm, "chat_template", None),
+            "version": __import__("lilicorr_pl").__version__,
+        }
+
+    # ------------------------------------------------------------------ forward pieces
+    def _require_target(self) -> FrozenTarget:
+        if self.target is None:
+            self.configure_model()
+        assert self.target is not None
+        return self.target
+
+    def _timed(self, name: str) -> Any:
+        system = self
+
+        class _T:
+            def __enter__(self) -> None:
+                if system.record_timings:
+                    self.t = time.perf_counter()
+
+            def __exit__(self, *exc: Any) -> None:
+                if system.record_timings:
+                    system._timings[name] = system._timings.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _T()
+
+    def compute_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> dict[str, Any]:
+        """One teacher-forced pass: features, drafter blocks, head lattice, losses and diagnostics."""
+        target = self._require_target()
+        ids = batch["input_ids"]
+        attn = batch.get("attention_mask")
+        loss_mask = batch["loss_mask"].bool()
+        if attn is not None:
+            loss_mask = loss_mask & attn.bool()
+        normed = None
+        with self._timed("target"):
+            if "features" in batch:
+                feats = batch["features"]
+            else:
+                out = target(ids, attention_mask=attn)
+                feats, normed = out.features, out.normed_hidden
+        anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
+        with self._timed("drafter"):
+            draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head)
+        labels, label_mask, label_pos = block_labels(ids, loss_mask, anchors, valid, self.drafter.block_size)
+        # Keep only blocks with at least one supervised slot: padding anchors cost nothing further.
+        keep = label_mask.any(-1)  # [b, N]
+        b_idx = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(keep)[keep]  # [M]
+        slot_hidden, slot_logits = draft.slot_hidden[keep], draft.slot_logits[keep]  # [M, S, H], [M, S, V]
+        labels, label_mask, label_pos = labels[keep], label_mask[keep], label_pos[keep]
+        lattice: Lattice | None = None
+        with self._timed("head"):
+            if getattr(self.head, "uses_lattice", False):
+                lattice = self.head.score_lattice(
+                    slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep], target.embed
+                )
+        provider = self._target_logit_provider(batch, b_idx, label_pos, labels, normed)
+        inputs = LossInputs(slot_logits, labels, label_mask, lattice, provider)
+        total = slot_logits.new_zeros(())
+        logs: dict[str, torch.Tensor] = {}
+        with self._timed("losses"):
+            for component in self.losses:
+                out = component(inputs)
+                total = total + out.loss
+                logs[component.name] = out.loss.detach()
+                for key, value in out.logs.items():
+                    logs[f"{component.name}/{key}"] = value.detach()
+        with torch.no_grad():
+            selected = self._selected_tokens(lattice, slot_logits)
+        return {
+            "loss": total,
+            "logs": logs,
+            "slot_logits": slot_logits.detach(),
+            "labels": labels,
+            "label_mask": label_mask,
+            "lattice": lattice,
+            "selected": selected,
+            "num_blocks": int(keep.sum()),
+        }
+
+    def _selected_tokens(self, lattice: Lattice | None, slot_logits: torch.Tensor) -> torch.Tensor:
+        if lattice is None:
+            return slot_logits.argmax(-1)
+        from lilicorr_pl.heads.lattice import greedy_walk, viterbi
+
+        walk = viterbi if getattr(self.head, "decode", "greedy") == "viterbi" else greedy_walk
+        idx = walk(lattice.start.detach(), lattice.pair.detach())
+        return lattice.candidates.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+
+    def _target_logit_provider(
+        self,
+        batch: dict[str, torch.Tensor],
+        b_idx: torch.Tensor,  # [M] sequence of each block
+        label_pos: torch.Tensor,  # [M, S] position of each slot's token
+        labels: torch.Tensor,  # [M, S]
+        normed: torch.Tensor | None,  # [b, T, H] final-normed target hidden (online mode)
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        mode = self.target_logits_mode
+        has_cache = "topm_ids" in batch
+        if mode == "cache" or (mode == "auto" and has_cache):
+            if not has_cache:
+                raise RuntimeError(
+                    "model.target_logits='cache' but the batch has no target-logit cache; set "
+                    "data.logit_cache: true or model.target_logits: exact"
+                )
+            from lilicorr_pl.data.cache import cached_candidate_logits
+
+            rows = (b_idx.unsqueeze(1).expand_as(label_pos), label_pos)
+            topm_ids, topm_logits = batch["topm_ids"][rows], batch["topm_logits"][rows]  # [M, S, Mtop]
+            floor, true_logit = batch["floor_logit"][rows], batch["true_logit"][rows]  # [M, S]
+
+            def from_cache(token_ids: torch.Tensor) -> torch.Tensor:
+                return cached_candidate_logits(topm_ids, topm_logits, floor, labels, true_logit, token_ids)
+
+            return from_cache
+        if normed is None:
+            if not self.needs_target_logits:
+                return None
+            raise RuntimeError(
+                "exact target logits need the online target, but features came from the offline cache; "
+                "enable data.logit_cache or disable data.feature_cache"
+            )
+        target = self._require_target()
+        # Row t of the teacher-forced distribution comes from the hidden state at t - 1.
+        hidden = normed[b_idx.unsqueeze(1), (label_pos - 1).clamp(min=0)]  # [M, S, H]
+
+        @torch.no_grad()
+        def exact(token_ids: torch.Tensor) -> torch.Tensor:
+            return target.candidate_logits(hidden, token_ids).float()
+
+        return exact
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step = self.compute_step(batch)
+        self._log_step(step, "train", self.train_metrics, batch["input_ids"].shape[0])
+        return step["loss"]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        # Fixed anchors per validation batch, so val curves compare like with like.
+        g = torch.Generator().manual_seed(1_000_003 * (batch_idx + 1))
+        step = self.compute_step(batch, generator=g)
+        self._log_step(step, "val", self.val_metrics, batch["input_ids"].shape[0])
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", step["loss"].detach(), on_step=on_step, on_epoch=not on_step,
+                 prog_bar=True, batch_size=batch_size, sync_dist=not on_step)
+        for key, value in step["logs"].items():
+            if value.numel() == 1:
+                self.log(f"{stage}/{key}", value, on_step=on_step, on_epoch=not on_step,
+                         batch_size=batch_size, sync_dist=not on_step)
+        metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"])
+        if on_step:
+            diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"],
+                                       step["label_mask"], step["selected"])
+            for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
+                if key in diag:
+                    self.log(f"{stage}/{key}", diag[key].float().mean(), on_step=True, batch_size=batch_size)
+            for key, prefix in (("sim_tau_top1", "top1_prefix"), ("sim_tau_selected", "selected_prefix")):
+                self.log(f"{stage}/{key}", 1 + diag[prefix].float().mean(), on_step=True, batch_size=batch_size)
+
+    def on_train_epoch_end(self) -> None:
+        self._log_metrics("train", self.train_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val", self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test", self.val_metrics)
+
+    def _log_metrics(self, stage: str, metrics: LatticeMetrics) -> None:
+        if not metrics.update_called:
+            return
+        values = metrics.compute()
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.numel() == 1:
+                self.log(f"{stage}/epoch_{key}" if stage == "train" else f"{stage}/{key}", value.float())
+        metrics.reset()
+
+    # ------------------------------------------------------------------ optimisation
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith(TARGET_PREFIX)]
+
+    def configure_optimizers(self) -> Any:
+        params = self.trainable_parameters()
+        n = sum(p.numel() for p in params)
+        self.print(f"lilicorr: optimising {n:,} trainable parameters (target frozen, not in checkpoints)")
+        optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        if isinstance(scheduler, WarmupCosine) and scheduler.total_steps is None:
+            scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        n = sum(p.numel() for p in self.trainable_parameters())
+        for logger in self.loggers:
+            logger.log_hyperparams({"trainable_parameters": n})

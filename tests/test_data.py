@@ -1,0 +1,528 @@
+"""Data formats, loss masks, clear errors, and the data module end to end on a tiny real target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from helpers import make_tiny_target_dir
+from transformers import AutoTokenizer
+
+from lilicorr_pl.data import formats
+from lilicorr_pl.data.cache import CacheError, cached_candidate_logits
+from lilicorr_pl.data.datamodule import DraftDataModule, ResumableShuffleSampler, precompute_throughput
+from lilicorr_pl.data.formats import DataFormatError, load_examples, pack_examples, tokenize_chat
+from lilicorr_pl.target import FrozenTarget, TargetSpec
+
+@pytest.fixture(autouse=True)
+def _single_torch_thread():
+    """Tiny models run far faster on one thread (and do not fight other processes for the cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Two plus two is four."},
+    {"role": "user", "content": "And the capital of France?"},
+    {"role": "assistant", "content": "<think>\nrecall it\n</think>\n\nThe capital of France is Paris."},
+]
+
+
+def write_jsonl(path: Path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def masked_runs(tokenizer, ids, mask) -> list[str]:
+    """Decoded text of each maximal run of supervised tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tokenizer.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tokenizer.decode(cur))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return make_tiny_target_dir(tmp_path_factory.mktemp("data_target"))
+
+
+@pytest.fixture(scope="module")
+def tok(target_dir):
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+# ---------------------------------------------------------------------- formats and masks
+def test_helper_target_has_padded_vocab_mask_row_and_chat_template(target_dir, tok):
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] > len(tok)
+    assert cfg["mask_token_id"] == len(tok) < cfg["vocab_size"]
+    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2
+    assert tok.eos_token == "<|endoftext|>" and tok.chat_template
+    prompt = tok.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    prompt = tok.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_each_format_parses_with_its_loss_mask(tmp_path, tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    path = write_jsonl(
+        tmp_path / "mix.jsonl",
+        [
+            {"text": text, "id": "extra keys are ignored"},
+            {"prompt": "def add(a, b):\n", "completion": "    return a + b\n"},
+            {"messages": CHAT[:3]},
+            {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hello!"}, {"from": "gpt", "value": "I am fine."}]},
+        ],
+    )
+    stats = formats.LoadStats()
+    ex = load_examples([path], tok, max_length=512, stats=stats)
+    assert stats.formats == {"text": 1, "prompt_completion": 1, "messages": 1, "sharegpt": 1}
+    assert [e.source for e in ex] == ["mix.jsonl:1", "mix.jsonl:2", "mix.jsonl:3", "mix.jsonl:4"]
+    # text: every token, exactly the tokenizer's ids
+    assert ex[0].input_ids == tok(text)["input_ids"] and all(ex[0].loss_mask)
+    # prompt/completion: completion only
+    assert tok.decode(ex[1].input_ids) == "def add(a, b):\n    return a + b\n"
+    assert masked_runs(tok, ex[1].input_ids, ex[1].loss_mask) == ["    return a + b\n"]
+    # chat formats: assistant content + end of turn only; ShareGPT speakers mapped
+    assert masked_runs(tok, ex[2].input_ids, ex[2].loss_mask) == ["Two plus two is four.<|im_end|>"]
+    assert masked_runs(tok, ex[3].input_ids, ex[3].loss_mask) == ["I am fine.<|im_end|>"]
+    assert tok.decode(ex[3].input_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello!")
+
+
+def test_chat_mask_covers_exactly_each_assistant_turn(tok):
+    ids, mask = tokenize_chat(tok, CHAT)
+    rendered = tok.apply_chat_template(CHAT, tokenize=False)
+    assert tok.decode(ids) == rendered
+    # Qwen-style templates render old turns without their reasoning and the last one with it; the mask
+    # follows what the template actually wrote, never its scaffolding (headers, empty think blocks).
+    assert masked_runs(tok, ids, mask) == [
+        "Two plus two is four.<|im_end|>",
+        "recall it\n</think>\n\nThe capital of France is Paris.<|im_end|>",
+    ]
+    single, single_mask = tokenize_chat(tok, CHAT[:3])
+    assert "<think>\n\n</think>\n\n" in tok.decode(single)  # the empty think block is present ...
+    assert masked_runs(tok, single, single_mask) == ["Two plus two is four.<|im_end|>"]  # ... and unsupervised
+    # Nothing of the user/system side is ever supervised.
+    unsupervised = tok.decode([i for i, m in zip(ids, mask) if not m])
+    for m in CHAT:
+        if m["role"] != "assistant":
+            assert m["content"] in unsupervised
+
+
+def test_content_starting_like_the_template_is_masked_exactly(tok):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|> is how a turn ends\n"}]
+    ids, mask = tokenize_chat(tok, chat)
+    assert masked_runs(tok, ids, mask) == ["<|im_end|> is how a turn ends\n<|im_end|>"]
+
+
+def test_thinking_flag_reaches_the_template(tmp_path, tok):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if enable_thinking %}[thinking on]{% else %}[thinking off]{% endif %}"
+    )
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[:3]}])
+    on = load_examples([path], tok, chat_template=template, enable_thinking=True)[0]
+    off = load_examples([path], tok, chat_template=template, enable_thinking=False)[0]
+    assert tok.decode(on.input_ids).endswith("[thinking on]")
+    assert tok.decode(off.input_ids).endswith("[thinking off]")
+    # A template given as a file works the same way.
+    tpl_file = tmp_path / "t.jinja"
+    tpl_file.write_text(template)
+    again = load_examples([path], tok, chat_template=str(tpl_file), enable_thinking=True)[0]
+    assert again.input_ids == on.input_ids
+
+
+def test_truncation_and_packing_preserve_masks(tmp_path, tok):
+    recs = [{"prompt": "Question: " + "very " * i + "long?", "completion": f" It is {2 * i}."} for i in range(6)]
+    path = write_jsonl(tmp_path / "pc.jsonl", recs)
+    full = load_examples([path], tok, max_length=4096)
+    prompt_lens = [e.loss_mask.index(True) for e in full]
+    assert prompt_lens == sorted(prompt_lens) and prompt_lens[0] < prompt_lens[-1]
+    cut_len = prompt_lens[-1] + 2
+    stats = formats.LoadStats()
+    cut = load_examples([path], tok, max_length=cut_len, stats=stats)
+    assert len(cut) == len(recs) and stats.truncated == sum(len(e) > cut_len for e in full) > 0
+    for a, b in zip(full, cut):
+        assert b.input_ids == a.input_ids[:cut_len] and b.loss_mask == a.loss_mask[:cut_len]
+    # Records whose supervised part falls entirely past max_length are dropped (and counted).
+    stats = formats.LoadStats()
+    some = load_examples([path], tok, max_length=prompt_lens[-1], stats=stats)
+    kept = sum(p < prompt_lens[-1] for p in prompt_lens)
+    assert len(some) == kept < len(recs) and stats.dropped_unsupervised == len(recs) - kept
+
+    max_len = 40
+    packed = pack_examples(full, max_len)
+    assert len(packed) < len(full) and all(len(p) <= max_len for p in packed)
+    assert [t for p in packed for t in p.input_ids] == [t for e in full for t in e.input_ids]
+    # Masks kept, except the first token of every packed example after the first in its sequence.
+    expected = []
+    for p in packed:
+        first = True
+        for src in p.source.split("+"):
+            e = full[int(src.split(":")[1]) - 1]
+            expected += ([e.loss_mask[0] if first else False] + e.loss_mask[1:])
+            first = False
+    assert [m for p in packed for m in p.loss_mask] == expected
+    assert load_examples([path], tok, max_length=max_len, pack=True) == packed
+
+
+# ---------------------------------------------------------------------- errors
+def test_missing_file_names_the_file_and_setting(tmp_path, tok):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl.*does not exist.*data\.val_files"):
+        load_examples([str(tmp_path / "nope.jsonl")], tok, setting="data.val_files")
+    bad = tmp_path / "data.csv"
+    bad.write_text("a,b\n")
+    with pytest.raises(DataFormatError, match=r"data\.csv.*\.csv.*\.jsonl"):
+        load_examples([str(bad)], tok)
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "oops"\n')
+    with pytest.raises(DataFormatError, match=r"broken\.jsonl line 3: malformed JSON"):
+        load_examples([str(path)], tok)
+    path.write_text('["a list"]\n')
+    with pytest.raises(DataFormatError, match=r"broken\.jsonl line 1: expected a JSON object"):
+        load_examples([str(path)], tok)
+
+
+def test_empty_conversation_and_unknown_format(tmp_path, tok):
+    path = write_jsonl(tmp_path / "e.jsonl", [{"text": "ok"}, {"messages": []}])
+    with pytest.raises(DataFormatError, match=r"e\.jsonl line 2: empty conversation"):
+        load_examples([path], tok)
+    path = write_jsonl(tmp_path / "u.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataFormatError) as err:
+        load_examples([path], tok)
+    msg = str(err.value)
+    assert "u.jsonl line 1" in msg and "['answer', 'question']" in msg
+    for accepted in ('"text"', '"prompt"', '"messages"', '"conversations"'):
+        assert accepted in msg
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}])
+    with pytest.raises(DataFormatError, match=r"speaker 'robot'.*\['assistant', 'gpt', 'human'"):
+        load_examples([path], tok)
+
+
+def test_chat_data_without_a_chat_template(tmp_path, tok):
+    plain = AutoTokenizer.from_pretrained(tok.name_or_path)
+    plain.chat_template = None
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[:3]}])
+    with pytest.raises(DataFormatError, match=r"c\.jsonl line 1: .*no chat template.*chat_template"):
+        load_examples([path], plain)
+
+
+def test_no_supervised_tokens_at_all(tmp_path, tok):
+    path = write_jsonl(tmp_path / "n.jsonl", [{"messages": [{"role": "user", "content": "only a question"}]}, {"prompt": "p", "completion": ""}])
+    with pytest.raises(DataFormatError, match=r"no supervised tokens in n\.jsonl \(2 records"):
+        load_examples([path], tok)
+
+
+def test_parquet_needs_pyarrow(tmp_path, tok):
+    path = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="pip install pyarrow"):
+            load_examples([str(path)], tok)
+        return
+    pq.write_table(pa.Table.from_pylist([{"text": "hello there"}]), path)
+    assert load_examples([str(path)], tok)[0].input_ids == tok("hello there")["input_ids"]
+
+
+def test_datamodule_errors_come_before_any_model_work(tmp_path, target_dir, monkeypatch):
+    def no_model(*a, **k):
+        raise AssertionError("the target must not be loaded before the data is validated")
+
+    monkeypatch.setattr(FrozenTarget, "from_spec", no_model)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n{nope\n')
+    dm = DraftDataModule([str(bad)], target={"name_or_path": target_dir}, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl line 2"):
+        dm.prepare_data()
+    dm = DraftDataModule([str(tmp_path / "missing.jsonl")], target={"name_or_path": "/nonexistent/model"})
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*data\.train_files"):
+        dm.prepare_data()
+    with pytest.raises(ValueError, match="set data.target"):
+        DraftDataModule([str(bad)]).prepare_data()
+    with pytest.raises(ValueError, match="val_fraction"):
+        DraftDataModule([str(bad)], val_fraction=1.5)
+    assert not (tmp_path / "c").exists() or not any(p.name.startswith(("logits", "features")) for p in (tmp_path / "c").iterdir())
+
+
+# ---------------------------------------------------------------------- the data module
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("dm_data")
+    recs = []
+    for i in range(10):
+        recs.append({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]})
+        recs.append({"text": f"Once upon a time there was a small model number {i}."})
+    return write_jsonl(d / "train.jsonl", recs)
+
+
+class CountingForward:
+    """Counts FrozenTarget forward passes (monkeypatched onto the class)."""
+
+    def __init__(self, monkeypatch, fail_on: int | None = None) -> None:
+        self.calls = 0
+        self.fail_on = fail_on
+        original = FrozenTarget.forward
+
+        def forward(target_self, *a, **k):
+            self.calls += 1
+            if self.fail_on is not None and self.calls == self.fail_on:
+                raise RuntimeError("simulated crash mid-precompute")
+            return original(target_self, *a, **k)
+
+        monkeypatch.setattr(FrozenTarget, "forward", forward)
+
+
+def make_dm(train_file, target_dir, cache_dir, **kw) -> DraftDataModule:
+    args = dict(
+        target=TargetSpec(target_dir, layer_ids=[1, 4]),
+        cache_dir=str(cache_dir),
+        batch_size=3,
+        logit_top_m=8,
+        precompute_batch_size=4,
+        max_length=64,
+        val_fraction=0.2,
+        progress=False,
+    )
+    args.update(kw)
+    return DraftDataModule([train_file], **args)
+
+
+def test_datamodule_batches_keys_shapes_and_logit_alignment(tmp_path, train_file, target_dir):
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", feature_cache=True)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 16 and len(dm.val_dataset) == 4
+    assert not set(dm.train_dataset.indices) & set(dm.val_dataset.indices)
+    target = FrozenTarget.from_spec(dm.target)
+    h = target.hidden_size
+    seen = 0
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        for batch in loader:
+            b, t = batch["input_ids"].shape
+            expected = {
+                "input_ids": ((b, t), torch.long),
+                "attention_mask": ((b, t), torch.long),
+                "loss_mask": ((b, t), torch.bool),
+                "index": ((b,), torch.long),
+                "topm_ids": ((b, t, 8), torch.long),
+                "topm_logits": ((b, t, 8), torch.float32),
+                "floor_logit": ((b, t), torch.float32),
+                "true_logit": ((b, t), torch.float32),
+                "logit_valid": ((b, t), torch.bool),
+                "features": ((b, t, 2 * h), torch.bfloat16),
+            }
+            assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == expected
+            pad = batch["attention_mask"] == 0
+            assert torch.all(batch["input_ids"][pad] == dm.tokenizer.pad_token_id)
+            assert not batch["loss_mask"][pad].any() and not batch["logit_valid"][pad].any()
+            valid_expected = batch["loss_mask"].clone()
+            valid_expected[:, 0] = False
+            assert torch.equal(batch["logit_valid"], valid_expected)
+            out = target(batch["input_ids"], attention_mask=batch["attention_mask"], return_logits=True)
+            for r in range(b):
+                for pos in batch["logit_valid"][r].nonzero()[:, 0].tolist():
+                    row = out.logits[r, pos - 1]  # the distribution predicting token `pos`
+                    x = batch["input_ids"][r, pos]
+                    torch.testing.assert_close(batch["true_logit"][r, pos], row[x], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(batch["topm_logits"][r, pos], row.topk(8).values, atol=2e-2, rtol=2e-3)
+                    torch.testing.assert_close(row[batch["topm_ids"][r, pos]], batch["topm_logits"][r, pos], atol=2e-2, rtol=2e-3)
+                    assert batch["floor_logit"][r, pos] == batch["topm_logits"][r, pos, -1]
+                    seen += 1
+                n = int(batch["attention_mask"][r].sum())
+                torch.testing.assert_close(
+                    batch["features"][r, :n].float(), out.features[r, :n], atol=1e-2, rtol=8e-3
+                )
+            # The cache plugs straight into the lookup used by the distractor penalty.
+            cands = batch["topm_ids"][..., :3]
+            approx = cached_candidate_logits(
+                batch["topm_ids"], batch["topm_logits"], batch["floor_logit"], batch["input_ids"], batch["true_logit"], cands
+            )
+            assert approx.shape == (b, t, 3)
+    assert seen > 50
+
+
+def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train_file, target_dir, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    # 1. A crash mid-precompute leaves no cache in place (only the finished tokens cache).
+    crash = CountingForward(monkeypatch, fail_on=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_dm(train_file, target_dir, cache_dir).prepare_data()
+    assert sorted(p.name.split("-")[0] for p in cache_dir.iterdir()) == ["tokens"]
+    assert crash.calls == 2
+    # 2. The next run recomputes and succeeds.
+    counter = CountingForward(monkeypatch)
+    make_dm(train_file, target_dir, cache_dir).prepare_data()
+    assert counter.calls == 5  # 20 examples / precompute_batch_size 4
+    first = sorted(p.name for p in cache_dir.iterdir())
+    assert [n.split("-")[0] for n in first] == ["logits", "tokens"]
+    # 3. Identical inputs reuse the cache: no forward pass, no model load, same directories.
+    counter.calls = 0
+    loads = []
+    original = FrozenTarget.from_spec
+    monkeypatch.setattr(FrozenTarget, "from_spec", lambda *a, **k: loads.append(1) or original(*a, **k))
+    dm = make_dm(train_file, target_dir, cache_dir)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert counter.calls == 0 and loads == [] and sorted(p.name for p in cache_dir.iterdir()) == first
+    # 4. Settings that do not change the content (batch size) reuse; those that do get a new dir.
+    base = make_dm(train_file, target_dir, cache_dir).cache_paths()
+    assert make_dm(train_file, target_dir, cache_dir, batch_size=7).cache_paths() == base
+    thinking = make_dm(train_file, target_dir, cache_dir, enable_thinking=True).cache_paths()
+    assert thinking["tokens"] != base["tokens"] and thinking["logits"] != base["logits"]
+    assert make_dm(train_file, target_dir, cache_dir, logit_top_m=4).cache_paths()["logits"] != base["logits"]
+    other_target = make_tiny_target_dir(tmp_path, seed=3, name="other")
+    moved = make_dm(train_file, other_target, cache_dir).cache_paths()
+    assert moved["logits"] != base["logits"]
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(Path(train_file).read_text() + json.dumps({"text": "one more line"}) + "\n")
+    assert make_dm(str(changed), target_dir, cache_dir).cache_paths()["tokens"] != base["tokens"]
+    # 5. A corrupt cache is refused by prepare_data and setup, never silently used or rebuilt.
+    npy = base["logits"] / "topm_logits.npy"
+    npy.write_bytes(npy.read_bytes()[:-10])
+    with pytest.raises(CacheError, match=r"topm_logits\.npy.*delete the directory"):
+        make_dm(train_file, target_dir, cache_dir).prepare_data()
+    with pytest.raises(CacheError, match=r"topm_logits\.npy"):
+        make_dm(train_file, target_dir, cache_dir).setup("fit")
+    assert counter.calls == 0
+
+
+def test_logit_cache_can_be_switched_off(tmp_path, train_file, target_dir, monkeypatch):
+    counter = CountingForward(monkeypatch)
+    dm = make_dm(train_file, target_dir, tmp_path / "cache")
+    dm.require_logit_cache(False)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert counter.calls == 0
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "loss_mask", "index"}
+    dm.require_logit_cache(True)
+    with pytest.raises(CacheError, match="call prepare_data"):
+        dm.setup("fit")
+
+
+def test_val_files_and_no_validation(tmp_path, train_file, target_dir):
+    val = write_jsonl(tmp_path / "val.jsonl", [{"text": "a held out sentence."}, {"text": "and another."}])
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", val_files=[val], logit_cache=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 20 and len(dm.val_dataset) == 2
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", val_fraction=0.0, logit_cache=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.val_dataset is None and dm.val_dataloader() == []
+
+
+def test_sampler_is_seeded_per_epoch_and_resumes():
+    s = ResumableShuffleSampler(10, seed=3)
+    e0 = list(s)
+    s.set_epoch(1)
+    e1 = list(s)
+    assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
+    assert ResumableShuffleSampler(10, seed=3).order(1) == e1
+    s2 = ResumableShuffleSampler(10, seed=3)
+    s2.epoch, s2.skip = 1, 4
+    assert list(s2) == e1[4:] and len(s2) == 10
+    assert list(s2) == e1  # the skip applies once
+
+
+def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_path, train_file, target_dir):
+    import pickle
+
+    def fresh():
+        dm = make_dm(train_file, target_dir, tmp_path / "cache", batch_size=2)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm
+
+    dm = fresh()
+    order = [i for batch in dm.train_dataloader() for i in batch["index"].tolist()]
+    it = iter(dm.train_dataloader())
+    head = [i for _ in range(3) for i in next(it)["index"].tolist()]
+    state = dm.state_dict()
+    assert state == {"epoch": 0, "consumed": 6, "seed": 0, "num_samples": 16}
+    other = fresh()
+    other.load_state_dict(state)
+    tail = [i for batch in other.train_dataloader() for i in batch["index"].tolist()]
+    assert head + tail == order
+    # Workers get paths, not copies of the memory-mapped caches.
+    blob = pickle.dumps(dm.train_dataset)
+    assert len(blob) < 4096
+    clone = pickle.loads(blob)
+    np.testing.assert_array_equal(clone[0]["topm_logits"], dm.train_dataset[0]["topm_logits"])
+
+
+class _IndexRecorder(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.extend(batch["index"].tolist())
+        return (self.w - 1.0) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trainer_resume_mid_epoch_continues_the_same_order(tmp_path, train_file, target_dir):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(ckpt_dir=None, **kw):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
+        return L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=bool(ckpt_dir),
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+            **kw,
+        )
+
+    def dm():
+        return make_dm(train_file, target_dir, tmp_path / "cache", batch_size=2, logit_cache=False, val_fraction=0.0)
+
+    full = _IndexRecorder()
+    trainer(max_epochs=2).fit(full, datamodule=dm())  # 20 examples, batch 2 -> 10 batches per epoch
+    assert len(full.seen) == 40 and full.seen[:20] != full.seen[20:]
+    assert sorted(full.seen[:20]) == sorted(full.seen[20:]) == list(range(20))
+
+    first = _IndexRecorder()
+    trainer(tmp_path / "ckpt", max_steps=14).fit(first, datamodule=dm())
+    assert first.seen == full.seen[:28]
+    resumed = _IndexRecorder()  # resume mid-epoch 1 after 12 steps = 24 examples
+    trainer(tmp_path / "ckpt2", max_epochs=2).fit(resumed, datamodule=dm(), ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=12.ckpt"))
+    assert resumed.seen == full.seen[24:]
+
+
+def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_dir):
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", feature_cache=True)
+    dm.prepare_data()
+    before = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    res = precompute_throughput(dm)
+    assert res["forward_s"] > 0 and res["precompute_s"] > 0 and res["tokens"] > 0
+    assert res["ratio"] == pytest.approx(res["forward_s"] / res["precompute_s"])
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == before  # measured in a temp dir

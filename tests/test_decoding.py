@@ -1,0 +1,498 @@
+"""Speculative decoding (DESIGN §7): lossless at T = 0 (token for token) and at T > 0 (in distribution),
+stops, truncation, and τ (which always includes the target's bonus token) on stub drafters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from lilicorr_pl.decoding import (
+    GenerationResult,
+    default_stop_token_ids,
+    greedy_accept,
+    sample_tokens,
+    speculative_generate,
+    speculative_sampling_accept,
+    target_generate,
+    warp_probs,
+)
+from lilicorr_pl.heads import LiLiCorrHead, Selection, Top1Selector
+from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput
+from lilicorr_pl.target import FrozenTarget
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models are dominated by thread synchronisation on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_target(path, vocab=64, tie=True, kv_heads=2, layers=3, hidden=32, std=0.3, seed=0) -> FrozenTarget:
+    """A random tiny Qwen3 saved with ``save_pretrained`` and loaded through ``FrozenTarget``."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        mask_token_id=vocab - 1,
+        eos_token_id=1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # wider than the default 0.02 init so greedy paths are distinct, not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+    model.save_pretrained(path)
+    return FrozenTarget.from_pretrained(str(path), load_tokenizer=False, layer_ids=list(range(layers - 1)))
+
+
+TARGETS = {
+    "tied-gqa": dict(vocab=64, tie=True, kv_heads=2, seed=1),
+    "untied-mha": dict(vocab=80, tie=False, kv_heads=4, seed=2),
+    "untied-mqa": dict(vocab=48, tie=False, kv_heads=1, seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS), ids=list(TARGETS))
+def target(request, tmp_path_factory) -> FrozenTarget:
+    return make_target(tmp_path_factory.mktemp(request.param), **TARGETS[request.param])
+
+
+def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab - 1, (length,), generator=g).tolist() for length in lengths]
+
+
+def real_drafter(target: FrozenTarget, block_size: int, seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    return DFlashDrafter(num_layers=2, block_size=block_size).build(target.config, target.layer_ids)
+
+
+# ------------------------------------------------------------------------------------------ stubs
+class OracleDrafter:
+    """Drafts the target's own greedy continuation, with slots optionally made wrong.
+
+    It rebuilds the committed token history from what the decoder feeds it (the prompt, then each
+    round's anchor plus as many of its own drafts as new features arrive) and checks on every call
+    that the features it was fed are exactly the target's features of those tokens, and that the
+    anchor sits right after them.
+    """
+
+    def __init__(self, target, prompt, block_size, wrong_prob=0.0, seed=0):
+        self.target, self.prompt = target, list(prompt)
+        self.block_size, self.num_slots = block_size, block_size - 1
+        self.wrong_prob = wrong_prob
+        self.rng = torch.Generator().manual_seed(seed)
+        self.vocab = target.output_rows
+
+    def new_cache(self):
+        return SimpleNamespace(length=0, history=[], features=None, last=None)
+
+    def continuation(self, history, anchor):
+        return target_generate(self.target, history + [anchor], self.num_slots, stop_token_ids=[]).tokens
+
+    def draft(self, cache, new_features, anchor_ids, embed, lm_head):
+        t = new_features.shape[1]
+        if cache.last is None:
+            committed = self.prompt
+        else:
+            prev_anchor, prev_drafts = cache.last
+            assert 1 <= t <= self.block_size
+            committed = [prev_anchor] + prev_drafts[: t - 1]
+        assert len(committed) == t
+        cache.history += committed
+        fed = [new_features] if cache.features is None else [cache.features, new_features]
+        cache.features = torch.cat(fed, dim=1)
+        cache.length += t
+        reference = self.target(torch.tensor([cache.history])).features
+        torch.testing.assert_close(cache.features, reference, atol=1e-4, rtol=1e-4)
+        anchor = int(anchor_ids[0])
+        drafts = self.continuation(cache.history, anchor)
+        wrong = torch.rand(self.num_slots, generator=self.rng) < self.wrong_prob
+        drafts = [(d + 1) % self.vocab if w else d for d, w in zip(drafts, wrong.tolist())]
+        cache.last = (anchor, drafts)
+        logits = torch.full((1, self.num_slots, self.vocab), -10.0)
+        logits[0, torch.arange(self.num_slots), torch.tensor(drafts)] = 10.0
+        h = self.target.hidden_size
+        return _draft_output(logits, h)
+
+
+def _draft_output(logits: torch.Tensor, hidden: int) -> DraftOutput:
+    s = logits.shape[1]
+    valid = torch.ones(1, dtype=torch.bool)
+    return DraftOutput(torch.zeros(1, s, hidden), logits, torch.zeros(1, hidden), valid)
+
+
+class TableDrafter:
+    """Cheap stub: drafts a fixed block per anchor token (e.g. precomputed greedy continuations)."""
+
+    def __init__(self, table: torch.Tensor, vocab: int, hidden: int, sharpness: float = 10.0):
+        self.table = table  # [vocab, S]
+        self.num_slots = table.shape[1]
+        self.block_size = self.num_slots + 1
+        self.vocab, self.hidden, self.sharpness = vocab, hidden, sharpness
+
+    def new_cache(self):
+        return SimpleNamespace(length=0)
+
+    def draft(self, cache, new_features, anchor_ids, embed, lm_head):
+        cache.length += new_features.shape[1]
+        drafts = self.table[anchor_ids]  # [1, S]
+        logits = torch.nn.functional.one_hot(drafts, self.vocab).float() * self.sharpness
+        h = self.hidden
+        return _draft_output(logits, h)
+
+
+@dataclass
+class SampledSelection(Selection):
+    q: torch.Tensor | None = None  # [b, S, V] the distribution the tokens were drawn from
+
+
+class SamplingSelector:
+    """A stochastic selector: draws each slot from ``softmax(slot_logits)`` and reports that ``q``."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def select(self, slot_hidden, slot_logits, anchor_feature, embed):
+        q = torch.softmax(slot_logits.float(), dim=-1)
+        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=self.generator).view(q.shape[:-1])
+        return SampledSelection(tokens=tokens, q=q)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def check_round_bookkeeping(result: GenerationResult, num_slots: int) -> None:
+    acc = result.accepted_lengths
+    assert result.num_rounds == len(acc)
+    assert all(0 <= a <= num_slots for a in acc)
+    if acc:
+        assert result.tau == pytest.approx(sum(a + 1 for a in acc) / len(acc))
+        # τ includes the bonus: the first token plus Σ τ covers the output, and the last round was needed.
+        assert 1 + sum(a + 1 for a in acc) >= len(result.tokens) > 1 + sum(a + 1 for a in acc[:-1])
+    else:
+        assert result.tau == 1.0 and len(result.tokens) <= 1
+    assert result.target_calls == 1 + result.num_rounds
+    for name in ("prefill", "draft", "head", "verify", "total"):
+        assert getattr(result, name) >= 0.0
+    assert result.total >= result.prefill + result.draft + result.head + result.verify - 1e-3
+
+
+def greedy(target, prompt, n, stops=()):
+    return target_generate(target, prompt, n, stop_token_ids=list(stops))
+
+
+# ------------------------------------------------------------------------------------------ T = 0
+@pytest.mark.parametrize("selector_name", ["top1", "lilicorr"])
+def test_greedy_speculative_equals_greedy_target_with_a_real_drafter(target, selector_name):
+    vocab, hidden = target.output_rows, target.hidden_size
+    for block_size, seed in [(4, 0), (6, 1)]:
+        drafter = real_drafter(target, block_size, seed=seed)
+        selector = (
+            Top1Selector()
+            if selector_name == "top1"
+            else LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2).build(hidden, vocab)
+        )
+        for prompt in random_prompts(vocab, 3, seed=10 + seed):
+            expected = greedy(target, prompt, 17)
+            got = speculative_generate(target, drafter, selector, prompt, 17, stop_token_ids=[])
+            assert got.tokens == expected.tokens
+            assert got.stopped_on == expected.stopped_on == "max_new_tokens"
+            check_round_bookkeeping(got, block_size - 1)
+
+
+def test_greedy_speculative_equals_greedy_target_with_partial_acceptance(target):
+    """A drafter that is right most of the time exercises every acceptance length and the cache crops."""
+    vocab = target.output_rows
+    seen_lengths = set()
+    for i, prompt in enumerate(random_prompts(vocab, 4, seed=20)):
+        for block_size, n in [(4, 19), (5, 22)]:  # budgets that end mid-block
+            drafter = OracleDrafter(target, prompt, block_size, wrong_prob=0.25, seed=i)
+            expected = greedy(target, prompt, n)
+            got = speculative_generate(target, drafter, Top1Selector(), prompt, n, stop_token_ids=[])
+            assert got.tokens == expected.tokens
+            assert len(got.tokens) == n and got.stopped_on == "max_new_tokens"
+            check_round_bookkeeping(got, block_size - 1)
+            seen_lengths.update(got.accepted_lengths)
+    assert {0, 1, 2, 3} <= seen_lengths
+
+
+def test_oracle_drafter_reaches_tau_equal_block_size(target):
+    block_size, rounds = 5, 3
+    prompt = random_prompts(target.output_rows, 1, seed=30)[0]
+    drafter = OracleDrafter(target, prompt, block_size)
+    n = 1 + rounds * block_size  # the prefill token, then full blocks
+    got = speculative_generate(target, drafter, Top1Selector(), prompt, n, stop_token_ids=[], record_rounds=2)
+    assert got.tokens == greedy(target, prompt, n).tokens
+    assert got.accepted_lengths == [block_size - 1] * rounds
+    assert got.tau == block_size  # τ = B: every draft accepted plus the bonus token
+    assert len(got.rounds) == 2
+    first = got.rounds[0]
+    assert first["anchor"] == got.tokens[0] and first["accepted"] == block_size - 1
+    assert first["committed"] == got.tokens[1 : 1 + block_size]
+    assert first["drafted"] == first["target"][:-1] == got.tokens[1:block_size]
+
+
+def test_oracle_drafter_truncates_the_last_block_at_max_new_tokens(target):
+    block_size = 4
+    prompt = random_prompts(target.output_rows, 1, seed=31)[0]
+    n = 1 + block_size + 2  # the second round commits 4 tokens but only 2 fit
+    drafter = OracleDrafter(target, prompt, block_size)
+    got = speculative_generate(target, drafter, Top1Selector(), prompt, n, stop_token_ids=[])
+    assert got.tokens == greedy(target, prompt, n).tokens and len(got.tokens) == n
+    assert got.accepted_lengths == [3, 3] and got.stopped_on == "max_new_tokens"
+
+
+def test_always_wrong_drafter_gives_tau_one(target):
+    prompt = random_prompts(target.output_rows, 1, seed=32)[0]
+    drafter = OracleDrafter(target, prompt, 4, wrong_prob=1.0)
+    got = speculative_generate(target, drafter, Top1Selector(), prompt, 9, stop_token_ids=[])
+    assert got.tokens == greedy(target, prompt, 9).tokens
+    assert got.accepted_lengths == [0] * 8 and got.tau == 1.0
+
+
+@pytest.mark.parametrize("drafter_kind", ["real", "oracle"])
+def test_stops_after_the_first_stop_token(target, drafter_kind):
+    vocab = target.output_rows
+    checked = 0
+    for i, prompt in enumerate(random_prompts(vocab, 6, seed=40)):
+        free = greedy(target, prompt, 24).tokens
+        # A stop id the target really emits, first seen after a few tokens (inside a block).
+        candidates = [tok for j, tok in enumerate(free) if j >= 3 and tok not in free[:j]]
+        if not candidates:
+            continue
+        stop = candidates[0]
+        cut = free.index(stop) + 1
+        if drafter_kind == "real":
+            drafter = real_drafter(target, 4)
+        else:
+            drafter = OracleDrafter(target, prompt, 4, seed=i)
+        stops = [stop, vocab + 7]  # an id that never occurs does no harm
+        expected = greedy(target, prompt, 24, stops=stops)
+        got = speculative_generate(target, drafter, Top1Selector(), prompt, 24, stop_token_ids=stops)
+        assert expected.tokens == free[:cut] and expected.stopped_on == "eos"
+        assert got.tokens == free[:cut] and got.stopped_on == "eos"
+        check_round_bookkeeping(got, 3)
+        checked += 1
+    assert checked >= 3
+
+
+def test_default_stop_ids_come_from_the_config(target):
+    prompt = random_prompts(target.output_rows, 1, seed=50)[0]
+    free = greedy(target, prompt, 12).tokens
+    stop = free[5]
+    cut = free.index(stop) + 1
+    old = target.config.eos_token_id, target.model.generation_config.eos_token_id
+    try:
+        target.config.eos_token_id = stop
+        target.model.generation_config.eos_token_id = [stop]
+        assert default_stop_token_ids(target) == [stop]
+        got = speculative_generate(target, OracleDrafter(target, prompt, 4), Top1Selector(), prompt, 12)
+        assert got.tokens == free[:cut] and got.stopped_on == "eos"
+    finally:
+        target.config.eos_token_id, target.model.generation_config.eos_token_id = old
+
+
+def test_first_token_stop_ends_before_any_round(target):
+    prompt = random_prompts(target.output_rows, 1, seed=51)[0]
+    first = greedy(target, prompt, 1).tokens[0]
+    drafter = real_drafter(target, 4)
+    got = speculative_generate(target, drafter, Top1Selector(), prompt, 10, stop_token_ids=[first])
+    assert got.tokens == [first] and got.stopped_on == "eos"
+    assert got.num_rounds == 0 and got.accepted_lengths == [] and got.tau == 1.0
+
+
+def test_plain_decoding_result_and_input_checks(target):
+    prompt = random_prompts(target.output_rows, 1, seed=52)[0]
+    plain = target_generate(target, torch.tensor([prompt]), 6, stop_token_ids=[])
+    assert len(plain.tokens) == 6 and plain.accepted_lengths == [] and plain.tau == 1.0
+    assert plain.target_calls == 6 and plain.prompt_length == len(prompt) and plain.num_rounds == 0
+    assert target_generate(target, prompt, 0).tokens == []
+    with pytest.raises(ValueError, match="batch size 1"):
+        batch = torch.ones(2, 3, dtype=torch.long)
+        speculative_generate(target, real_drafter(target, 4), Top1Selector(), batch, 4)
+    with pytest.raises(ValueError, match="empty"):
+        target_generate(target, [], 4)
+
+
+def test_drafter_and_selector_run_in_eval_mode_and_are_restored(target):
+    drafter = real_drafter(target, 4)
+    head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, dropout=0.5).build(
+        target.hidden_size, target.output_rows
+    )
+    drafter.train(), head.train()
+    prompt = random_prompts(target.output_rows, 1, seed=53)[0]
+    got = speculative_generate(target, drafter, head, prompt, 8, stop_token_ids=[])
+    assert got.tokens == greedy(target, prompt, 8).tokens
+    assert drafter.training and head.training and all(m.training for m in head.modules())
+
+
+# ------------------------------------------------------------------------------------------ T > 0
+def _chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, alpha_z: float = 4.0) -> tuple[bool, str]:
+    """Pearson χ² goodness of fit, cells with expected count < 5 pooled; Wilson–Hilferty bound at z."""
+    n = counts.sum().item()
+    assert counts[probs == 0].sum() == 0, "a token sequence with probability zero was generated"
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)]).double()
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    chi2 = ((obs - exp) ** 2 / exp).sum().item()
+    df = obs.numel() - 1
+    bound = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return chi2 <= bound, f"chi2 {chi2:.1f} > bound {bound:.1f} (df {df})"
+
+
+def _exact_joint(target, prompt, length, temperature, top_p) -> torch.Tensor:
+    """Exact probability of every ``length``-token continuation, by enumeration: ``[V] * length``."""
+    v = target.output_rows
+    seqs = torch.cartesian_prod(*[torch.arange(v)] * (length - 1)).view(-1, length - 1)  # [V^(L-1), L-1]
+    ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
+    out = target(ids, return_logits=True)
+    p = warp_probs(out.logits[:, len(prompt) - 1 :], temperature, top_p).double()  # [n, length, V]
+    joint = p[0, 0]  # first token
+    for k in range(1, length):
+        # conditionals at step k depend on the first k tokens: pick rows whose first k tokens index them
+        cond = p[:, k].reshape(*[v] * (length - 1), v)  # indexed by all length-1 prefix tokens
+        cond = cond[(slice(None),) * k + (0,) * (length - 1 - k)]  # later tokens do not matter
+        joint = joint.unsqueeze(-1) * cond
+    return joint
+
+
+def _sample_counts(generate, v, length, n):
+    counts = torch.zeros([v] * length, dtype=torch.long)
+    for _ in range(n):
+        tokens = generate()
+        assert len(tokens) == length
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory) -> FrozenTarget:
+    path = tmp_path_factory.mktemp("v8")
+    return make_target(path, vocab=8, tie=False, layers=2, hidden=16, std=0.6, seed=5)
+
+
+def test_exact_joint_enumeration_is_a_distribution(small_vocab_target):
+    joint = _exact_joint(small_vocab_target, [2, 5, 3], 3, 1.0, 1.0)
+    assert joint.shape == (8, 8, 8) and joint.sum().item() == pytest.approx(1.0, abs=1e-6)
+    # Spot check one conditional against a direct forward pass.
+    logits = small_vocab_target(torch.tensor([[2, 5, 3, 4, 6]]), return_logits=True).logits[0, -1]
+    cond = joint[4, 6] / joint[4, 6].sum()
+    torch.testing.assert_close(cond, torch.softmax(logits.double(), -1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "mode,temperature,top_p,n",
+    [("point-mass", 0.8, 0.95, 1500), ("sampled-q", 1.0, 1.0, 1200)],
+)
+def test_sampling_is_lossless_in_distribution(small_vocab_target, mode, temperature, top_p, n):
+    """At T > 0 the speculative output is distributed as the target's own samples (exact enumeration)."""
+    target, prompt, length, v = small_vocab_target, [2, 5, 3], 3, 8
+    # Drafts: the greedy continuation after each possible anchor, so blocks are often (not always) accepted.
+    table = torch.tensor([greedy(target, prompt + [a], 2).tokens for a in range(v)])  # [V, S=2]
+    drafter = TableDrafter(table, v, target.hidden_size, sharpness=10.0 if mode == "point-mass" else 1.5)
+    selector = Top1Selector() if mode == "point-mass" else SamplingSelector(seed=7)
+    g = torch.Generator().manual_seed(123)
+    lengths: list[int] = []
+
+    def generate():
+        r = speculative_generate(target, drafter, selector, prompt, length, temperature, top_p, [], g)
+        lengths.extend(r.accepted_lengths)
+        return r.tokens
+
+    counts = _sample_counts(generate, v, length, n)
+    exact = _exact_joint(target, prompt, length, temperature, top_p)
+    ok, msg = _chi_square_ok(counts.flatten(), exact.flatten().float())
+    assert ok, msg
+    assert {0, 1, 2} <= set(lengths)  # rejections, partial and full acceptance all occurred
+    # The baseline samples the same distribution through the same sampling code.
+    if mode == "point-mass":
+
+        def plain():
+            return target_generate(target, prompt, length, temperature, top_p, [], g).tokens
+
+        counts = _sample_counts(plain, v, length, n // 2)
+        ok, msg = _chi_square_ok(counts.flatten(), exact.flatten().float())
+        assert ok, msg
+
+
+# ------------------------------------------------------------------------------------------ acceptance rules
+@pytest.mark.parametrize("rule", ["point-mass", "sampled-q"])
+def test_acceptance_rules_are_lossless(rule):
+    """The acceptance rules alone, vectorised over many blocks: the emitted tokens, completed by plain
+    autoregressive sampling, must be distributed exactly as sampling from ``p`` (V = 3, S = 2)."""
+    v, n = 3, 40000
+    g = torch.Generator().manual_seed(0)
+
+    def normalised(x):
+        return x / x.sum(-1, keepdim=True)
+
+    # Target conditionals p(. | prefix) for prefixes of 0, 1, 2 tokens; draft conditionals q likewise.
+    p0 = normalised(torch.rand(v, generator=g) + 0.05)
+    p1 = normalised(torch.rand(v, v, generator=g) ** 3 + 0.01)  # peaky: some drafts are often right
+    p2 = normalised(torch.rand(v, v, v, generator=g) + 0.01)
+    q0, q1 = normalised(torch.rand(v, generator=g) + 0.05), normalised(torch.rand(v, v, generator=g) + 0.05)
+    rows = torch.arange(n)
+    if rule == "point-mass":  # any draft chosen independently of the target's samples
+        d1 = torch.ones(n, dtype=torch.long)
+        d2 = torch.where(torch.rand(n, generator=g) < 0.5, 0, 2)
+    else:
+        d1 = torch.multinomial(q0, n, replacement=True, generator=g)
+        d2 = torch.multinomial(q1[d1], 1, generator=g).squeeze(1)
+    drafts = torch.stack([d1, d2], 1)  # [n, S]
+    p = torch.stack([p0.expand(n, v), p1[d1], p2[d1, d2]], 1)  # [n, S+1, V] along each draft path
+    if rule == "point-mass":
+        acc, nxt = greedy_accept(drafts, sample_tokens(p.log(), 1.0, 1.0, g))
+    else:
+        q = torch.stack([q0.expand(n, v), q1[d1]], 1)  # [n, S, V]
+        acc, nxt = speculative_sampling_accept(drafts, q, p, g)
+    assert set(acc.tolist()) == {0, 1, 2}
+    # Emitted: accepted drafts then the bonus; complete to 3 tokens with plain sampling from p.
+    seq = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], 1)
+    seq[rows, acc] = nxt
+    short = acc == 0
+    seq[short, 1] = torch.multinomial(p1[seq[short, 0]], 1, generator=g).squeeze(1)
+    short = acc <= 1
+    seq[short, 2] = torch.multinomial(p2[seq[short, 0], seq[short, 1]], 1, generator=g).squeeze(1)
+    counts = torch.bincount(seq[:, 0] * v * v + seq[:, 1] * v + seq[:, 2], minlength=v**3)
+    exact = (p0[:, None, None] * p1[:, :, None] * p2).flatten()
+    ok, msg = _chi_square_ok(counts, exact)
+    assert ok, msg
+
+
+def test_greedy_accept_takes_the_longest_matching_prefix():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 6, 7]])
+    choices = torch.tensor([[5, 6, 7, 9], [5, 0, 7, 9], [5, 6, 3, 9], [5, 6, 7, 9]])
+    acc, nxt = greedy_accept(drafts, choices)
+    assert acc.tolist() == [3, 1, 2, 0] and nxt.tolist() == [9, 0, 3, 5]
+
+
+def test_warp_probs_nucleus_and_temperature():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    torch.testing.assert_close(warp_probs(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    torch.testing.assert_close(warp_probs(logits, 1.0, top_p=0.8), torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    torch.testing.assert_close(warp_probs(logits, 1.0, top_p=0.81), expected)
+    assert warp_probs(logits, 1.0, top_p=0.1).tolist() == [1.0, 0.0, 0.0, 0.0]
+    sharp = warp_probs(logits, 0.5)
+    torch.testing.assert_close(sharp, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+    assert sample_tokens(logits.view(1, 1, 4), 0.0).tolist() == [[0]]

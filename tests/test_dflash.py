@@ -1,0 +1,208 @@
+"""DFlash drafter: the exact formulas of DESIGN §3, block isolation, train == inference, masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lilicorr_pl.models.dflash import DFlashDrafter, block_labels, sample_anchors
+
+
+def make_drafter(target, block_size=4, layers=2, seed=0):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(num_layers=layers, block_size=block_size).build(target.config, target.layer_ids)
+    with torch.no_grad():  # non-trivial norms so a skipped/misplaced norm changes the result
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+    return drafter
+
+
+def run(drafter, target, x, anchors, **kw):
+    feats = target(x).features
+    return drafter(feats, x, anchors, target.embed, target.lm_head, **kw)
+
+
+# ---------------------------------------------------------------- an independent reference
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta, d):
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = pos.float()[:, None] * inv[None]  # [t, d/2]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_block(drafter, target, feats, ids, p):
+    """DESIGN §3.1 written out by hand for one block anchored at p (single sequence)."""
+    cfg = target.config
+    eps, theta = cfg.rms_norm_eps, cfg.rope_parameters["rope_theta"]
+    ctx = _rms(feats[0, :p] @ drafter.fc.weight.T, drafter.hidden_norm.weight, eps)  # [p, H]
+    block_ids = torch.tensor([ids[0, p].item()] + [drafter.mask_token_id] * (drafter.block_size - 1))
+    h = target.embed_tokens.weight[block_ids]
+    pos_c, pos_b = torch.arange(p), p + torch.arange(drafter.block_size)
+    for layer in drafter.layers:
+        a = layer.self_attn
+        nh, nkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        x = _rms(h, layer.input_layernorm.weight, eps)
+        q = (x @ a.q_proj.weight.T).view(-1, nh, d)
+        q = _rope(_rms(q, a.q_norm.weight, eps).transpose(0, 1), pos_b, theta, d)
+        kc = _rms((ctx @ a.k_proj.weight.T).view(-1, nkv, d), a.k_norm.weight, eps).transpose(0, 1)
+        kb = _rms((x @ a.k_proj.weight.T).view(-1, nkv, d), a.k_norm.weight, eps).transpose(0, 1)
+        k = torch.cat([_rope(kc, pos_c, theta, d), _rope(kb, pos_b, theta, d)], 1)
+        v = torch.cat([(ctx @ a.v_proj.weight.T), (x @ a.v_proj.weight.T)], 0).view(-1, nkv, d).transpose(0, 1)
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d), -1) @ v  # [nh, B, d]
+        h = h + att.transpose(0, 1).reshape(len(block_ids), -1) @ a.o_proj.weight.T
+        m = layer.mlp
+        y = _rms(h, layer.post_attention_layernorm.weight, eps)
+        h = h + (F.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    out = _rms(h, drafter.norm.weight, eps)[1:]
+    return out @ target.lm_head_module.weight.T
+
+
+def test_forward_matches_hand_written_reference(tiny_target):
+    drafter = make_drafter(tiny_target)
+    x = torch.randint(0, 90, (1, 14))
+    anchors = torch.tensor([[1, 6, 11]])
+    out = run(drafter, tiny_target, x, anchors)
+    feats = tiny_target(x).features
+    for n, p in enumerate(anchors[0].tolist()):
+        ref = reference_block(drafter, tiny_target, feats, x, p)
+        torch.testing.assert_close(out.slot_logits[0, n], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_uses_target_lm_head_not_embedding_when_untied(tiny_target):
+    drafter = make_drafter(tiny_target)
+    x = torch.randint(0, 90, (1, 10))
+    out = run(drafter, tiny_target, x, torch.tensor([[4]]))
+    expect = out.slot_hidden @ tiny_target.lm_head_module.weight.T
+    torch.testing.assert_close(out.slot_logits, expect)
+    if not tiny_target.config.tie_word_embeddings:
+        assert not torch.allclose(out.slot_logits, out.slot_hidden @ tiny_target.embed_tokens.weight.T)
+    names = [n for n, _ in drafter.named_parameters()]
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_block_isolation_context_strictly_before_anchor(tiny_target):
+    drafter = make_drafter(tiny_target, block_size=5)
+    torch.manual_seed(1)
+    x = torch.randint(0, 90, (1, 20))
+    anchors = torch.tensor([[8, 3, 14]])
+    base = run(drafter, tiny_target, x, anchors).slot_logits[0, 0]
+    for pos in (9, 12, 19):  # tokens after the anchor: the block must not see them
+        y = x.clone()
+        y[0, pos] = (y[0, pos] + 7) % 90
+        torch.testing.assert_close(run(drafter, tiny_target, y, anchors).slot_logits[0, 0], base)
+    feats = tiny_target(x).features
+
+    def with_feature_noise(pos):
+        f = feats.clone()
+        f[0, pos] += torch.randn_like(f[0, pos])
+        return drafter(f, x, anchors, tiny_target.embed, tiny_target.lm_head).slot_logits[0, 0]
+
+    for pos in (8, 9, 15):  # the anchor's own target feature does not exist yet at inference
+        torch.testing.assert_close(with_feature_noise(pos), base)
+    for pos in (0, 5, 7):  # strictly before the anchor: the block must see it
+        assert not torch.allclose(with_feature_noise(pos), base, atol=1e-6)
+        y = x.clone()
+        y[0, pos] = (y[0, pos] + 7) % 90
+        assert not torch.allclose(run(drafter, tiny_target, y, anchors).slot_logits[0, 0], base, atol=1e-6)
+    # Another block (different anchor / overlapping span) never leaks into this one.
+    other = run(drafter, tiny_target, x, torch.tensor([[8, 10, 5]])).slot_logits[0, 0]
+    torch.testing.assert_close(other, base)
+
+
+def test_training_path_equals_inference_path_with_cache(tiny_target):
+    drafter = make_drafter(tiny_target, block_size=6)
+    x = torch.randint(0, 90, (2, 24))
+    anchors = torch.tensor([[2, 9, 17], [5, 12, 23]])
+    train = run(drafter, tiny_target, x, anchors)
+    feats = tiny_target(x).features
+    for b in range(2):
+        for n, p in enumerate(anchors[b].tolist()):
+            cache = drafter.new_cache()
+            split = p // 2  # append context in two calls, as the decoding loop does
+            drafter.draft(cache, feats[b : b + 1, :split], x[b : b + 1, split], tiny_target.embed, tiny_target.lm_head)
+            out = drafter.draft(cache, feats[b : b + 1, split:p], x[b : b + 1, p], tiny_target.embed, tiny_target.lm_head)
+            assert cache.length == p  # the block itself never stays in the cache
+            torch.testing.assert_close(out.slot_logits[0], train.slot_logits[b, n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.anchor_feature[0], train.anchor_feature[b, n], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_flex_attention_agrees_with_dense_mask(tiny_target):
+    drafter = make_drafter(tiny_target, block_size=4)
+    x = torch.randint(0, 90, (2, 30))
+    anchors = torch.tensor([[3, 8, 20, 27], [1, 2, 15, 16]])
+    dense = run(drafter, tiny_target, x, anchors, attention="sdpa").slot_logits
+    flex = run(drafter, tiny_target, x, anchors, attention="flex").slot_logits
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_positions_follow_the_anchor(tiny_target):
+    # A block's output depends on its absolute position: the same tokens/context shifted by one
+    # position (with a dummy token prepended) must give the same output only if positions shift too.
+    drafter = make_drafter(tiny_target)
+    x = torch.randint(0, 90, (1, 12))
+    feats = tiny_target(x).features
+    cache = drafter.new_cache()
+    a = drafter.draft(cache, feats[:, :6], x[:, 6], tiny_target.embed, tiny_target.lm_head).slot_logits
+    train = drafter(feats, x, torch.tensor([[6]]), tiny_target.embed, tiny_target.lm_head).slot_logits[:, 0]
+    torch.testing.assert_close(a, train, atol=1e-5, rtol=1e-5)
+    wrong = drafter(feats, x, torch.tensor([[7]]), tiny_target.embed, tiny_target.lm_head).slot_logits[:, 0]
+    assert not torch.allclose(a, wrong, atol=1e-4)
+
+
+def test_sample_anchors_respects_loss_mask_and_is_distinct():
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[0, 10:30] = True
+    mask[1, 35:] = True  # only 4 eligible (39 is the last position: nothing to predict)
+    g = torch.Generator().manual_seed(0)
+    pos, valid = sample_anchors(mask, 8, generator=g)
+    assert pos.shape == (3, 8)
+    assert valid[0].all() and valid[1].sum() == 4 and not valid[2].any()
+    for b in range(3):
+        chosen = pos[b][valid[b]]
+        assert mask[b, chosen].all() and len(set(chosen.tolist())) == len(chosen)
+        assert (chosen < 39).all() and (chosen >= 1).all()
+        assert torch.equal(chosen, chosen.sort().values)
+    pos2, _ = sample_anchors(mask, 8, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(pos, pos2)  # redrawn with the generator
+
+
+def test_block_labels_are_same_position_and_masked():
+    ids = torch.arange(100, 110).unsqueeze(0)  # token at position t is 100 + t
+    loss = torch.ones(1, 10, dtype=torch.bool)
+    loss[0, 7] = False
+    labels, lmask, lpos = block_labels(ids, loss, torch.tensor([[2, 6, 8]]), torch.tensor([[True, True, False]]), 4)
+    assert labels[0, 0].tolist() == [103, 104, 105]  # slot k of anchor p is token p + k
+    assert lmask[0, 0].tolist() == [True, True, True]
+    assert lmask[0, 1].tolist() == [False, True, True]  # position 7 is outside the loss mask
+    assert lmask[0, 2].tolist() == [False, False, False]  # invalid block
+    assert lpos[0, 0].tolist() == [3, 4, 5]
+    labels, lmask, _ = block_labels(ids, loss, torch.tensor([[8]]), torch.tensor([[True]]), 4)
+    assert lmask[0, 0].tolist() == [True, False, False]  # runs off the sequence end
+
+
+def test_clear_errors_for_block_size_and_mask_token(tiny_target):
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        DFlashDrafter(block_size=1)
+    with pytest.raises(ValueError, match=r"mask_token_id 151669 is outside the target vocabulary \(96 rows\)"):
+        DFlashDrafter(block_size=4, mask_token_id=151669).build(tiny_target.config, tiny_target.layer_ids)
+    with pytest.raises(RuntimeError, match="build"):
+        DFlashDrafter(block_size=4).fuse(torch.zeros(1, 2, 3))
+
+
+def test_mask_embedding_is_the_frozen_target_row(tiny_target):
+    drafter = make_drafter(tiny_target)
+    emb = drafter._block_embeddings(torch.tensor([5]), tiny_target.embed)
+    torch.testing.assert_close(emb[0, 1:], tiny_target.embed_tokens.weight[drafter.mask_token_id].expand(3, -1))
+    torch.testing.assert_close(emb[0, 0], tiny_target.embed_tokens.weight[5])
+    assert drafter.mask_token_id == tiny_target.config.mask_token_id

@@ -1,0 +1,324 @@
+"""Selectors, lattice decoding and the LiLiCorr head."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lilicorr_pl.heads import (
+    Lattice,
+    LiLiCorrHead,
+    Selection,
+    Top1Selector,
+    forced_prefix_mask,
+    greedy_walk,
+    oracle_prefix,
+    path_score,
+    prefix_length,
+    viterbi,
+)
+from lilicorr_pl.losses import DistractorPenalty, LossInputs, OraclePrefixCE
+
+H, V = 12, 40
+
+
+def _random_scores(m: int, s: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(m, s - 1, k, k, generator=g)
+
+
+def _manual_score(start: torch.Tensor, pair: torch.Tensor, path: tuple[int, ...]) -> float:
+    total = start[path[0]].item()
+    for s in range(len(path) - 1):
+        total += pair[s, path[s], path[s + 1]].item()
+    return total
+
+
+# ---------------------------------------------------------------------------- lattice decoding
+
+
+@pytest.mark.parametrize("m,s,k", [(5, 1, 3), (6, 2, 2), (7, 4, 3), (3, 6, 5)])
+def test_greedy_walk_follows_the_rule(m, s, k):
+    start, pair = _random_scores(m, s, k, seed=m * 100 + s * 10 + k)
+    path = greedy_walk(start, pair)
+    assert path.shape == (m, s) and path.dtype == torch.long
+    for b in range(m):
+        expected = [max(range(k), key=lambda j: start[b, j].item())]
+        for t in range(s - 1):
+            expected.append(max(range(k), key=lambda j: pair[b, t, expected[-1], j].item()))
+        assert path[b].tolist() == expected
+
+
+@pytest.mark.parametrize("m,s,k", [(4, 1, 4), (5, 2, 3), (4, 3, 3), (3, 5, 2), (2, 4, 4)])
+def test_viterbi_equals_brute_force_and_path_score_agrees(m, s, k):
+    start, pair = _random_scores(m, s, k, seed=7 + m + s + k)
+    path = viterbi(start, pair)
+    scores = path_score(start, pair, path)
+    for b in range(m):
+        best = max(itertools.product(range(k), repeat=s), key=lambda p: _manual_score(start[b], pair[b], p))
+        assert tuple(path[b].tolist()) == best
+        assert scores[b].item() == pytest.approx(_manual_score(start[b], pair[b], best), abs=1e-5)
+    # Greedy never beats the best path on path score.
+    assert (path_score(start, pair, greedy_walk(start, pair)) <= scores + 1e-5).all()
+
+
+def test_greedy_keeps_the_early_slot_where_viterbi_sacrifices_it():
+    start = torch.tensor([[1.0, 0.0]])
+    pair = torch.tensor([[[[0.0, 0.0], [5.0, 5.0]]]])  # leaving rank 1 is worth much more
+    assert greedy_walk(start, pair).tolist() == [[0, 0]]
+    assert viterbi(start, pair).tolist() == [[1, 0]]
+
+
+def test_prefix_length_counts_leading_trues():
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert prefix_length(correct).tolist() == [2, 0, 4, 1]
+
+
+def test_oracle_prefix_on_hand_built_blocks():
+    candidates = torch.tensor(
+        [
+            [[1, 2], [3, 4], [5, 6], [7, 8]],  # true tokens at ranks 1, 0, absent, 0 -> prefix 2
+            [[1, 2], [3, 4], [5, 6], [7, 8]],  # all present, runs off the sequence after slot 1
+            [[1, 2], [3, 4], [5, 6], [7, 8]],  # first slot outside the loss mask -> prefix 0
+            [[1, 2], [3, 4], [5, 6], [7, 8]],  # every slot present and supervised -> prefix 4
+        ]
+    )
+    labels = torch.tensor([[2, 3, 9, 7], [1, 4, 6, 8], [2, 3, 5, 7], [1, 3, 5, 7]])
+    label_mask = torch.tensor(
+        [[1, 1, 1, 1], [1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool
+    )
+    length, true_rank = oracle_prefix(candidates, labels, label_mask)
+    assert length.tolist() == [2, 2, 0, 4]
+    # -1 where the token is absent *or* the slot is unsupervised (even if the label happens to match)
+    assert true_rank.tolist() == [[1, 0, -1, 0], [0, 1, -1, -1], [-1, 0, 0, 0], [0, 0, 0, 0]]
+    assert forced_prefix_mask(length, 4).tolist() == [
+        [True, True, False, False],
+        [True, True, False, False],
+        [False, False, False, False],
+        [True, True, True, True],
+    ]
+
+
+def test_oracle_prefix_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"must share \[M, S\]"):
+        oracle_prefix(torch.zeros(2, 3, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
+                      torch.ones(2, 4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------- top-1
+
+
+def test_top1_selector_is_per_slot_argmax():
+    logits = torch.randn(3, 5, V)
+    sel = Top1Selector().build(H, V).select(torch.randn(3, 5, H), logits, torch.zeros(3, H), lambda ids: ids)
+    assert isinstance(sel, Selection) and sel.lattice is None
+    assert torch.equal(sel.tokens, logits.argmax(-1))
+    assert list(Top1Selector().parameters()) == []
+
+
+# ---------------------------------------------------------------------------- LiLiCorr head
+
+
+def _head(top_k: int = 4, **kwargs) -> LiLiCorrHead:
+    torch.manual_seed(0)
+    cfg = dict(top_k=top_k, hidden_size=16, num_layers=2, num_heads=4, mlp_ratio=2.0, max_slots=8)
+    cfg.update(kwargs)
+    return LiLiCorrHead(**cfg).build(H, V).eval()
+
+
+def _inputs(m: int = 5, s: int = 4, seed: int = 1, requires_grad: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    slot_hidden = torch.randn(m, s, H, generator=g).requires_grad_(requires_grad)
+    slot_logits = (3 * torch.randn(m, s, V, generator=g)).requires_grad_(requires_grad)
+    anchor = torch.randn(m, H, generator=g)
+    return slot_hidden, slot_logits, anchor, torch.ones(m, dtype=torch.bool)
+
+
+@pytest.fixture
+def embedding() -> nn.Embedding:
+    torch.manual_seed(3)
+    return nn.Embedding(V, H)  # trainable on purpose: the head must still not send it gradient
+
+
+def test_lattice_shapes_candidates_and_logprobs(embedding):
+    head = _head(top_k=4)
+    sh, sl, a, valid = _inputs()
+    lat = head.score_lattice(sh, sl, a, valid, embedding)
+    assert isinstance(lat, Lattice)
+    assert lat.candidates.shape == (5, 4, 4) and lat.candidates.dtype == torch.long
+    assert lat.start.shape == (5, 4) and lat.pair.shape == (5, 3, 4, 4)
+    assert lat.candidate_logprobs.shape == (5, 4, 4)
+    # rank-ordered top-K of the drafter logits, rank 0 = top-1
+    assert torch.equal(lat.candidates[..., 0], sl.argmax(-1))
+    assert torch.equal(lat.candidates, sl.topk(4, dim=-1).indices)
+    expected_lp = sl.log_softmax(-1).gather(-1, lat.candidates)
+    torch.testing.assert_close(lat.candidate_logprobs, expected_lp)
+    assert (lat.candidate_logprobs[..., :-1] >= lat.candidate_logprobs[..., 1:]).all()
+
+
+def test_scores_are_bounded_by_sigma(embedding):
+    head = _head(scale=3.0)
+    sh, sl, a, valid = _inputs(m=16, s=6, seed=5)
+    with torch.no_grad():
+        lat = head.score_lattice(100 * sh, 100 * sl, 100 * a, valid, embedding)
+    assert lat.start.abs().max() <= 3.0 + 1e-5 and lat.pair.abs().max() <= 3.0 + 1e-5
+    assert lat.pair.abs().max() > 0.1  # not trivially zero
+
+
+def test_scores_stay_fp32_and_bounded_under_bf16_autocast(embedding):
+    head = _head(scale=8.0)
+    sh, sl, a, valid = _inputs(m=8, s=5, seed=4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lat = head.score_lattice(sh.bfloat16(), sl.bfloat16(), a.bfloat16(), valid, embedding)
+    assert lat.start.dtype == lat.pair.dtype == lat.candidate_logprobs.dtype == torch.float32
+    assert lat.start.abs().max() <= 8.0 + 1e-5 and lat.pair.abs().max() <= 8.0 + 1e-5
+
+
+def test_single_slot_block_has_empty_pair(embedding):
+    head = _head()
+    sh, sl, a, valid = _inputs(s=1)
+    sel = head.select(sh, sl, a, embedding)
+    assert sel.lattice.pair.shape == (5, 0, 4, 4) and sel.tokens.shape == (5, 1)
+
+
+@pytest.mark.parametrize("loss", [OraclePrefixCE(weight=1.0), DistractorPenalty(weight=1.0)])
+def test_lattice_losses_train_drafter_and_head_but_not_the_embedding(embedding, loss):
+    head = _head().train()
+    sh, sl, a, valid = _inputs(requires_grad=True)
+    lat = head.score_lattice(sh, sl, a, valid, embedding)
+    labels = lat.candidates[..., 2].detach()  # rank 2 of every slot: a full oracle prefix
+    table = torch.randn(V)
+    inputs = LossInputs(sl, labels, torch.ones_like(labels, dtype=torch.bool), lat, lambda ids: table[ids])
+    loss(inputs).loss.backward()
+    assert sh.grad is not None and sh.grad.abs().sum() > 0
+    assert sl.grad is not None and sl.grad.abs().sum() > 0  # joint training via confidence features
+    assert embedding.weight.grad is None  # frozen target embedding is detached
+    trained = [p for p in head.parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert len(trained) > 10
+
+
+def test_invalid_anchor_is_ignored_and_zeroes_start_scores(embedding):
+    head = _head()
+    sh, sl, a, _ = _inputs()
+    valid = torch.tensor([False, True, False, True, True])
+    with torch.no_grad():
+        lat1 = head.score_lattice(sh, sl, a, valid, embedding)
+        lat2 = head.score_lattice(sh, sl, torch.randn_like(a), valid, embedding)
+    invalid = ~valid
+    torch.testing.assert_close(lat1.start[invalid], torch.zeros_like(lat1.start[invalid]))
+    torch.testing.assert_close(lat1.pair[invalid], lat2.pair[invalid])  # anchor ignored where invalid
+    assert not torch.allclose(lat1.pair[valid], lat2.pair[valid])  # a valid anchor conditions pairs
+    # select() treats an all-zero anchor feature as invalid: slot 1 falls back to the top-1
+    a0 = a.clone()
+    a0[0] = 0
+    with torch.no_grad():
+        sel = head.select(sh, sl, a0, embedding)
+    assert sel.lattice_index[0, 0].item() == 0
+
+
+def test_select_walks_the_lattice_and_viterbi_option(embedding):
+    sh, sl, a, _ = _inputs(m=8, s=5, seed=9)
+    with torch.no_grad():
+        greedy_head = _head()
+        sel = greedy_head.select(sh, sl, a, embedding)
+        lat = sel.lattice
+        assert torch.equal(sel.lattice_index, greedy_walk(lat.start, lat.pair))
+        assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
+        viterbi_head = _head(decode="viterbi")
+        sel_v = viterbi_head.select(sh, sl, a, embedding)
+        assert torch.equal(sel_v.lattice_index, viterbi(sel_v.lattice.start, sel_v.lattice.pair))
+
+
+def test_serving_with_smaller_top_k(embedding):
+    head = _head(top_k=4)
+    sh, sl, a, valid = _inputs()
+    with torch.no_grad():
+        full = head.score_lattice(sh, sl, a, valid, embedding)
+        small = head.score_lattice(sh, sl, a, valid, embedding, top_k=2)
+        one = head.select(sh, sl, a, embedding, top_k=1)
+    assert small.candidates.shape == (5, 4, 2) and small.pair.shape == (5, 3, 2, 2)
+    assert torch.equal(small.candidates, full.candidates[..., :2])
+    assert torch.equal(one.tokens, sl.argmax(-1))  # a 1-wide lattice is the top-1 selector
+    with pytest.raises(ValueError, match="can serve any k <= 4"):
+        head.score_lattice(sh, sl, a, valid, embedding, top_k=5)
+
+
+def test_blocks_are_independent_and_batch_order_does_not_matter(embedding):
+    head = _head()
+    sh, sl, a, valid = _inputs(m=6, s=4, seed=11)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    with torch.no_grad():
+        lat = head.score_lattice(sh, sl, a, valid, embedding)
+        lat_p = head.score_lattice(sh[perm], sl[perm], a[perm], valid[perm], embedding)
+        sel, sel_p = head.select(sh, sl, a, embedding), head.select(sh[perm], sl[perm], a[perm], embedding)
+        sh2, sl2 = sh.clone(), sl.clone()
+        sh2[0], sl2[0] = torch.randn_like(sh2[0]), torch.randn_like(sl2[0])
+        lat_changed = head.score_lattice(sh2, sl2, a, valid, embedding)
+    assert torch.equal(lat_p.candidates, lat.candidates[perm])
+    torch.testing.assert_close(lat_p.start, lat.start[perm], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lat_p.pair, lat.pair[perm], atol=1e-5, rtol=1e-5)
+    assert torch.equal(sel_p.tokens, sel.tokens[perm])
+    torch.testing.assert_close(lat_changed.pair[1:], lat.pair[1:], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(lat_changed.pair[0], lat.pair[0])
+
+
+def test_nodes_see_the_other_slots(embedding):
+    """The lattice transformer is bidirectional: a later slot changes earlier slots' factors."""
+    head = _head()
+    sh, sl, a, valid = _inputs()
+    sh2 = sh.clone()
+    sh2[:, -1] = torch.randn_like(sh2[:, -1])
+    with torch.no_grad():
+        lat, lat2 = (head.score_lattice(x, sl, a, valid, embedding) for x in (sh, sh2))
+    assert not torch.allclose(lat.start, lat2.start)
+
+
+def test_build_validates_sizes_and_is_idempotent():
+    head = LiLiCorrHead(top_k=8, hidden_size=16, num_heads=4)
+    with pytest.raises(ValueError, match=r"top_k 8 is larger than the target vocabulary \(5 rows\)"):
+        head.build(H, 5)
+    head.build(H, V)
+    params = [id(p) for p in head.parameters()]
+    assert head.build(H, V) is head and [id(p) for p in head.parameters()] == params
+    with pytest.raises(ValueError, match="create a new head"):
+        head.build(H + 1, V)
+
+
+def test_clear_errors_for_bad_configuration(embedding):
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        LiLiCorrHead(hidden_size=10, num_heads=4)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        LiLiCorrHead(decode="beam")
+    sh, sl, a, valid = _inputs()
+    with pytest.raises(RuntimeError, match="call head.build"):
+        LiLiCorrHead(hidden_size=16, num_heads=4).score_lattice(sh, sl, a, valid, embedding)
+    with pytest.raises(ValueError, match="max_slots >= 4"):
+        _head(max_slots=3).score_lattice(sh, sl, a, valid, embedding)
+
+
+def test_recipe_defaults():
+    head = LiLiCorrHead()
+    assert (head.top_k, head.hidden_size, head.num_layers, head.num_heads) == (8, 1024, 2, 8)
+    assert (head.mlp_ratio, head.scale, head.decode, head.uses_lattice) == (2.0, 8.0, "greedy", True)
+    # σ is a fixed constant, not a parameter
+    head.build(64, 100)
+    assert isinstance(head.scale, float) and all("scale" not in n for n, _ in head.named_parameters())
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_candidate_log_probs_matches_log_softmax_and_its_gradient(chunked, monkeypatch):
+    from lilicorr_pl.heads import candidate_log_probs, lattice as lattice_module
+
+    if chunked:  # one row per chunk, as for a huge vocabulary
+        monkeypatch.setattr(lattice_module, "_row_chunks", lambda t: [slice(i, i + 1) for i in range(len(t))])
+    x = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[[1, 1, 3]]]).expand(3, 4, 3)  # repeated ids accumulate gradient
+    torch.testing.assert_close(candidate_log_probs(x, ids), x.log_softmax(-1).gather(-1, ids))
+    assert torch.autograd.gradcheck(lambda t: candidate_log_probs(t, ids), (x,))
+    half = torch.randn(5, 2, 9).to(torch.bfloat16)
+    out = candidate_log_probs(half, half.topk(2, dim=-1).indices)
+    assert out.dtype == torch.float32  # at least fp32 even for bf16 logits
+    torch.testing.assert_close(out, half.float().log_softmax(-1).gather(-1, half.topk(2, dim=-1).indices))

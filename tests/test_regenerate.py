@@ -1,0 +1,194 @@
+"""Regeneration: the target's own answers become training data; resumable; failures are counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_tiny_target_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
+
+from lilicorr_pl.data.formats import load_examples
+from lilicorr_pl.data.regenerate import main, regenerate
+
+@pytest.fixture(autouse=True)
+def _single_torch_thread():
+    """Tiny models run far faster on one thread (and do not fight other processes for the cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+RECORDS = [
+    {"id": "a", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "later turn"}]},
+    {"conversations": [{"from": "human", "value": "Hello! How are you?"}, {"from": "gpt", "value": "old"}]},
+    {"text": "Once upon a time there was a small model that wanted to be fast."},
+    {"prompt": "def add(a, b):\n", "completion": "old completion"},
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return make_tiny_target_dir(tmp_path_factory.mktemp("regen_target"))
+
+
+@pytest.fixture
+def input_file(tmp_path) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return path
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(target_dir, input_file, output, **kw):
+    args = dict(max_new_tokens=6, batch_size=2, progress=False)
+    args.update(kw)
+    return regenerate(target_dir, input_file, output, **args)
+
+
+def test_regenerates_every_format_and_the_output_is_training_data(target_dir, input_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    stats = run(target_dir, input_file, out, prefix_chars=20)
+    assert (stats.succeeded, stats.failed, stats.skipped) == (5, 0, 0)
+    recs = {r["source_index"]: r for r in read(out)}
+    assert sorted(recs) == [0, 1, 2, 3, 4]
+    # Chat: the prompt is everything before the first assistant turn; the answer is new.
+    chat = recs[0]
+    assert chat["id"] == "a"
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant"]
+    assert chat["messages"][-1]["content"] != "old answer"
+    assert [m["role"] for m in recs[1]["messages"]] == ["user", "assistant"]
+    assert recs[4]["messages"][0]["content"] == "What is the capital of France?"
+    # Text: the (prefix of the) text is the prompt; prompt/completion keeps its prompt.
+    assert recs[2]["prompt"] == RECORDS[2]["text"][:20] and "completion" in recs[2]
+    assert recs[3]["prompt"] == "def add(a, b):\n" and recs[3]["completion"] != "old completion"
+    for r in recs.values():
+        g = r["generation"]
+        assert g["enable_thinking"] is False and g["temperature"] == 0.0 and g["max_new_tokens"] == 6
+        assert g["finish"] in ("stop", "length") and 0 <= g["new_tokens"] <= 6
+    # The output loads as training data; the supervised tokens are exactly the generated ones.
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    examples = load_examples([str(out)], tok, max_length=512)
+    for ex, r in zip(examples, read(out)):
+        supervised = tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m])
+        if "completion" in r:
+            assert supervised == r["completion"]  # prompt and completion are tokenized separately
+        else:
+            # The token holding the template's "\n\n" may absorb leading spaces of the answer.
+            answer = r["messages"][-1]["content"] + "<|im_end|>"
+            assert answer.endswith(supervised) and supervised.lstrip() == answer.lstrip()
+
+
+def test_greedy_matches_plain_generate_and_is_deterministic(target_dir, input_file, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run(target_dir, input_file, a, batch_size=3)
+    run(target_dir, input_file, b, batch_size=1)  # left padding must not change greedy outputs
+    assert read(a) == read(b)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    ids = tok(RECORDS[3]["prompt"], return_tensors="pt")["input_ids"]
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
+    ref = ref[0, ids.shape[1] :].tolist()
+    ref = ref[: min([ref.index(t) for t in stops if t in ref] or [len(ref)])]
+    assert read(a)[3]["completion"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_second_run_skips_everything(target_dir, input_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run(target_dir, input_file, out)
+    before = out.read_text()
+    stats = run(target_dir, input_file, out)
+    assert (stats.succeeded, stats.failed, stats.skipped) == (0, 0, 5)
+    assert out.read_text() == before
+
+
+def test_a_failing_record_is_counted_and_the_run_continues(target_dir, input_file, tmp_path, monkeypatch):
+    original = Qwen3ForCausalLM.generate
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    poison = tok(RECORDS[2]["text"])["input_ids"]
+
+    def flaky(self, input_ids=None, attention_mask=None, **kw):
+        for row, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            if [t for t, m in zip(row, mask) if m] == poison:
+                raise RuntimeError("CUDA out of memory (simulated)")
+        return original(self, input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", flaky)
+    out = tmp_path / "out.jsonl"
+    stats = run(target_dir, input_file, out, batch_size=2)
+    assert (stats.succeeded, stats.failed, stats.skipped) == (4, 1, 0)
+    assert stats.errors[0][0] == 2 and "out of memory" in stats.errors[0][1]
+    assert sorted(r["source_index"] for r in read(out)) == [0, 1, 3, 4]
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", original)
+    stats = run(target_dir, input_file, out)  # the rerun retries only the failed record
+    assert (stats.succeeded, stats.failed, stats.skipped) == (1, 0, 4)
+
+
+def test_bad_records_fail_alone_and_a_partial_last_line_is_redone(target_dir, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        json.dumps({"text": "fine prompt"}) + "\n"
+        + "{not json\n"
+        + json.dumps({"messages": [{"role": "assistant", "content": "no user turn"}]}) + "\n"
+        + json.dumps({"unknown": 1}) + "\n"
+        + json.dumps({"text": "another fine prompt"}) + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    stats = run(target_dir, inp, out)
+    assert (stats.succeeded, stats.failed, stats.skipped) == (2, 3, 0)
+    messages = " | ".join(m for _, m in stats.errors)
+    assert "line 2: malformed JSON" in messages and "no user message" in messages and "unknown record format" in messages
+    # A kill mid-write leaves a partial line: it is cut off and that record regenerated.
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    stats = run(target_dir, inp, out)
+    assert (stats.succeeded, stats.skipped) == (1, 1)
+    assert sorted(r["source_index"] for r in read(out)) == [0, 4]
+
+
+def test_thinking_flag_reaches_the_generation_prompt(target_dir, tmp_path, monkeypatch):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    seen = []
+    original = Qwen3ForCausalLM.generate
+
+    def spy(self, input_ids=None, attention_mask=None, **kw):
+        seen.append(tok.decode(input_ids[0][attention_mask[0].bool()]))
+        return original(self, input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", spy)
+    run(target_dir, inp, tmp_path / "off.jsonl", enable_thinking=False)
+    run(target_dir, inp, tmp_path / "on.jsonl", enable_thinking=True)
+    assert seen[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert seen[1].endswith("<|im_start|>assistant\n")
+    assert read(tmp_path / "on.jsonl")[0]["generation"]["enable_thinking"] is True
+
+
+def test_sampling_is_seeded(target_dir, input_file, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run(target_dir, input_file, a, temperature=1.0, seed=5)
+    run(target_dir, input_file, b, temperature=1.0, seed=5)
+    assert read(a) == read(b)
+
+
+def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    rc = main(["--target", target_dir, "--input", str(input_file), "--output", str(out), "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
+    assert rc == 0 and len(read(out)) == 2
+    assert "succeeded 2, failed 0, skipped 0" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*--input"):
+        regenerate(target_dir, tmp_path / "missing.jsonl", out)
+    with pytest.raises(ValueError, match="--output must differ"):
+        regenerate(target_dir, input_file, input_file)
+    with pytest.raises(SystemExit):
+        main(["--input", "x"])  # --target is required
+    torch.manual_seed(0)  # keep global RNG use by other tests unaffected

@@ -1,0 +1,105 @@
+"""The frozen target wrapper: layer offsets, LM head, candidate logits, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_target, tiny_qwen3_config
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+from tokenizers import Tokenizer, models
+
+from lilicorr_pl.target import FrozenTarget, default_layer_ids
+
+
+def test_default_layer_ids_match_published_rule():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(36, 1) == [18]
+    assert default_layer_ids(6, 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="layer_ids"):
+        default_layer_ids(3, 2)
+
+
+def test_target_is_frozen_and_stays_in_eval(tiny_target):
+    assert not any(p.requires_grad for p in tiny_target.parameters())
+    tiny_target.train()
+    assert not tiny_target.model.training
+
+
+def test_features_equal_hf_hidden_states_with_layer_offset(tiny_target):
+    x = torch.randint(0, 90, (2, 11))
+    hf = tiny_target.model(x, output_hidden_states=True)
+    out = tiny_target(x, return_logits=True)
+    h = tiny_target.hidden_size
+    for j, i in enumerate(tiny_target.layer_ids):
+        torch.testing.assert_close(out.features[..., j * h : (j + 1) * h], hf.hidden_states[i + 1])
+        # The classic silent bug: hidden_states[i] is the *input* of layer i.
+        assert not torch.allclose(out.features[..., j * h : (j + 1) * h], hf.hidden_states[i])
+    torch.testing.assert_close(out.logits, hf.logits)
+    torch.testing.assert_close(out.normed_hidden, hf.hidden_states[-1])
+
+
+def test_last_layer_feature_is_raw_not_final_normed(tmp_path):
+    path = save_tiny_target(tmp_path / "t", layers=4)
+    target = FrozenTarget.from_pretrained(path, layer_ids=[1, 3], load_tokenizer=False)
+    x = torch.randint(0, 90, (1, 9))
+    out = target(x)
+    last = out.features[..., target.hidden_size :]
+    hf = target.model(x, output_hidden_states=True)
+    # Hugging Face stores the final-norm output as hidden_states[L]; the feature must be the raw state.
+    assert not torch.allclose(last, hf.hidden_states[4])
+    torch.testing.assert_close(target.final_norm(last), hf.hidden_states[4])
+
+
+def test_lm_head_respects_tied_and_untied_embeddings(tiny_target):
+    tied = tiny_target.config.tie_word_embeddings
+    same = tiny_target.lm_head_module.weight.data_ptr() == tiny_target.embed_tokens.weight.data_ptr()
+    assert same == tied
+    h = torch.randn(3, tiny_target.hidden_size)
+    torch.testing.assert_close(tiny_target.lm_head(h), h @ tiny_target.lm_head_module.weight.T)
+
+
+def test_candidate_logits_equal_full_logits(tiny_target):
+    x = torch.randint(0, 90, (2, 7))
+    out = tiny_target(x, return_logits=True)
+    ids = torch.randint(0, tiny_target.vocab_rows, (2, 7, 5))
+    got = tiny_target.candidate_logits(out.normed_hidden, ids)
+    torch.testing.assert_close(got, out.logits.gather(-1, ids))
+
+
+def test_kv_cache_and_crop_reproduce_full_pass(tiny_target):
+    x = torch.randint(0, 90, (1, 12))
+    full = tiny_target(x, return_logits=True)
+    first = tiny_target(x[:, :8], use_cache=True)
+    FrozenTarget.crop_cache(first.cache, 6)
+    assert first.cache.get_seq_length() == 6
+    rest = tiny_target(x[:, 6:], cache=first.cache, use_cache=True, return_logits=True)
+    torch.testing.assert_close(rest.logits, full.logits[:, 6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rest.features, full.features[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_clear_errors_for_bad_layer_ids_mask_id_and_tokenizer(tmp_path):
+    path = save_tiny_target(tmp_path / "t")
+    with pytest.raises(ValueError, match=r"out of range.*6 decoder layers.*layer_ids"):
+        FrozenTarget.from_pretrained(path, layer_ids=[1, 6], load_tokenizer=False)
+    target = FrozenTarget.from_pretrained(path, load_tokenizer=False, num_features=2)
+    with pytest.raises(ValueError, match=r"mask_token_id 151669 is outside the target vocabulary \(96 rows\)"):
+        target.check_token_id(151669, setting="model.drafter.init_args.mask_token_id")
+    vocab = {f"t{i}": i for i in range(200)}
+    big = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    with pytest.raises(ValueError, match=r"tokenizer has 200 tokens but the target embedding has 96 rows"):
+        target.check_tokenizer(big)
+    with pytest.raises(OSError, match="could not load the target model"):
+        FrozenTarget.from_pretrained(str(tmp_path / "missing"), load_tokenizer=False)
+
+
+def test_padded_vocabulary_rows_are_valid_mask_rows(tmp_path):
+    model = Qwen3ForCausalLM(tiny_qwen3_config(vocab=128))
+    target = FrozenTarget(model, num_features=2)
+    target.check_token_id(127)  # a padded row beyond any tokenizer id is a legal MASK
+    assert target.vocab_rows == 128
+
+
+def test_crop_cache_to_zero_really_empties_it(tiny_target):
+    out = tiny_target(torch.randint(0, 90, (1, 5)), use_cache=True)
+    FrozenTarget.crop_cache(out.cache, 0)
+    assert out.cache.get_seq_length() == 0

@@ -1,0 +1,162 @@
+"""The tiny stdlib-trained Qwen3 target: corpus splits, build, cache behaviour and loadability."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lilicorr_pl.demo import corpus, tiny_target
+from lilicorr_pl.demo.tiny_target import TinyTargetConfig, build_tiny_target, load_build_report
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One test-size build shared by the tests that only read it: (cache root, build directory)."""
+    root = tmp_path_factory.mktemp("tiny_target_cache")
+    return root, build_tiny_target("test", cache_dir=root, progress=False)
+
+
+def test_splits_are_disjoint_whole_modules() -> None:
+    root = corpus.stdlib_root()
+    train = {corpus.module_name(p.relative_to(root)) for p in corpus.stdlib_files("train")}
+    heldout = {corpus.module_name(p.relative_to(root)) for p in corpus.stdlib_files("heldout")}
+    assert train and heldout
+    assert not train & heldout
+    assert 0.03 <= len(heldout) / (len(train) + len(heldout)) <= 0.2
+    files = corpus.stdlib_files("train") + corpus.stdlib_files("heldout")
+    assert all(not {"test", "tests", "site-packages", "__pycache__"} & set(p.relative_to(root).parts) for p in files)
+    assert all(p.stat().st_size <= corpus.MAX_FILE_BYTES for p in files)
+    assert corpus.stdlib_files("train") == sorted(corpus.stdlib_files("train"), key=lambda p: p.relative_to(root).as_posix())
+
+
+def test_empty_stdlib_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
+    with pytest.raises(FileNotFoundError, match="No Python sources"):
+        corpus.stdlib_files("train")
+    with pytest.raises(ValueError, match="Unknown corpus split"):
+        corpus.stdlib_files("validation")  # type: ignore[arg-type]
+
+
+def test_loads_with_auto_classes_and_padded_vocab(built: tuple[Path, Path]) -> None:
+    _, directory = built
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert model.get_output_embeddings().weight.shape[0] == rows
+    assert rows > len(tokenizer) and rows % 64 == 0
+    assert model.config.mask_token_id == len(tokenizer) < rows
+    assert load_build_report(directory)["mask_token_id"] == len(tokenizer)
+    assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == TinyTargetConfig.test().num_hidden_layers
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+    # The padded rows are real rows: the mask embedding is finite and not all zeros.
+    mask_row = model.get_input_embeddings().weight[model.config.mask_token_id]
+    assert torch.isfinite(mask_row).all() and mask_row.abs().sum() > 0
+    code = "def add(a, b):\n    return a + b\n"
+    assert tokenizer.decode(tokenizer.encode(code, add_special_tokens=False)) == code
+    with torch.no_grad():
+        logits = model(**tokenizer(code, return_tensors="pt")).logits
+    assert logits.shape[-1] == rows
+
+
+def test_chat_template(built: tuple[Path, Path]) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(built[1])
+    messages = [{"role": "user", "content": "def f(x):\n"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\ndef f(x):\n<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False) == prompt
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "    return x\n"}], tokenize=False)
+    assert full.endswith("<|im_start|>assistant\n    return x\n<|im_end|>\n")
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_report_has_metrics_and_training_helped(built: tuple[Path, Path]) -> None:
+    _, directory = built
+    report = load_build_report(directory)
+    for key in ("fingerprint", "config", "num_params", "train_seconds", "heldout_loss", "heldout_top1",
+                "repetition_rate_t0", "repetition_rate_t1", "mask_token_id"):
+        assert key in report, key
+    assert 0.0 <= report["heldout_top1"] <= 1.0
+    assert 0.0 <= report["repetition_rate_t0"] <= 1.0 and 0.0 <= report["repetition_rate_t1"] <= 1.0
+    assert report["heldout_loss"] < math.log(report["vocab_size"])
+    # Against the same architecture and seed, untrained, on the same held-out tokens.
+    config = TinyTargetConfig.test()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    stream = tiny_target._token_stream(list(corpus.read_corpus("heldout")), tokenizer)
+    untrained = tiny_target.heldout_metrics(tiny_target.make_model(config, tokenizer), stream, config)
+    assert report["heldout_loss"] < untrained["heldout_loss"] - 0.5
+
+
+def test_second_call_reuses_cache(built: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    root, directory = built
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a valid cached build was rebuilt")
+
+    monkeypatch.setattr(tiny_target, "_build_into", must_not_build)
+    assert build_tiny_target(TinyTargetConfig.test(), cache_dir=root, progress=False) == directory
+
+
+def test_corrupted_cache_is_rebuilt(built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / built[1].name
+    shutil.copytree(built[1], directory)
+    (directory / tiny_target.WEIGHTS_NAME).unlink()
+    calls = []
+    real_build = tiny_target._build_into
+    monkeypatch.setattr(tiny_target, "_build_into", lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    assert build_tiny_target("test", cache_dir=tmp_path, progress=False) == directory
+    assert calls == [1]
+    assert (directory / tiny_target.WEIGHTS_NAME).is_file()
+    assert tiny_target._cache_problem(directory, load_build_report(directory)["fingerprint"]) is None
+    assert [p.name for p in tmp_path.iterdir()] == [directory.name]  # no temp or old dirs left behind
+
+
+def test_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny_target, "train_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_target("test", cache_dir=tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_heldout_prefixes_are_deterministic_and_fit(built: tuple[Path, Path]) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(built[1])
+    prefixes = corpus.heldout_prefixes(tokenizer, num=4, prefix_tokens=48, seed=3)
+    assert prefixes == corpus.heldout_prefixes(tokenizer, num=4, prefix_tokens=48, seed=3)
+    assert prefixes != corpus.heldout_prefixes(tokenizer, num=4, prefix_tokens=48, seed=4)
+    heldout_text = "\n".join(corpus.read_corpus("heldout"))
+    for prefix in prefixes:
+        assert 24 <= len(tokenizer.encode(prefix, add_special_tokens=False)) <= 48
+        assert prefix.endswith(":\n") or "#" in prefix.splitlines()[-1]  # cut right after a def/class header
+        assert prefix in heldout_text
+
+
+def test_repetition_rate() -> None:
+    assert tiny_target.repetition_rate([[1, 2, 3, 4, 1, 2, 3, 4]]) == pytest.approx(1 / 5)
+    assert tiny_target.repetition_rate([[7, 7, 7, 7, 7, 7]]) == pytest.approx(2 / 3)
+    assert tiny_target.repetition_rate([[1, 2, 3], []]) == 0.0
+
+
+def test_config_validation_and_padding() -> None:
+    assert TinyTargetConfig(vocab_size=4096).embedding_rows == 4160
+    assert TinyTargetConfig(vocab_size=4095).embedding_rows == 4096
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        build_tiny_target(TinyTargetConfig(num_attention_heads=4, num_key_value_heads=3), progress=False)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        TinyTargetConfig(max_seq_len=64).validate()
+    with pytest.raises(ValueError, match="Unknown tiny-target preset"):
+        TinyTargetConfig.preset("huge")
+    for name in ("full", "quick", "test"):
+        TinyTargetConfig.preset(name).validate()
+    assert TinyTargetConfig.full().num_hidden_layers >= 6 and not TinyTargetConfig.full().tie_word_embeddings
