@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -10,7 +13,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lilicorr_pl.decoding.benchmarks import PromptSet, load_prompts
-from lilicorr_pl.decoding.evaluate import evaluate_arm
+from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
 from lilicorr_pl.heads.top1 import Top1Selector
 
 
@@ -18,19 +21,27 @@ class AcceptanceEval(L.Callback):
     """Runs real speculative decoding on a fixed prompt set and logs ``eval/tau`` (with bonus token).
 
     Logs ``eval/tau`` (the system's own head), ``eval/<benchmark>/tau``, ``eval/tau_top1`` (the same
-    drafter with per-slot top-1, for comparison), per-position acceptance and, with W&B, a histogram,
-    an acceptance plot and a table of drafted versus accepted tokens. Works on whatever device the
-    model is on, skips sanity checks, and can be the ``ModelCheckpoint`` monitor (``eval/tau``, max).
-    Every rank decodes its own slice of the prompts and the metrics are summed across ranks.
+    drafter with per-slot top-1, for comparison), per-position acceptance
+    ``eval/acceptance[_top1]/posKK`` and, with W&B, a table of drafted versus accepted tokens, an
+    accepted-length histogram and a per-position acceptance plot. Works on whatever device the model
+    is on, skips sanity checks, and can be the ``ModelCheckpoint`` monitor (``eval/tau``, mode max).
+    Every rank decodes its own slice of the prompts; the accepted-length histograms are summed across
+    ranks, so every rank logs the same pooled values.
+
+    Scalars go straight to ``trainer.loggers`` at ``global_step`` and into ``trainer.callback_metrics``
+    (for monitors) rather than through ``LightningModule.log``: they come from both a train-batch hook
+    and a validation hook, at steps unrelated to ``log_every_n_steps``, and must not be averaged.
 
     Args:
         every_n_train_steps: run every N optimizer steps (None/0 = never on steps).
-        on_validation_end: also run at the end of each validation loop.
+        on_validation_end: also run at the end of each validation loop (once per step at most).
         benchmark: ``humaneval``, ``stdlib-heldout``, a paper benchmark name, or a prompts ``.jsonl``.
-        num_prompts: prompts decoded per evaluation.
+        num_prompts: prompts decoded per evaluation (split across ranks).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 = greedy (lossless against greedy decoding), > 0 samples.
         chat_template: wrap prompts in the tokenizer's chat template (None = by benchmark kind).
+        enable_thinking: the chat template's thinking flag (match the training data).
+        prompt_tokens: token budget of each ``stdlib-heldout`` prefix.
         compare_top1: also decode with per-slot top-1 and log ``eval/tau_top1``.
         table_rows: prompts shown in the W&B table of drafted/accepted tokens.
         seed: sampling seed (T > 0).
@@ -45,13 +56,23 @@ class AcceptanceEval(L.Callback):
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         chat_template: bool | None = None,
+        enable_thinking: bool = False,
+        prompt_tokens: int = 64,
         compare_top1: bool = True,
         table_rows: int = 3,
         seed: int = 0,
     ) -> None:
         super().__init__()
         if num_prompts < 1 or max_new_tokens < 1:
-            raise ValueError("AcceptanceEval needs num_prompts >= 1 and max_new_tokens >= 1")
+            raise ValueError(
+                f"AcceptanceEval needs num_prompts >= 1 and max_new_tokens >= 1, got {num_prompts} and {max_new_tokens}"
+            )
+        if every_n_train_steps is not None and every_n_train_steps < 0:
+            raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
+        if temperature < 0:
+            raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
+        if not every_n_train_steps and not on_validation_end:
+            raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
         self.every_n_train_steps = every_n_train_steps or 0
         self.run_on_validation_end = on_validation_end
         self.benchmark = benchmark
@@ -59,12 +80,17 @@ class AcceptanceEval(L.Callback):
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.chat_template = chat_template
+        self.enable_thinking = enable_thinking
+        self.prompt_tokens = prompt_tokens
         self.compare_top1 = compare_top1
         self.table_rows = table_rows
         self.seed = seed
         self._prompts: PromptSet | None = None
+        self._tokenizer: Any = None
         self._last_step = -1
-        self.last_results: dict[str, Any] = {}
+        self.last_results: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []
+        """``(global_step, logged scalars)`` of every evaluation, in order."""
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
@@ -73,100 +99,143 @@ class AcceptanceEval(L.Callback):
             self.evaluate(trainer, pl_module)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if self.run_on_validation_end and not trainer.sanity_checking:
+        if self.run_on_validation_end:
             self.evaluate(trainer, pl_module)
 
     # ------------------------------------------------------------------ work
-    def _prompt_set(self, pl_module: Any) -> PromptSet:
+    @property
+    def benchmark_key(self) -> str:
+        """The benchmark's short name in metric keys: a prompts file by its stem."""
+        return self.benchmark.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".jsonl")
+
+    def prompt_set(self, pl_module: Any) -> PromptSet:
+        """The fixed prompts (loaded and tokenized once)."""
         if self._prompts is None:
-            tokenizer = pl_module.target.tokenizer
+            tokenizer = pl_module._require_target().tokenizer
             if tokenizer is None:
                 raise RuntimeError("AcceptanceEval needs the target's tokenizer; load the target with its tokenizer")
+            self._tokenizer = tokenizer
             self._prompts = load_prompts(
-                self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template, seed=self.seed
+                self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
+                enable_thinking=self.enable_thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
             )
         return self._prompts
 
-    def evaluate(self, trainer: L.Trainer, pl_module: Any) -> dict[str, Any]:
+    def decode(self, pl_module: Any, rank: int = 0, world_size: int = 1) -> dict[str, ArmResult]:
+        """Speculative decoding of this rank's prompt slice with the head (``"head"``) and top-1."""
+        target = pl_module._require_target()
+        prompts = self.prompt_set(pl_module)
+        mine = PromptSet(prompts.name, prompts.input_ids[rank::world_size], prompts.texts[rank::world_size],
+                         prompts.chat_template, prompts.enable_thinking, prompts.meta)
+        arms: dict[str, Any] = {"head": pl_module.head}
+        if self.compare_top1 and not isinstance(pl_module.head, Top1Selector):
+            arms["top1"] = Top1Selector()
+        # speculative_generate puts drafter and selector in eval mode and restores each flag after.
+        return {
+            name: evaluate_arm(
+                target, pl_module.drafter, selector, mine, self.max_new_tokens, self.temperature, seed=self.seed,
+                record_examples=self.table_rows if rank == 0 else 0,
+            )
+            for name, selector in arms.items()
+        }
+
+    def evaluate(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
+        """Decode, reduce across ranks and log; at most once per global step, never in sanity checks."""
         if trainer.sanity_checking or trainer.global_step == self._last_step:
             return self.last_results
         self._last_step = trainer.global_step
-        target = pl_module._require_target()
-        prompts = self._prompt_set(pl_module)
-        # Each rank decodes a slice; sums are reduced across ranks below.
-        rank, world = trainer.global_rank, trainer.world_size
-        mine = PromptSet(prompts.name, prompts.input_ids[rank::world], prompts.texts[rank::world],
-                         prompts.chat_template, prompts.enable_thinking, prompts.meta)
-        arms = {"head": pl_module.head}
-        if self.compare_top1 and not isinstance(pl_module.head, Top1Selector):
-            arms["top1"] = Top1Selector()
-        was_training = pl_module.training
-        pl_module.eval()
-        results = {}
-        try:
-            with torch.no_grad():
-                for name, selector in arms.items():
-                    results[name] = evaluate_arm(
-                        target, pl_module.drafter, selector, mine, self.max_new_tokens, self.temperature,
-                        seed=self.seed, record_examples=self.table_rows if rank == 0 else 0,
-                    )
-        finally:
-            pl_module.train(was_training)
-        logged = self._log(trainer, pl_module, results)
-        self.last_results = logged
-        return logged
+        with _full_parameters(trainer), torch.no_grad():
+            results = self.decode(pl_module, trainer.global_rank, trainer.world_size)
+        pooled = {name: self._reduce(trainer, pl_module, r) for name, r in results.items()}
+        if "top1" not in pooled and isinstance(pl_module.head, Top1Selector) and self.compare_top1:
+            pooled["top1"] = pooled["head"]  # the head is top-1: same numbers, keeps dashboards comparable
+        scalars = self._scalars(pooled)
+        for key, value in scalars.items():
+            # Every rank holds the same pooled value, so ModelCheckpoint/EarlyStopping agree across ranks.
+            trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
+        for logger in trainer.loggers:  # loggers write on rank 0 only
+            logger.log_metrics(scalars, step=trainer.global_step)
+        self._log_media(trainer, results, pooled)
+        self.last_results = scalars
+        self.history.append((trainer.global_step, scalars))
+        return scalars
 
-    def _log(self, trainer: L.Trainer, pl_module: Any, results: dict[str, Any]) -> dict[str, Any]:
-        # Reduce rank-local sums: tau is a ratio of sums, so reduce numerators and denominators.
-        logged: dict[str, Any] = {}
-        for name, r in results.items():
-            rounds = torch.tensor(float(sum(r.histogram)), device=pl_module.device)
-            tau_sum = torch.tensor(r.tau * float(sum(r.histogram)), device=pl_module.device)
-            if trainer.world_size > 1:
-                rounds = pl_module.all_gather(rounds).sum()
-                tau_sum = pl_module.all_gather(tau_sum).sum()
-            tau = float(tau_sum / rounds.clamp_min(1))
+    @staticmethod
+    def _reduce(trainer: L.Trainer, pl_module: Any, r: ArmResult) -> dict[str, Any]:
+        # The histogram determines τ and per-position acceptance: sum it (and the totals) over ranks.
+        packed = torch.tensor([*r.histogram, r.num_tokens, r.seconds], dtype=torch.float64, device=pl_module.device)
+        packed = trainer.strategy.reduce(packed, reduce_op="sum")
+        packed = packed.cpu()
+        hist = packed[:-2].round().long()
+        return summarize(hist, int(packed[-2].round()), float(packed[-1]))
+
+    def _scalars(self, pooled: dict[str, dict[str, Any]]) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for name, stats in pooled.items():
             suffix = "" if name == "head" else f"_{name}"
-            logged[f"eval/tau{suffix}"] = tau
-            logged[f"eval/{self.benchmark_key}/tau{suffix}"] = tau
-            for k, p in enumerate(r.per_position_acceptance, start=1):
-                logged[f"eval/acceptance{suffix}/pos{k:02d}"] = p
-        for key, value in logged.items():
-            # Logged through the LightningModule so ModelCheckpoint can monitor eval/tau.
-            pl_module.log(key, value, rank_zero_only=True, sync_dist=False)
-        self._log_media(trainer, results)
-        return logged
+            scalars[f"eval/tau{suffix}"] = stats["tau"]
+            scalars[f"eval/{self.benchmark_key}/tau{suffix}"] = stats["tau"]
+            for k, p in enumerate(stats["per_position_acceptance"], start=1):
+                if not math.isnan(p):  # positions no round reached have no conditional rate
+                    scalars[f"eval/acceptance{suffix}/pos{k:02d}"] = p
+        scalars["eval/tokens_per_s"] = pooled["head"]["tokens_per_s"]
+        return scalars
 
-    @property
-    def benchmark_key(self) -> str:
-        return self.benchmark.rsplit("/", 1)[-1].removesuffix(".jsonl")
+    # ------------------------------------------------------------------ W&B media
+    def _token_text(self, ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return "|".join(self._tokenizer.decode([i]) for i in ids)
+
+    def table_rows_for(self, result: ArmResult) -> list[list[Any]]:
+        """Rows ``[prompt tail, round, anchor, drafted, accepted, accepted count]`` of recorded rounds."""
+        rows = []
+        for ex in result.examples:
+            prompt = ex["prompt"][-80:]
+            for i, rnd in enumerate(ex["rounds"]):
+                drafted, acc = rnd["drafted"], int(rnd["accepted"])
+                rows.append([prompt, i, self._token_text([rnd["anchor"]]), self._token_text(drafted),
+                             self._token_text(drafted[:acc]), acc])
+        return rows
 
     @rank_zero_only
-    def _log_media(self, trainer: L.Trainer, results: dict[str, Any]) -> None:
+    def _log_media(self, trainer: L.Trainer, results: dict[str, ArmResult], pooled: dict[str, dict[str, Any]]) -> None:
         loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if not loggers:
             return
         import wandb
 
-        head = results["head"]
-        rows = []
-        for ex in head.examples:
-            for rnd in ex["rounds"]:
-                rows.append([ex["prompt"][-80:], str(rnd.get("drafted")), str(rnd.get("accepted")), rnd.get("acc")])
-        xs = list(range(1, len(head.per_position_acceptance) + 1))
-        series = [head.per_position_acceptance] + (
-            [results["top1"].per_position_acceptance] if "top1" in results else []
-        )
-        keys = ["head"] + (["top1"] if "top1" in results else [])
+        step = trainer.global_step
+        rows = self.table_rows_for(results["head"])
+        hist = pooled["head"]["histogram"]
+        names = list(pooled)
+        xs = list(range(1, len(pooled["head"]["per_position_acceptance"]) + 1))
+        ys = [[None if math.isnan(p) else p for p in pooled[n]["per_position_acceptance"]] for n in names]
+        media = {
+            # np_histogram = (counts per bin, bin edges): one bin per accepted length 0..S.
+            "eval/accepted_length_hist": wandb.Histogram(np_histogram=(hist, list(range(len(hist) + 1)))),
+            "eval/per_position_acceptance": wandb.plot.line_series(
+                xs=xs, ys=ys, keys=names, title=f"per-position acceptance ({self.benchmark_key})", xname="draft position"
+            ),
+            # WandbLogger logs against trainer/global_step; passing wandb's own step= could be rejected.
+            "trainer/global_step": step,
+        }
         for lg in loggers:
-            lg.log_table(key="eval/drafts", columns=["prompt", "drafted", "accepted", "acc"], data=rows,
-                         step=trainer.global_step)
-            lg.experiment.log(
-                {
-                    "eval/accepted_length_hist": wandb.Histogram(np_histogram=(head.histogram, list(range(len(head.histogram) + 1)))),
-                    "eval/per_position_acceptance": wandb.plot.line_series(
-                        xs=xs, ys=series, keys=keys, title="per-position conditional acceptance", xname="position"
-                    ),
-                },
-                step=trainer.global_step,
-            )
+            if rows:
+                lg.log_table(key="eval/drafts", columns=["prompt", "round", "anchor", "drafted", "accepted", "acc"],
+                             data=rows, step=step)
+            lg.experiment.log(media)
+
+
+@contextlib.contextmanager
+def _full_parameters(trainer: L.Trainer) -> Iterator[None]:
+    """Under FSDP, gather full parameters (read-only) so drafter and head can run outside ``forward``."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(trainer.strategy, FSDPStrategy):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False):
+            yield
+    else:
+        yield

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -22,16 +23,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lilicorr bench", description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
     p.add_argument("--benchmark", default="humaneval", help="humaneval, stdlib-heldout, a paper benchmark name, or prompts .jsonl")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts decoded (the first N of the benchmark)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
     p.add_argument("--selectors", default="top1,lilicorr", help=f"comma list from {SELECTOR_NAMES}")
-    p.add_argument("--chat-template", choices=["auto", "yes", "no"], default="auto")
+    p.add_argument("--chat-template", choices=["auto", "yes", "no"], default="auto",
+                   help="wrap prompts as one user message (auto: chat/math/code benchmarks when the tokenizer has one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", help="write results JSON here")
+    p.add_argument("--output", help="write results JSON here (one temperature: the run; several: {\"runs\": [...]})")
     p.add_argument("--plot", help="directory for per-position acceptance PNGs")
     return p.parse_args(argv)
+
+
+def parse_selectors(spec: str) -> list[str]:
+    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``; unknown or repeated names are errors."""
+    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
+    unknown = [s for s in names if s not in SELECTOR_NAMES]
+    if unknown:
+        raise ValueError(f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--selectors {spec!r} names a selector twice")
+    return names
 
 
 def selector_for(name: str, system: Any) -> Any:
@@ -41,12 +56,11 @@ def selector_for(name: str, system: Any) -> Any:
     if name == "top1":
         return Top1Selector()
     head = system.head
-    kind = type(head).__name__.lower()
-    if name in kind:
+    if name in type(head).__name__.lower():
         return head
     raise ValueError(
         f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}); "
-        f"use --selectors top1 or one matching the trained head"
+        "use --selectors top1 or the name of the trained head"
     )
 
 
@@ -63,13 +77,14 @@ def run_bench(
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature."""
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
+    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
 
     system.eval()
     target = system._require_target()
+    arms = {name: selector_for(name, system) for name in selectors}
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed)
-    arms = {name: selector_for(name, system) for name in selectors}
+    warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
         reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed)
@@ -80,6 +95,9 @@ def run_bench(
             "num_prompts": len(prompts.input_ids),
             "chat_template": prompts.chat_template,
             "enable_thinking": prompts.enable_thinking,
+            "seed": seed,
+            "target": system.target_spec.name_or_path,
+            "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
             "target_tokens_per_s": target_tps,
             "selectors": {},
@@ -90,15 +108,28 @@ def run_bench(
             out["selectors"][name] = {
                 "tau": r.tau,
                 "tokens_per_s": r.tokens_per_s,
-                "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
+                "speedup_vs_target": r.tokens_per_s / target_tps if target_tps > 0 else math.nan,
                 "lossless": r.lossless,
                 "per_position_acceptance": r.per_position_acceptance,
                 "histogram": r.histogram,
                 "head_time_fraction": r.head_time_fraction,
                 "draft_time_fraction": r.draft_time_fraction,
+                "rounds": r.rounds,
+                "num_tokens": r.num_tokens,
             }
         runs.append(out)
     return runs
+
+
+def jsonable(value: Any) -> Any:
+    """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
 
 
 def format_table(run: dict[str, Any]) -> str:
@@ -118,6 +149,7 @@ def format_table(run: dict[str, Any]) -> str:
 
 
 def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
+    """Per-position conditional acceptance of every selector in one PNG; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +159,7 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, r in run["selectors"].items():
-        acc = r["per_position_acceptance"]
+        acc = r["per_position_acceptance"]  # NaN where no round reached the position: a gap in the line
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (τ={r['tau']:.2f})")
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | accepted < k)")
@@ -141,37 +173,62 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
     return path
 
 
+def _fail(message: str) -> NoReturn:
+    sys.exit(f"lilicorr bench: {message}")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark; returns one result dict per temperature (also written to ``--output``)."""
     args = parse_args(argv)
+    from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
+
+    # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     ckpt = Path(args.ckpt)
     if not ckpt.is_file():
-        sys.exit(f"lilicorr bench: checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
-    selectors = [s.strip() for s in args.selectors.split(",") if s.strip()]
-    bad = [s for s in selectors if s not in SELECTOR_NAMES]
-    if bad:
-        sys.exit(f"lilicorr bench: unknown selector(s) {bad}; choose from {SELECTOR_NAMES}")
+        _fail(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
+    try:
+        selectors = parse_selectors(args.selectors)
+        if args.benchmark.endswith(".jsonl"):
+            read_prompt_file(args.benchmark, args.num_prompts)
+        elif args.benchmark not in available_benchmarks():
+            raise ValueError(f"unknown benchmark {args.benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl")
+    except (ValueError, FileNotFoundError) as err:
+        _fail(str(err))
     if any(t < 0 for t in args.temperature):
-        sys.exit("lilicorr bench: temperatures must be >= 0")
+        _fail(f"temperatures must be >= 0, got {args.temperature}")
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        _fail(f"--num-prompts and --max-new-tokens must be >= 1, got {args.num_prompts} and {args.max_new_tokens}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lilicorr_pl.system import DraftSystem
 
+    # mmap: only the small "lilicorr" record is read here, not the weights and optimizer state.
+    meta = torch.load(str(ckpt), map_location="cpu", weights_only=False, mmap=True).get("lilicorr", {})
     system = DraftSystem.load_from_checkpoint(str(ckpt), map_location=args.device)
+    try:
+        for name in selectors:
+            selector_for(name, system)
+    except ValueError as err:
+        _fail(str(err))
     system.configure_model()
     system.to(args.device)
-    meta = torch.load(str(ckpt), map_location="cpu", weights_only=False).get("lilicorr", {})
     chat = {"auto": None, "yes": True, "no": False}[args.chat_template]
-    runs = run_bench(
-        system, args.benchmark, selectors, args.temperature, args.num_prompts, args.max_new_tokens,
-        chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=args.seed,
-    )
+    try:
+        runs = run_bench(
+            system, args.benchmark, selectors, args.temperature, args.num_prompts, args.max_new_tokens,
+            chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=args.seed,
+        )
+    except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
+        _fail(str(err))
     for run in runs:
         print(format_table(run))
         if args.plot:
             print(f"plot: {plot_acceptance(run, args.plot)}")
     if args.output:
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(str(args.output) + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2))
-        os.replace(tmp, args.output)
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(jsonable(payload), indent=2))
+        os.replace(tmp, out)
+        print(f"results: {out}")
     return runs

@@ -6,6 +6,7 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -74,15 +75,18 @@ class DraftSystem(L.LightningModule):
         freeze_drafter: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(target, Mapping):
-            target = TargetSpec(**target)
+        if isinstance(target, TargetSpec):
+            # Stored as a plain dict: checkpoints then load with torch.load(weights_only=True).
+            target = dataclasses.asdict(target)
+        spec = TargetSpec(**target)
         if target_logits not in ("auto", "cache", "exact"):
             raise ValueError(f"target_logits must be 'auto', 'cache' or 'exact', got {target_logits!r}")
         if num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
         # Under LightningCLI these are the parsed class_path configs, so load_from_checkpoint rebuilds them.
         self.save_hyperparameters()
-        self.target_spec = target
+        self.target_spec = spec
+        target = spec
         self.num_anchors = num_anchors
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -166,6 +170,13 @@ class DraftSystem(L.LightningModule):
                 f"loss components {lattice_needed} need a lattice head, but model.head is "
                 f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.LiLiCorrHead "
                 "or drop those losses (see configs/ablations/dflash_only.yaml)"
+            )
+
+        corrector_needed = [l.name for l in self.losses if getattr(l, "requires_corrector", False)]
+        if corrector_needed and not getattr(head, "uses_corrector", False):
+            raise ValueError(
+                f"loss components {corrector_needed} need a corrector head, but model.head is "
+                f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.DominoHead or DSparkHead"
             )
 
     @property
@@ -272,8 +283,15 @@ class DraftSystem(L.LightningModule):
                 lattice = self.head.score_lattice(
                     slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep], target.embed
                 )
+            corrected = None
+            if getattr(self.head, "uses_corrector", False):
+                # Teacher forcing: slot k is conditioned on the true token of slot k-1 (the anchor for k=1).
+                anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
+                prev = torch.cat([anchor_ids.unsqueeze(1), labels[:, :-1]], dim=1)  # [M, S]
+                corrected = self.head.corrected_logits(slot_hidden, slot_logits, prev, target.embed)
         provider = self._target_logit_provider(batch, b_idx, label_pos, labels, normed)
-        inputs = LossInputs(slot_logits, labels, label_mask, lattice, provider)
+        inputs = LossInputs(slot_logits, labels, label_mask, lattice, provider,
+                            corrected_logits=corrected, step=self.global_step if self._trainer is not None else 0)
         total = slot_logits.new_zeros(())
         logs: dict[str, torch.Tensor] = {}
         with self._timed("losses"):
@@ -284,7 +302,7 @@ class DraftSystem(L.LightningModule):
                 for key, value in out.logs.items():
                     logs[f"{component.name}/{key}"] = value.detach()
         with torch.no_grad():
-            selected = self._selected_tokens(lattice, slot_logits)
+            selected = self._selected_tokens(lattice, corrected if corrected is not None else slot_logits)
         return {
             "loss": total,
             "logs": logs,

@@ -346,7 +346,7 @@ def tokenize_chat(
     kwargs = {"enable_thinking": enable_thinking, "chat_template": chat_template}
     rendered = render_chat(tokenizer, messages, **kwargs)
     spans = assistant_char_spans(tokenizer, messages, rendered, **kwargs)
-    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids = list(enc["input_ids"])
     offsets = enc["offset_mapping"]
     special = _special_ids(tokenizer)
@@ -381,14 +381,14 @@ def tokenize_record(
         text = record["text"]
         if not isinstance(text, str):
             raise DataFormatError(f"{where}: 'text' must be a string, got {type(text).__name__}")
-        ids = list(tokenizer(text)["input_ids"])
+        ids = list(tokenizer(text, verbose=False)["input_ids"])
         return ids, [True] * len(ids), fmt
     if fmt == "prompt_completion":
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise DataFormatError(f"{where}: 'prompt' and 'completion' must be strings")
-        p = list(tokenizer(prompt)["input_ids"])
-        c = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+        p = list(tokenizer(prompt, verbose=False)["input_ids"])
+        c = list(tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"])
         return p + c, [False] * len(p) + [True] * len(c), fmt
     messages = record_messages(record, fmt, where)
     template = resolve_chat_template(chat_template)

@@ -153,14 +153,14 @@ def _make_job(
         text = render_chat(
             tokenizer, head, enable_thinking=enable_thinking, chat_template=chat_template, add_generation_prompt=True
         )
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         return _Job(index, record, "chat", ids, prompt_messages=head)
     prompt = record["text"] if fmt == "text" else record["prompt"]
     if not isinstance(prompt, str) or not prompt:
         raise DataFormatError(f"{where}: empty or non-string prompt")
     if fmt == "text" and prefix_chars is not None:
         prompt = prompt[:prefix_chars]
-    ids = list(tokenizer(prompt)["input_ids"])
+    ids = list(tokenizer(prompt, verbose=False)["input_ids"])
     if not ids:
         raise DataFormatError(f"{where}: prompt tokenizes to nothing")
     return _Job(index, record, "text", ids, prompt_text=prompt)

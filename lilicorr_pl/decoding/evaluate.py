@@ -1,8 +1,14 @@
-"""Real speculative acceptance on a prompt set: one code path for the callback, ``bench`` and the demo."""
+"""Real speculative acceptance on a prompt set: one code path for the callback, ``bench`` and the demo.
+
+Every arm (selector) decodes the same prompts with the same drafter; τ always includes the target's
+bonus token. The raw counts (accepted-length histogram, generated tokens, seconds) are kept in the
+result so callers can sum them across processes and recompute every statistic exactly with
+:func:`summarize`.
+"""
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,40 +19,91 @@ from lilicorr_pl.decoding.benchmarks import PromptSet
 from lilicorr_pl.decoding.metrics import AcceptanceMetrics
 from lilicorr_pl.decoding.speculative import GenerationResult, speculative_generate, target_generate
 
+__all__ = ["ArmResult", "evaluate_arm", "run_target_baseline", "summarize", "warmup"]
+
 
 @dataclass
 class ArmResult:
     """What one selector achieved on one prompt set at one temperature."""
 
-    tau: float  # mean tokens committed per verify round, INCLUDING the target's bonus token
+    tau: float
+    """Mean tokens committed per verify round, **including** the target's bonus token (NaN: no round)."""
     per_position_acceptance: list[float]
+    """``P(draft k accepted | drafts < k accepted)`` for ``k = 1..S`` (NaN where no round reached k)."""
     histogram: list[int]
+    """Verify rounds with ``0..S`` accepted drafts."""
     tokens_per_s: float
+    """Generated tokens per second of end-to-end generation time (prefill included)."""
     num_tokens: int
     seconds: float
-    head_time_fraction: float  # selector time / (draft + head + verify)
+    head_time_fraction: float
+    """Selector time / (draft + selector + verify) time."""
     draft_time_fraction: float
-    lossless: bool | None = None  # T = 0 only: identical to plain greedy target decoding
+    """Drafter forward time / (draft + selector + verify) time."""
+    lossless: bool | None = None
+    """T = 0 with a reference only: every output equals plain greedy target decoding."""
     per_prompt_tau: list[float] = field(default_factory=list)
     examples: list[dict[str, Any]] = field(default_factory=list)
+    """``{"prompt": text tail, "prompt_index": i, "rounds": [...]}`` for the first recorded prompts;
+    each round as :attr:`GenerationResult.rounds` (token ids)."""
+
+    @property
+    def rounds(self) -> int:
+        return int(sum(self.histogram))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+def summarize(histogram: Sequence[int] | torch.Tensor, num_tokens: int = 0, seconds: float = 0.0) -> dict[str, Any]:
+    """τ, per-position acceptance and tokens/s from an accepted-length histogram ``[S+1]`` and totals.
+
+    The histogram determines every acceptance statistic, so histograms summed over prompts or ranks
+    give exact pooled values (τ is a ratio of sums, not a mean of means).
+    """
+    hist = torch.as_tensor(histogram, dtype=torch.long).reshape(-1).cpu()  # [S+1]
+    if hist.numel() < 2:
+        raise ValueError(f"an accepted-length histogram has S + 1 >= 2 bins, got {hist.numel()}")
+    metric = AcceptanceMetrics(num_slots=hist.numel() - 1, sync_on_compute=False)
+    # One update with every round expanded from its bin reproduces the metric's own definitions.
+    metric.update(torch.repeat_interleave(torch.arange(hist.numel()), hist), num_tokens, seconds)
+    out = metric.compute()
+    return {
+        "tau": float(out["tau"]),
+        "per_position_acceptance": [float(x) for x in out["per_position_acceptance"]],
+        "histogram": [int(x) for x in out["histogram"]],
+        "tokens_per_s": float(out["tokens_per_s"]),
+        "num_tokens": int(out["num_tokens"]),
+        "seconds": float(out["seconds"]),
+    }
+
+
+def _generator(target: Any, seed: int) -> torch.Generator:
+    # Sampling draws on the target's device, so the generator must live there too.
+    return torch.Generator(device=target.device).manual_seed(seed)
+
+
 def run_target_baseline(
     target: Any, prompts: PromptSet, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
 ) -> tuple[list[GenerationResult], float]:
-    """Plain target decoding on every prompt; returns results and tokens/s."""
+    """Plain target decoding on every prompt; returns the results and tokens/s (prefill included)."""
     results, tokens, seconds = [], 0, 0.0
     for i, ids in enumerate(prompts.input_ids):
-        g = torch.Generator(device="cpu").manual_seed(seed + i)
-        t0 = time.perf_counter()
-        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g)
-        seconds += time.perf_counter() - t0
+        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=_generator(target, seed + i))
         tokens += len(r.tokens)
+        seconds += r.total
         results.append(r)
-    return results, tokens / max(seconds, 1e-9)
+    return results, tokens / seconds if seconds > 0 else math.nan
+
+
+def warmup(target: Any, drafter: Any, selectors: Sequence[Any], prompts: PromptSet, max_new_tokens: int = 4) -> None:
+    """A few untimed tokens through every code path, so lazy initialisation is not billed to one arm."""
+    if not prompts.input_ids:
+        return
+    ids = prompts.input_ids[0]
+    target_generate(target, ids, max_new_tokens, stop_token_ids=[])
+    for selector in selectors:
+        speculative_generate(target, drafter, selector, ids, max_new_tokens, stop_token_ids=[])
 
 
 def evaluate_arm(
@@ -59,38 +116,48 @@ def evaluate_arm(
     seed: int = 0,
     reference: Sequence[GenerationResult] | None = None,
     record_examples: int = 0,
+    record_rounds: int = 4,
 ) -> ArmResult:
-    """Speculative decoding over a prompt set with one selector; compares with ``reference`` at T = 0."""
-    metric = AcceptanceMetrics(num_slots=drafter.num_slots)
+    """Speculative decoding over a prompt set with one selector.
+
+    Args:
+        reference: plain-decoding results of the same prompts (:func:`run_target_baseline`); at T = 0
+            ``lossless`` says whether every output matched them token for token.
+        record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
+    """
+    if reference is not None and len(reference) != len(prompts.input_ids):
+        raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
+    # Process-local: callers that shard prompts over ranks sum the histograms themselves.
+    metric = AcceptanceMetrics(num_slots=drafter.num_slots, sync_on_compute=False)
+    metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
     draft = head = verify = 0.0
-    per_prompt, examples = [], []
+    per_prompt: list[float] = []
+    examples: list[dict[str, Any]] = []
     lossless = True if (reference is not None and temperature == 0) else None
     for i, ids in enumerate(prompts.input_ids):
-        g = torch.Generator(device="cpu").manual_seed(seed + i)
-        t0 = time.perf_counter()
+        recording = i < record_examples
         r = speculative_generate(
-            target, drafter, selector, ids, max_new_tokens, temperature=temperature, generator=g,
-            record_rounds=4 if i < record_examples else 0,
+            target, drafter, selector, ids, max_new_tokens, temperature=temperature,
+            generator=_generator(target, seed + i), record_rounds=record_rounds if recording else 0,
         )
-        seconds = time.perf_counter() - t0
-        metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=seconds)
+        metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
         draft, head, verify = draft + r.draft, head + r.head, verify + r.verify
-        per_prompt.append(r.tau)
-        if lossless is not None and r.tokens != reference[i].tokens:
+        per_prompt.append(r.tau if r.num_rounds else math.nan)
+        if lossless and r.tokens != reference[i].tokens:  # type: ignore[index]
             lossless = False
-        if i < record_examples:
-            examples.append({"prompt": prompts.texts[i][-200:], "rounds": r.rounds})
+        if recording:
+            examples.append({"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds})
     out = metric.compute()
-    busy = max(draft + head + verify, 1e-9)
+    busy = draft + head + verify
     return ArmResult(
         tau=float(out["tau"]),
         per_position_acceptance=[float(x) for x in out["per_position_acceptance"]],
         histogram=[int(x) for x in out["histogram"]],
         tokens_per_s=float(out["tokens_per_s"]),
-        num_tokens=int(metric.tokens.item()) if hasattr(metric, "tokens") else 0,
-        seconds=float(metric.seconds.item()) if hasattr(metric, "seconds") else 0.0,
-        head_time_fraction=head / busy,
-        draft_time_fraction=(draft + head) / busy,
+        num_tokens=int(out["num_tokens"]),
+        seconds=float(out["seconds"]),
+        head_time_fraction=head / busy if busy > 0 else math.nan,
+        draft_time_fraction=draft / busy if busy > 0 else math.nan,
         lossless=lossless,
         per_prompt_tau=per_prompt,
         examples=examples,

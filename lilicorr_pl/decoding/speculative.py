@@ -354,7 +354,8 @@ def speculative_generate(
             # 2. Draft: one drafter pass over [anchor, MASK x S], then the selector.
             out = drafter.draft(draft_cache, pending_features, anchor, target.embed, target.lm_head)
             t_draft = clock()
-            selection = selector.select(out.slot_hidden, out.slot_logits, out.anchor_feature, target.embed)
+            extra = {"anchor_tokens": anchor.view(1)} if getattr(selector, "needs_anchor_token", False) else {}
+            selection = selector.select(out.slot_hidden, out.slot_logits, out.anchor_feature, target.embed, **extra)
             drafts = selection.tokens.to(device=device, dtype=torch.long).view(1, num_slots)  # [1, S]
             t_head = clock()
 

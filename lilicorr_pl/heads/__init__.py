@@ -28,3 +28,9 @@ __all__ = [
     "prefix_length",
     "viterbi",
 ]
+
+from lilicorr_pl.heads.corrector import CorrectorHead
+from lilicorr_pl.heads.domino import DominoHead
+from lilicorr_pl.heads.dspark import DSparkHead
+
+__all__ += ["CorrectorHead", "DSparkHead", "DominoHead"]

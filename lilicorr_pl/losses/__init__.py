@@ -20,3 +20,7 @@ __all__ = [
     "lattice_diagnostics",
     "logfactor_spread",
 ]
+
+from lilicorr_pl.losses.corrector import CorrectorCE
+
+__all__ += ["CorrectorCE"]

@@ -31,6 +31,10 @@ class LossInputs:
     target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Token ids ``[M, S, J]`` -> teacher-forced target logits ``z_t(v | x_<t)`` ``[M, S, J]`` at each
     slot's position (exact from the target, or from the precomputed top-M cache)."""
+    corrected_logits: torch.Tensor | None = None
+    """``[M, S, V]`` teacher-forced logits of a corrector head (Domino, DSpark); None otherwise."""
+    step: int = 0
+    """Optimizer steps taken so far (for curricula)."""
     _forced: Any = field(default=None, init=False, repr=False, compare=False)
     # Memo for :func:`lilicorr_pl.losses.forced.forced_slots`, shared by the lattice components.
 
