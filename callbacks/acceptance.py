@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -16,13 +17,16 @@ from lilicorr_pl.decoding.benchmarks import PromptSet, load_prompts
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
 from lilicorr_pl.heads.top1 import Top1Selector
 
+TABLE_COLUMNS = ["prompt", "round", "anchor", "drafted", "target", "accepted", "acc"]
+
 
 class AcceptanceEval(L.Callback):
     """Runs real speculative decoding on a fixed prompt set and logs ``eval/tau`` (with bonus token).
 
     Logs ``eval/tau`` (the system's own head), ``eval/<benchmark>/tau``, ``eval/tau_top1`` (the same
     drafter with per-slot top-1, for comparison), per-position acceptance
-    ``eval/acceptance[_top1]/posKK`` and, with W&B, a table of drafted versus accepted tokens, an
+    ``eval/acceptance[_top1]/posKK``, ``eval/rounds`` (verify rounds behind ``eval/tau``),
+    ``eval/tokens_per_s`` and, with W&B, a table of drafted versus accepted tokens, an
     accepted-length histogram and a per-position acceptance plot. Works on whatever device the model
     is on, skips sanity checks, and can be the ``ModelCheckpoint`` monitor (``eval/tau``, mode max).
     Every rank decodes its own slice of the prompts; the accepted-length histograms are summed across
@@ -163,9 +167,9 @@ class AcceptanceEval(L.Callback):
     @staticmethod
     def _reduce(trainer: L.Trainer, pl_module: Any, r: ArmResult) -> dict[str, Any]:
         # The histogram determines τ and per-position acceptance: sum it (and the totals) over ranks.
-        packed = torch.tensor([*r.histogram, r.num_tokens, r.seconds], dtype=torch.float64, device=pl_module.device)
-        packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        packed = packed.cpu()
+        # float32 (MPS has no float64) counts exactly up to 2**24 rounds per evaluation.
+        packed = torch.tensor([*r.histogram, r.num_tokens, r.seconds], dtype=torch.float32, device=pl_module.device)
+        packed = trainer.strategy.reduce(packed, reduce_op="sum").double().cpu()
         hist = packed[:-2].round().long()
         return summarize(hist, int(packed[-2].round()), float(packed[-1]))
 
@@ -178,23 +182,29 @@ class AcceptanceEval(L.Callback):
             for k, p in enumerate(stats["per_position_acceptance"], start=1):
                 if not math.isnan(p):  # positions no round reached have no conditional rate
                     scalars[f"eval/acceptance{suffix}/pos{k:02d}"] = p
+        scalars["eval/rounds"] = float(sum(pooled["head"]["histogram"]))  # verify rounds behind eval/tau
         scalars["eval/tokens_per_s"] = pooled["head"]["tokens_per_s"]
         return scalars
 
     # ------------------------------------------------------------------ W&B media
     def _token_text(self, ids: list[int]) -> str:
-        if self._tokenizer is None:
-            return " ".join(str(i) for i in ids)
-        return "|".join(self._tokenizer.decode([i]) for i in ids)
+        # A JSON list of per-token strings: token boundaries and whitespace stay visible.
+        pieces = [self._tokenizer.decode([i]) if self._tokenizer is not None else str(i) for i in ids]
+        return json.dumps(pieces, ensure_ascii=False)
 
     def table_rows_for(self, result: ArmResult) -> list[list[Any]]:
-        """Rows ``[prompt tail, round, anchor, drafted, accepted, accepted count]`` of recorded rounds."""
+        """Rows of :data:`TABLE_COLUMNS` for the recorded rounds of the first prompts.
+
+        ``drafted`` is ``d_1..d_S``, ``target`` the target's own choices ``y_0..y_S`` (empty under the
+        stochastic-draft rule), ``accepted`` the accepted prefix of the drafts, ``acc`` its length.
+        """
         rows = []
         for ex in result.examples:
             prompt = ex["prompt"][-80:]
             for i, rnd in enumerate(ex["rounds"]):
                 drafted, acc = rnd["drafted"], int(rnd["accepted"])
-                rows.append([prompt, i, self._token_text([rnd["anchor"]]), self._token_text(drafted),
+                choices = self._token_text(rnd["target"]) if rnd.get("target") is not None else ""
+                rows.append([prompt, i, self._token_text([rnd["anchor"]]), self._token_text(drafted), choices,
                              self._token_text(drafted[:acc]), acc])
         return rows
 
@@ -215,15 +225,15 @@ class AcceptanceEval(L.Callback):
             # np_histogram = (counts per bin, bin edges): one bin per accepted length 0..S.
             "eval/accepted_length_hist": wandb.Histogram(np_histogram=(hist, list(range(len(hist) + 1)))),
             "eval/per_position_acceptance": wandb.plot.line_series(
-                xs=xs, ys=ys, keys=names, title=f"per-position acceptance ({self.benchmark_key})", xname="draft position"
+                xs=xs, ys=ys, keys=names, title=f"per-position acceptance ({self.benchmark_key})",
+                xname="draft position",
             ),
             # WandbLogger logs against trainer/global_step; passing wandb's own step= could be rejected.
             "trainer/global_step": step,
         }
         for lg in loggers:
             if rows:
-                lg.log_table(key="eval/drafts", columns=["prompt", "round", "anchor", "drafted", "accepted", "acc"],
-                             data=rows, step=step)
+                lg.log_table(key="eval/drafts", columns=TABLE_COLUMNS, data=rows, step=step)
             lg.experiment.log(media)
 
 

@@ -22,7 +22,8 @@ SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lilicorr bench", description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
-    p.add_argument("--benchmark", default="humaneval", help="humaneval, stdlib-heldout, a paper benchmark name, or prompts .jsonl")
+    p.add_argument("--benchmark", default="humaneval",
+                   help="humaneval, stdlib-heldout, a paper benchmark name, or a prompts .jsonl")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts decoded (the first N of the benchmark)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
@@ -43,7 +44,9 @@ def parse_selectors(spec: str) -> list[str]:
         raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
     unknown = [s for s in names if s not in SELECTOR_NAMES]
     if unknown:
-        raise ValueError(f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)}")
+        raise ValueError(
+            f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)}"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"--selectors {spec!r} names a selector twice")
     return names
@@ -191,7 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.benchmark.endswith(".jsonl"):
             read_prompt_file(args.benchmark, args.num_prompts)
         elif args.benchmark not in available_benchmarks():
-            raise ValueError(f"unknown benchmark {args.benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl")
+            raise ValueError(
+                f"unknown benchmark {args.benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
+            )
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     if any(t < 0 for t in args.temperature):

@@ -86,9 +86,11 @@ def main(args: Sequence[str] | None = None) -> Any:
     """Entry point of ``lilicorr`` and ``python -m lilicorr_pl``; tests call it with an argument list."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in TOOLS:
-        return _run_tool(argv[0], argv[1:])
+        result = _run_tool(argv[0], argv[1:])
+        # From the console, a tool's return value is data, not an exit status.
+        return result if args is not None else None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return LilicorrCLI(
+    cli = LilicorrCLI(
         DraftSystem,
         DraftDataModule,
         args=argv,
@@ -100,6 +102,7 @@ def main(args: Sequence[str] | None = None) -> Any:
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
+    return cli if args is not None else None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -47,3 +47,7 @@ class WarmupCosine(LambdaLR):
         state = super().state_dict()
         state.pop("lr_lambdas", None)
         return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # The schedule is a bound method, rebuilt by __init__; LambdaLR still expects the key it saves.
+        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})

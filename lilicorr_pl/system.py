@@ -231,6 +231,57 @@ class DraftSystem(L.LightningModule):
             "chat_template": getattr(dm, "chat_template", None),
             "version": __import__("lilicorr_pl").__version__,
         }
+        # Exact resume: the global random streams (anchor sampling, dropout) of every rank, so a resumed run
+        # draws what the uninterrupted one would have. Lightning does not save them. Only tensors, ints and
+        # floats: the checkpoint still loads with torch.load(weights_only=True), as Trainer.fit(ckpt_path=) does.
+        import random
+
+        import numpy as np
+
+        _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        py_version, py_state, py_gauss = random.getstate()
+        state = {
+            "torch": torch.get_rng_state(),
+            "torch.cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                       "gauss_next": py_gauss},
+        }
+        states = [state]
+        dist = torch.distributed
+        if self._trainer is not None and self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # Every rank runs this hook (Trainer.save_checkpoint is collective); rank 0 writes all ranks' states.
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, state)
+        checkpoint["rng_states"] = states
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        # Only a resumed fit takes over the random streams; load_from_checkpoint or validate leave the caller's alone.
+        if not states or self._trainer is None or self.trainer.state.fn != "fit":
+            return
+        import random
+        import warnings
+
+        import numpy as np
+
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        if len(states) != world:
+            warnings.warn(
+                f"the checkpoint holds the random states of {len(states)} process(es), this run has {world}; "
+                "anchor sampling continues from the saved streams but is not bit-exact with an uninterrupted run",
+                stacklevel=2,
+            )
+        state = states[rank % len(states)]
+        torch.set_rng_state(state["torch"].cpu())
+        if state["torch.cuda"] and torch.cuda.is_available() and len(state["torch.cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["torch.cuda"]])
+        np_state = state["numpy"]
+        np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                             np_state["has_gauss"], np_state["cached_gaussian"]))
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
 
     # ------------------------------------------------------------------ forward pieces
     def _require_target(self) -> FrozenTarget:
@@ -383,12 +434,18 @@ class DraftSystem(L.LightningModule):
 
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
         on_step = stage == "train"
-        self.log(f"{stage}/loss", step["loss"].detach(), on_step=on_step, on_epoch=not on_step,
-                 prog_bar=True, batch_size=batch_size, sync_dist=not on_step)
-        for key, value in step["logs"].items():
-            if value.numel() == 1:
-                self.log(f"{stage}/{key}", value, on_step=on_step, on_epoch=not on_step,
-                         batch_size=batch_size, sync_dist=not on_step)
+        scalars = {"loss": step["loss"].detach(), **{k: v for k, v in step["logs"].items() if v.numel() == 1}}
+        for key, value in scalars.items():
+            name = f"{stage}/{key}"
+            if on_step:
+                self.log(name, value, on_step=True, on_epoch=False, prog_bar=key == "loss", batch_size=batch_size)
+                continue
+            # Epoch means are sum-reduced torchmetrics, not sync_dist=True: Lightning's mean-sync floors the example
+            # count when ranks evaluated different numbers of examples (pytorch-lightning#21859).
+            mean = self._epoch_mean(name)
+            mean.update(value.float(), batch_size)
+            self.log(name, mean, on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=batch_size,
+                     metric_attribute=f"epoch_means.{name}")
         metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"])
         if on_step:
             diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"],
@@ -398,6 +455,16 @@ class DraftSystem(L.LightningModule):
                     self.log(f"{stage}/{key}", diag[key].float().mean(), on_step=True, batch_size=batch_size)
             for key, prefix in (("sim_tau_top1", "top1_prefix"), ("sim_tau_selected", "selected_prefix")):
                 self.log(f"{stage}/{key}", 1 + diag[prefix].float().mean(), on_step=True, batch_size=batch_size)
+
+    def _epoch_mean(self, name: str) -> Any:
+        """The batch-size-weighted epoch mean of one logged scalar (created on first use, never checkpointed)."""
+        from torchmetrics.aggregation import MeanMetric
+
+        if "epoch_means" not in self._modules:
+            self.epoch_means = torch.nn.ModuleDict()
+        if name not in self.epoch_means:
+            self.epoch_means[name] = MeanMetric(nan_strategy="disable").to(self.device)
+        return self.epoch_means[name]
 
     def on_train_epoch_end(self) -> None:
         self._log_metrics("train", self.train_metrics)

@@ -42,7 +42,8 @@ from typing import Any, Literal
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
 from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
 from lilicorr_pl.data import cache as cache_mod
@@ -167,21 +168,27 @@ def collate_draft_batch(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dic
     return batch
 
 
-class ResumableShuffleSampler(Sampler[int]):
-    """A seeded per-epoch permutation that can resume in the middle of an epoch.
+class ResumableShuffleSampler(DistributedSampler):
+    """A seeded per-epoch permutation, sharded over data-parallel ranks, that can resume mid-epoch.
 
-    Epoch ``e`` visits ``randperm(n, generator=seed + e)``. ``skip`` drops the first samples of the
-    current epoch's order once (set when resuming). ``__len__`` stays ``n`` so Lightning's batch
-    counters, which already include the consumed batches, stay consistent.
+    Epoch ``e`` visits the global order ``randperm(n, generator=seed + e)``. Rank ``r`` of ``W`` takes every
+    ``W``-th sample of it starting at ``r``, so one step of ``W`` ranks × ``b`` samples consumes the next
+    ``W·b`` samples of the global order: the samples one process with batch ``W·b`` would see. ``skip`` drops
+    the first samples of the current epoch's *global* order once (set when resuming), so a run can also
+    resume on a different number of processes. When the rest of the epoch does not divide by ``W``, the
+    shards are padded with its first samples (as ``DistributedSampler`` does) so every rank runs the same
+    number of steps. ``__len__`` is this rank's share of a whole epoch, so Lightning's batch counters, which
+    already include the consumed batches, stay consistent.
+
+    It subclasses ``DistributedSampler`` only so that Lightning keeps it instead of wrapping it in one.
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:
-        self.num_samples = int(num_samples)
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.epoch = 0
+    def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0) -> None:
+        # Explicit replicas/rank: DistributedSampler would otherwise query torch.distributed.
+        super().__init__(range(int(num_samples)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.dataset_size = int(num_samples)
         self.skip = 0
-        self.yielded = 0  # samples handed out in the current epoch (exact when iterated by hand)
+        self.yielded = 0  # global position reached in the current epoch (exact when iterated by hand)
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) != self.epoch:
@@ -189,18 +196,42 @@ class ResumableShuffleSampler(Sampler[int]):
             self.skip = 0
 
     def order(self, epoch: int) -> list[int]:
+        """The global visiting order of ``epoch`` (all ranks together)."""
         if not self.shuffle:
-            return list(range(self.num_samples))
+            return list(range(self.dataset_size))
         g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        return torch.randperm(self.dataset_size, generator=g).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        order = self.order(self.epoch)
         start, self.skip = self.skip, 0
+        rest = self.order(self.epoch)[start:]
+        world = self.num_replicas
+        if rest and len(rest) % world:
+            pad = world - len(rest) % world
+            rest += (rest * math.ceil(pad / len(rest)))[:pad]
         self.yielded = start
-        for i in order[start:]:
-            self.yielded += 1
+        for i in rest[self.rank :: world]:
+            self.yielded += world
             yield i
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ShardedEvalSampler(DistributedSampler):
+    """Rank ``r`` of ``W`` evaluates examples ``r, r+W, r+2W, …``: every example exactly once.
+
+    ``DistributedSampler``, which Lightning would add otherwise, pads the shards with repeated examples,
+    which the sum-reduced validation metrics would then count twice. Shards may differ by one example.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(int(num_samples)), num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.dataset_size = int(num_samples)
+        self.num_samples = len(range(rank, self.dataset_size, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.dataset_size, self.num_replicas))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -612,10 +643,17 @@ class DraftDataModule(L.LightningDataModule):
     def _collate(self) -> Any:
         return partial(collate_draft_batch, pad_id=self.pad_id)
 
+    def _replicas(self) -> tuple[int, int]:
+        """(data-parallel replicas, this rank) from the attached Trainer's strategy; (1, 0) without one."""
+        trainer = getattr(self, "trainer", None)
+        kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
     def train_dataloader(self) -> ResumableDataLoader:
         if self.train_dataset is None:
             raise RuntimeError("call setup('fit') before train_dataloader()")
-        self._sampler = ResumableShuffleSampler(len(self.train_dataset), seed=self.seed)
+        replicas, rank = self._replicas()
+        self._sampler = ResumableShuffleSampler(len(self.train_dataset), seed=self.seed, num_replicas=replicas, rank=rank)
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
@@ -628,31 +666,43 @@ class DraftDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            # Its own generator: creating an iterator must not draw from the global RNG (exact resume).
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
+        replicas, rank = self._replicas()
+        if len(self.val_dataset) < replicas:
+            raise ValueError(
+                f"the validation set has {len(self.val_dataset)} examples, fewer than the {replicas} data-parallel "
+                "processes (each evaluates its own share); add validation data, raise data.val_fraction, or set "
+                "data.val_fraction: 0"
+            )
         return DataLoader(
             self.val_dataset,
             batch_size=self.batch_size,
-            shuffle=False,
+            sampler=ShardedEvalSampler(len(self.val_dataset), num_replicas=replicas, rank=rank),
             collate_fn=self._collate(),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     # ------------------------------------------------------------------ exact resume
     def _consumed(self) -> int:
+        """Samples of the current epoch's global order used so far (all ranks together)."""
         sampler = self._sampler
         assert sampler is not None
         trainer = getattr(self, "trainer", None)
         try:
-            # Batches whose training step finished in this epoch (Lightning's own resume counter).
+            # Batches whose training step finished in this epoch (Lightning's own resume counter), per rank.
             batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[union-attr]
-            return min(int(batches) * self.batch_size, sampler.num_samples)
+            consumed = int(batches) * self.batch_size * sampler.num_replicas
         except AttributeError:
-            return sampler.yielded
+            consumed = sampler.yielded
+        return min(consumed, sampler.dataset_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Shuffle position for exact mid-epoch resume: epoch, samples consumed, seed."""
@@ -662,7 +712,7 @@ class DraftDataModule(L.LightningDataModule):
             "epoch": self._sampler.epoch,
             "consumed": self._consumed(),
             "seed": self.seed,
-            "num_samples": self._sampler.num_samples,
+            "num_samples": self._sampler.dataset_size,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -676,16 +726,16 @@ class DraftDataModule(L.LightningDataModule):
     def _apply_state(self, state: dict[str, Any]) -> None:
         sampler = self._sampler
         assert sampler is not None
-        if state.get("num_samples") not in (None, sampler.num_samples) or state.get("seed", self.seed) != self.seed:
+        if state.get("num_samples") not in (None, sampler.dataset_size) or state.get("seed", self.seed) != self.seed:
             warnings.warn(
                 f"the checkpoint's data order (seed {state.get('seed')}, {state.get('num_samples')} examples) does not "
-                f"match this data module (seed {self.seed}, {sampler.num_samples}); starting the epoch from the beginning",
+                f"match this data module (seed {self.seed}, {sampler.dataset_size}); starting the epoch from the beginning",
                 stacklevel=2,
             )
             sampler.epoch = int(state.get("epoch", 0))
             return
         epoch, consumed = int(state.get("epoch", 0)), int(state.get("consumed", 0))
-        if consumed >= sampler.num_samples:
+        if consumed >= sampler.dataset_size:
             epoch, consumed = epoch + 1, 0
         sampler.epoch, sampler.skip = epoch, consumed
 

@@ -55,7 +55,9 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist; pass a .jsonl with a 'prompt' or 'text' field per line")
+        raise FileNotFoundError(
+            f"prompt file {path} does not exist; pass a .jsonl with a 'prompt' or 'text' field per line"
+        )
     texts: list[str] = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -66,7 +68,9 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); one JSON object per line") from None
             if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}")
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}"
+                )
             text = rec.get("prompt", rec.get("text"))
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(

@@ -89,7 +89,8 @@ def run_target_baseline(
     """Plain target decoding on every prompt; returns the results and tokens/s (prefill included)."""
     results, tokens, seconds = [], 0, 0.0
     for i, ids in enumerate(prompts.input_ids):
-        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=_generator(target, seed + i))
+        g = _generator(target, seed + i)
+        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g)
         tokens += len(r.tokens)
         seconds += r.total
         results.append(r)

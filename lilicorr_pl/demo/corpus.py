@@ -139,7 +139,12 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def heldout_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0) -> list[str]:
-    """Deterministic code prefixes from held-out modules, for benchmarking on never-seen code.
+    """Deterministic code prefixes from held-out modules, for benchmarking on never-seen code."""
+    return code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="heldout")
+
+
+def code_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0, split: Split = "heldout") -> list[str]:
+    """Deterministic code prefixes from one split (``train`` prefixes become regeneration prompts).
 
     Each prefix is a run of whole lines from one held-out file that ends right after a one-line
     ``def``/``class`` header (so the natural continuation is that body) and holds at most
@@ -159,7 +164,7 @@ def heldout_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0
         raise ValueError(f"prefix_tokens={prefix_tokens} is too short for a code prefix; use at least 8.")
     # Candidate cut points: (file index, line index after a header) with a body of ≥ 3 lines
     # following and at least a few lines of context before it.
-    files = stdlib_files("heldout")
+    files = stdlib_files(split)
     file_lines = [_read_text(p).splitlines(keepends=True) for p in files]
     candidates: list[tuple[int, int]] = []
     for file_index, lines in enumerate(file_lines):

@@ -1,0 +1,216 @@
+"""AcceptanceEval: real speculative decoding inside a Trainer run, logged for loggers and monitors."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import Mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from callbacks import AcceptanceEval
+from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.decoding.evaluate import summarize
+from lilicorr_pl.decoding.speculative import speculative_generate
+from lilicorr_pl.heads import LiLiCorrHead, Top1Selector
+from lilicorr_pl.models import DFlashDrafter
+from lilicorr_pl.system import DraftSystem
+from lilicorr_pl.target import TargetSpec
+
+BLOCK = 4
+SPEC = TargetSpec(name_or_path="builtin:tiny", layer_ids=[1, 2])
+
+
+def make_system(head=None) -> DraftSystem:
+    return DraftSystem(SPEC, DFlashDrafter(num_layers=1, block_size=BLOCK), head=head, num_anchors=8, max_length=48)
+
+
+def make_callback(**kw) -> AcceptanceEval:
+    args = dict(every_n_train_steps=2, benchmark="stdlib-heldout", num_prompts=3, max_new_tokens=12, prompt_tokens=32)
+    return AcceptanceEval(**{**args, **kw})
+
+
+class SanityRecorder(L.Callback):
+    """Records whether each validation epoch end was a sanity check."""
+
+    def __init__(self) -> None:
+        self.sanity_flags: list[bool] = []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.sanity_flags.append(trainer.sanity_checking)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Four steps with validation (and the callback) every two, a sanity check, and a tau monitor."""
+    root = tmp_path_factory.mktemp("acceptance")
+    system = make_system(LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4))
+    data = DraftDataModule(["builtin:stdlib-train:16"], max_length=48, batch_size=4, logit_cache=False,
+                           cache_dir=str(root / "cache"), target=SPEC, progress=False)
+    callback = make_callback()
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", monitor="eval/tau", mode="max", save_top_k=1)
+    recorder = SanityRecorder()
+    trainer = L.Trainer(
+        max_steps=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1, accelerator="cpu",
+        logger=CSVLogger(root / "csv"), callbacks=[callback, checkpoint, recorder],
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(system, data)
+    return SimpleNamespace(trainer=trainer, system=system, callback=callback, checkpoint=checkpoint,
+                           recorder=recorder, root=root)
+
+
+def test_logs_eval_tau_to_callback_metrics_and_loggers(run):
+    metrics = run.trainer.callback_metrics
+    for key in ("eval/tau", "eval/tau_top1", "eval/stdlib-heldout/tau", "eval/acceptance/pos01"):
+        assert key in metrics, key
+    tau = metrics["eval/tau"].item()
+    assert 1.0 <= tau <= BLOCK
+    assert tau == pytest.approx(run.callback.history[-1][1]["eval/tau"])
+    # Steps and validation ends coincide: one evaluation per step, logged at that step.
+    assert [step for step, _ in run.callback.history] == [2, 4]
+    rows = list(csv.DictReader(open(next(Path(run.trainer.logger.log_dir).glob("metrics.csv")))))
+    logged = {int(r["step"]): float(r["eval/tau"]) for r in rows if r.get("eval/tau")}
+    assert logged == {step: pytest.approx(s["eval/tau"]) for step, s in run.callback.history}
+
+
+def test_skips_the_sanity_check(run):
+    assert run.recorder.sanity_flags[0] is True  # the sanity check did run through the hook
+    assert all(step > 0 for step, _ in run.callback.history)
+
+
+def test_model_checkpoint_monitoring_eval_tau_keeps_the_best(run):
+    best = Path(run.checkpoint.best_model_path)
+    assert best.is_file()
+    taus = [s["eval/tau"] for _, s in run.callback.history]
+    assert run.checkpoint.best_model_score.item() == pytest.approx(max(taus))
+    state = torch.load(best, map_location="cpu", weights_only=False)
+    assert state["global_step"] in [step for step, s in run.callback.history if s["eval/tau"] == max(taus)]
+
+
+def test_tau_equals_direct_speculative_decoding_and_slices_sum_exactly(run):
+    system, callback = run.system, run.callback
+    target = system.target
+    prompts = callback.prompt_set(system)
+    direct = [speculative_generate(target, system.drafter, system.head, ids, callback.max_new_tokens).accepted_lengths
+              for ids in prompts.input_ids]
+    rounds = [a for lengths in direct for a in lengths]
+    whole = callback.decode(system)
+    assert whole["head"].tau == pytest.approx(1 + sum(rounds) / len(rounds))  # bonus token included
+    assert whole["head"].histogram == torch.bincount(torch.tensor(rounds), minlength=BLOCK).tolist()
+    # Two "ranks" decode disjoint slices; their summed histograms give exactly the pooled statistics.
+    parts = [callback.decode(system, rank, 2)["head"] for rank in range(2)]
+    summed = [a + b for a, b in zip(parts[0].histogram, parts[1].histogram)]
+    pooled = summarize(summed)
+    assert pooled["histogram"] == whole["head"].histogram
+    assert pooled["tau"] == pytest.approx(whole["head"].tau)
+    assert pooled["per_position_acceptance"] == pytest.approx(whole["head"].per_position_acceptance, nan_ok=True)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_decode_slices_and_log_the_pooled_tau(tmp_path, monkeypatch):
+    """Two CPU processes (gloo): both log the tau of all prompts, pooled from their own slices."""
+    from lilicorr_pl.losses import DFlashCE, OraclePrefixCE
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read by the spawned workers
+    head = LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4)
+    # OraclePrefixCE trains the head too: DDP insists that every parameter gets a gradient.
+    system = DraftSystem(SPEC, DFlashDrafter(num_layers=1, block_size=BLOCK), head=head,
+                         losses=[DFlashCE(), OraclePrefixCE()], num_anchors=8, max_length=48)
+    data = DraftDataModule(["builtin:stdlib-train:16"], max_length=48, batch_size=2, val_fraction=0.2,
+                           logit_cache=False, cache_dir=str(tmp_path / "cache"), target=SPEC, progress=False)
+    trainer = L.Trainer(
+        max_steps=2, strategy="ddp_spawn", devices=2, accelerator="cpu", val_check_interval=2, limit_val_batches=1,
+        num_sanity_val_steps=0, callbacks=[make_callback()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(system, data)
+    # Rank 0's callback metrics come back to this process together with rank 0's final weights.
+    metrics = trainer.callback_metrics
+    system.configure_model()
+    whole = make_callback().decode(system)  # one process, all three prompts
+    assert metrics["eval/rounds"].item() == whole["head"].rounds  # each prompt decoded exactly once
+    assert metrics["eval/tau"].item() == pytest.approx(whole["head"].tau)
+    assert metrics["eval/tau_top1"].item() == pytest.approx(whole["top1"].tau)
+
+
+def fake_trainer(step: int, loggers: list) -> SimpleNamespace:
+    """The parts of a Trainer the callback touches, for a single process."""
+    return SimpleNamespace(
+        sanity_checking=False, global_step=step, global_rank=0, world_size=1, loggers=loggers,
+        callback_metrics={}, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t),
+    )
+
+
+def test_wandb_media_table_histogram_and_plot(run):
+    import wandb
+
+    callback, system = run.callback, run.system
+    logger = Mock(spec=WandbLogger)
+    trainer = fake_trainer(7, [logger])
+    results = callback.decode(system)  # rank 0 records the table rows
+    pooled = {name: summarize(r.histogram, r.num_tokens, r.seconds) for name, r in results.items()}
+    callback._log_media(trainer, results, pooled)
+
+    logger.log_table.assert_called_once()
+    table = logger.log_table.call_args.kwargs
+    assert table["key"] == "eval/drafts" and table["step"] == 7
+    assert table["columns"] == ["prompt", "round", "anchor", "drafted", "target", "accepted", "acc"]
+    assert table["data"], "the first prompts' rounds are shown"
+    for _, _, _, drafted, choices, accepted, acc in table["data"]:
+        drafted, choices = json.loads(drafted), json.loads(choices)  # one decoded string per token
+        assert len(drafted) == BLOCK - 1 and len(choices) == BLOCK and 0 <= acc < BLOCK
+        assert json.loads(accepted) == drafted[:acc]  # the accepted drafts are the drafted prefix ...
+        assert drafted[:acc] == choices[:acc]  # ... that agrees with the target's own choices
+    (media,), _ = logger.experiment.log.call_args
+    assert set(media) == {"eval/accepted_length_hist", "eval/per_position_acceptance", "trainer/global_step"}
+    assert media["trainer/global_step"] == 7
+    hist = media["eval/accepted_length_hist"]
+    assert isinstance(hist, wandb.Histogram)
+    assert list(hist.histogram) == pooled["head"]["histogram"]
+
+
+def test_evaluate_logs_scalars_to_every_logger_and_skips_repeats(run):
+    callback = make_callback(num_prompts=2)
+    wandb_logger, csv_logger = Mock(spec=WandbLogger), Mock()
+    trainer = fake_trainer(10, [wandb_logger, csv_logger])
+    scalars = callback.evaluate(trainer, run.system)
+    for lg in (wandb_logger, csv_logger):
+        lg.log_metrics.assert_called_once_with(scalars, step=10)
+    assert trainer.callback_metrics["eval/tau"].item() == pytest.approx(scalars["eval/tau"])
+    assert trainer.callback_metrics["eval/tau_top1"].item() == pytest.approx(scalars["eval/tau_top1"])
+    callback.evaluate(trainer, run.system)  # validation end at the same step as the step hook
+    assert csv_logger.log_metrics.call_count == 1
+    trainer.sanity_checking, trainer.global_step = True, 11
+    callback.evaluate(trainer, run.system)
+    assert csv_logger.log_metrics.call_count == 1 and len(callback.history) == 1
+
+
+def test_top1_head_logs_tau_top1_without_a_second_decode():
+    system = make_system(head=None)  # vanilla DFlash: the head is per-slot top-1
+    system.configure_model()
+    callback = make_callback(num_prompts=1)
+    scalars = callback.evaluate(fake_trainer(2, []), system)
+    assert isinstance(system.head, Top1Selector)
+    assert scalars["eval/tau_top1"] == scalars["eval/tau"]
+    assert 1.0 <= scalars["eval/tau"] <= BLOCK
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_prompts": 0}, "num_prompts >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens >= 1"),
+        ({"every_n_train_steps": None, "on_validation_end": False}, "never run"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
+)
+def test_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_callback(**kwargs)

@@ -1,0 +1,158 @@
+"""`lilicorr bench` on a checkpoint of the shipped tiny config, and the evaluation code behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lilicorr_pl.bench import main as bench
+from lilicorr_pl.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 8  # configs/tiny.yaml
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Two steps of configs/tiny.yaml, run from inside a temp dir (its output paths are relative)."""
+    root = tmp_path_factory.mktemp("tiny")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        cli = cli_main([
+            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+        ])
+    finally:
+        os.chdir(cwd)
+    ckpt = root / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    return cli, ckpt
+
+
+def test_shipped_tiny_config_logs_real_acceptance(tiny_run):
+    cli, _ = tiny_run
+    metrics = cli.trainer.callback_metrics
+    for key in ("eval/tau", "eval/tau_top1", "eval/stdlib-heldout/tau"):
+        assert key in metrics, key
+    assert 1.0 <= metrics["eval/tau"].item() <= BLOCK
+
+
+def check_run(run: dict, selectors: list[str], temperature: float) -> None:
+    """Every documented field is present and typed; the numbers are consistent with each other."""
+    assert isinstance(run["benchmark"], str)
+    assert run["temperature"] == temperature
+    assert isinstance(run["max_new_tokens"], int)
+    assert isinstance(run["chat_template"], bool) and run["enable_thinking"] is False
+    assert isinstance(run["target_tokens_per_s"], float) and run["target_tokens_per_s"] > 0
+    assert list(run["selectors"]) == selectors
+    for name, r in run["selectors"].items():
+        assert 1.0 <= r["tau"] <= BLOCK, name
+        assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
+        assert r["speedup_vs_target"] == pytest.approx(r["tokens_per_s"] / run["target_tokens_per_s"])
+        assert r["lossless"] is (True if temperature == 0 else None), name
+        assert len(r["histogram"]) == BLOCK and all(isinstance(c, int) for c in r["histogram"])
+        rounds = sum(r["histogram"])
+        assert rounds == r["rounds"] > 0
+        # τ (bonus token included) is 1 + the mean accepted length of the histogram.
+        assert r["tau"] == pytest.approx(1 + sum(k * c for k, c in enumerate(r["histogram"])) / rounds)
+        acc = r["per_position_acceptance"]
+        assert len(acc) == BLOCK - 1 and acc[0] is not None  # position 1 is reached every round
+        assert all(a is None or 0.0 <= a <= 1.0 for a in acc)
+        assert 0.0 <= r["head_time_fraction"] <= 1.0
+
+
+def test_bench_humaneval_greedy_is_lossless_and_writes_json_and_plot(tiny_run, tmp_path):
+    _, ckpt = tiny_run
+    out, plots = tmp_path / "results.json", tmp_path / "plots"
+    bench([
+        "--ckpt", str(ckpt), "--benchmark", "humaneval", "--num-prompts", "2", "--max-new-tokens", "16",
+        "--temperature", "0", "--selectors", "top1,lilicorr", "--output", str(out), "--plot", str(plots),
+    ])
+    run = json.loads(out.read_text())
+    check_run(run, ["top1", "lilicorr"], 0.0)
+    assert run["benchmark"] == "humaneval" and run["max_new_tokens"] == 16 and run["num_prompts"] == 2
+    assert run["chat_template"] is True  # humaneval is wrapped in the tokenizer's chat template
+    (png,) = plots.glob("*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_path):
+    _, ckpt = tiny_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "def add(a, b):\n"}) + "\n\n" + json.dumps({"text": "import os\nclass Path:\n"}) + "\n"
+    )
+    out = tmp_path / "results.json"
+    runs = cli_main([
+        "bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "5", "--max-new-tokens", "12",
+        "--temperature", "0", "1.0", "--selectors", "lilicorr", "--output", str(out),
+    ])
+    payload = json.loads(out.read_text())
+    assert [r["temperature"] for r in payload["runs"]] == [0.0, 1.0] == [r["temperature"] for r in runs]
+    for run in payload["runs"]:
+        check_run(run, ["lilicorr"], run["temperature"])
+        assert run["num_prompts"] == 2 and run["chat_template"] is False  # raw prompts stay raw
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_ckpt", "does not exist"),
+        ("unknown_selector", "unknown selector"),
+        ("unknown_benchmark", "unknown benchmark"),
+        ("malformed_jsonl", r"prompts.jsonl:2: malformed JSON"),
+        ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
+        ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
+        ("negative_temperature", "temperatures must be >= 0"),
+    ],
+)
+def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, message):
+    _, ckpt = tiny_run
+    args = {"--ckpt": str(ckpt), "--benchmark": "humaneval", "--selectors": "top1", "--temperature": "0"}
+    if case == "missing_ckpt":
+        args["--ckpt"] = str(tmp_path / "nope.ckpt")
+    elif case == "unknown_selector":
+        args["--selectors"] = "top1,top2"
+    elif case == "unknown_benchmark":
+        args["--benchmark"] = "gsm9k"
+    elif case == "malformed_jsonl":
+        args["--benchmark"] = write(tmp_path / "prompts.jsonl", '{"prompt": "ok"}\n{"prompt": oops}\n')
+    elif case == "jsonl_without_prompt":
+        args["--benchmark"] = write(tmp_path / "prompts.jsonl", '{"question": "no prompt field"}\n')
+    elif case == "selector_not_in_checkpoint":
+        args["--selectors"] = "top1,domino"
+    elif case == "negative_temperature":
+        args["--temperature"] = "-0.5"
+    argv = [x for kv in args.items() for x in kv]
+    with pytest.raises(SystemExit, match=message):
+        bench(argv)
+
+
+def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_run):
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
+    from lilicorr_pl.decoding.speculative import speculative_generate
+
+    system = tiny_run[0].model
+    target = system.target
+    prompts = load_prompts("stdlib-heldout", target.tokenizer, 2, prefix_tokens=32)
+    reference, _ = run_target_baseline(target, prompts, 10)
+    r = evaluate_arm(target, system.drafter, system.head, prompts, 10, reference=reference)
+    gens = [speculative_generate(target, system.drafter, system.head, ids, 10) for ids in prompts.input_ids]
+    assert r.lossless is True
+    assert r.num_tokens == sum(len(g.tokens) for g in gens) == sum(len(g.tokens) for g in reference)
+    assert r.seconds > 0 and r.tokens_per_s == pytest.approx(r.num_tokens / r.seconds)
+    assert r.per_prompt_tau == pytest.approx([g.tau for g in gens])
+    assert r.rounds == sum(g.num_rounds for g in gens)
+    assert 0 < r.head_time_fraction + r.draft_time_fraction < 1  # the rest is the target's verify time
+    reference[1].tokens[-1] += 1  # a reference that differs in one token is not reproduced
+    assert evaluate_arm(target, system.drafter, system.head, prompts, 10, reference=reference).lossless is False
