@@ -74,7 +74,7 @@ class LilicorrCLI(LightningCLI):
         dm = self.datamodule
         if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
             # The logit cache is only worth computing when an active loss reads target logits.
-            dm.require_logit_cache(self.model.needs_target_logits)
+            dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
 
 
 def _run_tool(name: str, argv: list[str]) -> Any:
@@ -88,12 +88,14 @@ def main(args: Sequence[str] | None = None) -> Any:
     if argv and argv[0] in TOOLS:
         result = _run_tool(argv[0], argv[1:])
         # From the console, a tool's return value is data, not an exit status.
-        return result if args is not None else None
+        if args is not None:
+            return result
+        return result if isinstance(result, int) else None  # an int is the tool's exit status
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cli = LilicorrCLI(
         DraftSystem,
         DraftDataModule,
-        args=argv,
+        args=argv if args is not None else None,
         parser_kwargs={
             "parser_mode": "omegaconf",
             "description": (__doc__ or "") + "\nTools: " + ", ".join(f"{k} ({v[1]})" for k, v in TOOLS.items()),

@@ -47,6 +47,33 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     return {k: v / steps for k, v in totals.items()}
 
 
+def penalty_cache_error(system: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Distractor penalty from the top-M cache versus exact candidate logits, on the same blocks."""
+    if "topm_ids" not in batches[0]:
+        raise ValueError("the batches carry no target-logit cache; enable data.logit_cache")
+    system.configure_model()
+    system.eval()
+    names = [l.name for l in system.losses if l.requires_target_logits]
+    if not names:
+        raise ValueError("no loss component reads target logits (add DistractorPenalty)")
+    cached, exact = [], []
+    mode = system.target_logits_mode
+    try:
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                for which, sink in (("cache", cached), ("exact", exact)):
+                    system.target_logits_mode = which
+                    out = system.compute_step(batch, generator=torch.Generator().manual_seed(i))
+                    sink.append(float(out["logs"][f"{names[0]}/penalty"]))
+    finally:
+        system.target_logits_mode = mode
+    abs_err = [abs(a - b) for a, b in zip(cached, exact)]
+    mean_exact = sum(exact) / len(exact)
+    return {"penalty_exact": mean_exact, "penalty_cache": sum(cached) / len(cached),
+            "mean_abs_error": sum(abs_err) / len(abs_err),
+            "relative_error": (sum(abs_err) / len(abs_err)) / max(abs(mean_exact), 1e-12), "batches": len(batches)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(prog="python -m lilicorr_pl.perf", description=__doc__)
     p.add_argument("-c", "--config", action="append", required=True, help="config file(s), as for `lilicorr fit`")
@@ -54,6 +81,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--ckpt", help="load trained drafter/head weights from this checkpoint first")
+    p.add_argument("--penalty-error", action="store_true",
+                   help="instead of timing, compare the distractor penalty from the cache with exact logits")
     p.add_argument("overrides", nargs="*", help="extra `--key=value` overrides passed to the config parser")
     args = p.parse_args(argv)
     if args.threads:
@@ -67,10 +97,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cli = LilicorrCLI(DraftSystem, DraftDataModule, args=cli_args, run=False,
                       parser_kwargs={"parser_mode": "omegaconf"}, save_config_callback=None)
     system, dm = cli.model, cli.datamodule
-    dm.require_logit_cache(system.needs_target_logits)
+    dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
     dm.prepare_data()
     dm.setup("fit")
-    batches = [b for _, b in zip(range(4), dm.train_dataloader())]
+    if args.ckpt:
+        state = torch.load(args.ckpt, map_location="cpu", weights_only=False)["state_dict"]
+        system.load_state_dict(state)
+    batches = [b for _, b in zip(range(max(4, args.steps)), dm.train_dataloader())]
+    if args.penalty_error:
+        result = penalty_cache_error(system, batches[: args.steps])
+        for k, v in result.items():
+            print(f"{k:<16} {v:.6g}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+        return result
     result = profile_steps(system, batches, args.steps, args.warmup)
     total = result["step_total"]
     print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={args.steps})")

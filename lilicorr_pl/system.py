@@ -48,7 +48,8 @@ class DraftSystem(L.LightningModule):
         lr_scheduler: scheduler factory; ``WarmupCosine`` gets its length from the Trainer.
         target_logits: where the distractor penalty reads target logits: ``"cache"`` (the data
             module's precomputed top-M cache), ``"exact"`` (candidate-restricted logits from the online
-            target) or ``"auto"`` (cache when the batch carries it, else exact).
+            target: ``K + 1`` dot products per slot, no approximation) or ``"auto"`` (exact when the
+            target runs online this step, the cache in offline mode, i.e. with the feature cache).
         max_length: longest training sequence (linked from ``data.max_length``); checked against the
             target's ``max_position_embeddings``.
         disabled_losses: names of loss components to drop (ablation flags, e.g.
@@ -181,8 +182,14 @@ class DraftSystem(L.LightningModule):
 
     @property
     def needs_target_logits(self) -> bool:
-        """True when some active loss reads the target's logits (the data module caches them)."""
+        """True when some active loss reads the target's logits."""
         return any(l.requires_target_logits and l.weight > 0 for l in self.losses)
+
+    def needs_logit_cache(self, offline_features: bool) -> bool:
+        """Whether the data module must precompute the top-M target-logit cache."""
+        if not self.needs_target_logits:
+            return False
+        return self.target_logits_mode == "cache" or (self.target_logits_mode == "auto" and offline_features)
 
     # ------------------------------------------------------------------ target lifecycle
     def configure_model(self) -> None:
@@ -384,7 +391,7 @@ class DraftSystem(L.LightningModule):
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         mode = self.target_logits_mode
         has_cache = "topm_ids" in batch
-        if mode == "cache" or (mode == "auto" and has_cache):
+        if mode == "cache" or (mode == "auto" and normed is None and has_cache):
             if not has_cache:
                 raise RuntimeError(
                     "model.target_logits='cache' but the batch has no target-logit cache; set "

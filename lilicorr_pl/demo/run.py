@@ -184,6 +184,7 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
             style = "--" if r["arm"] == "oracle" else "-"
             ax.plot(range(1, len(acc) + 1), acc, style, marker="o", ms=3, label=f"{r['arm']} τ={r['tau']:.2f}")
         ax.set_title(f"{bench}, T={temp:g}")
+        ax.set_xlim(0.5, len(rows[0]["per_position_acceptance"]) + 0.5)
         ax.set_xlabel("draft position k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)

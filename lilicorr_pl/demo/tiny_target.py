@@ -123,6 +123,11 @@ class TinyTargetConfig:
     """The cosine schedule decays to ``lr * min_lr_ratio``."""
     warmup_steps: int = 60
     """Linear warmup steps."""
+    optimizer: str = "adamw"
+    """``"adamw"``, or ``"muon"``: Muon for the decoder's weight matrices, AdamW (``lr``) for
+    embeddings, LM head and norms."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (Keller Jordan's shape adjustment)."""
     weight_decay: float = 0.1
     """AdamW decay on weight matrices. Embeddings and norms are not decayed, so padded embedding rows
     (the mask row among them) keep their random initialisation instead of shrinking to zero."""
@@ -230,6 +235,8 @@ def build_fingerprint(config: TinyTargetConfig) -> str:
         "builder_version": BUILDER_VERSION,
         "config": dataclasses.asdict(config),
         "corpus": corpus.corpus_fingerprint(),
+        "chat_template": CHAT_TEMPLATE,
+        "pretokenizer": PRETOKENIZE_REGEX,
         "torch_major": torch.__version__.split(".")[0],
         "transformers_major": transformers.__version__.split(".")[0],
     }
@@ -261,6 +268,8 @@ def _cache_problem(directory: Path, fingerprint: str) -> str | None:
         report = load_build_report(directory)
     except (FileNotFoundError, json.JSONDecodeError) as error:
         return f"unreadable build report ({error})"
+    if not isinstance(report, dict):
+        return "build report is not a JSON object"
     if report.get("fingerprint") != fingerprint:
         return f"fingerprint {report.get('fingerprint')} != expected {fingerprint}"
     manifest: dict[str, dict[str, Any]] = report.get("files", {})
@@ -432,6 +441,32 @@ def _lr_lambda(config: TinyTargetConfig) -> Callable[[int], float]:
     return factor
 
 
+def _make_optimizers(model: Any, config: TinyTargetConfig) -> list[torch.optim.Optimizer]:
+    """AdamW for everything, or Muon for the decoder's weight matrices plus AdamW for the rest.
+
+    Embeddings and norms are never decayed: padded embedding rows (the mask row among them) get no
+    gradient and should keep their random initialisation rather than shrink to zero.
+    """
+    named = list(model.named_parameters())
+    is_embedding = lambda name: "embed_tokens" in name or "lm_head" in name  # noqa: E731
+    if config.optimizer == "muon":
+        matrices = [p for n, p in named if p.ndim == 2 and not is_embedding(n)]
+        rest = [(n, p) for n, p in named if not (p.ndim == 2 and not is_embedding(n))]
+        # No decay: Muon's decoupled decay scales with its ~10x larger lr, and these runs are far
+        # too short to need regularising.
+        muon = torch.optim.Muon(matrices, lr=config.muon_lr, weight_decay=0.0, momentum=0.95,
+                                adjust_lr_fn="original")
+    else:
+        muon, rest = None, named
+    decay = [p for n, p in rest if p.ndim >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in rest if not (p.ndim >= 2 and "embed_tokens" not in n)]
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    return [adamw] if muon is None else [muon, adamw]
+
+
 class ThreadTuner:
     """Re-picks torch's intra-op thread count while training, by timing real steps.
 
@@ -497,13 +532,8 @@ def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, prog
     if stream.numel() <= window:
         raise ValueError(f"The training stream has {stream.numel()} tokens, fewer than one window of {window}; "
                          "raise corpus_max_bytes or lower max_seq_len.")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    optimizers = _make_optimizers(model, config)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(config)) for o in optimizers]
     generator = torch.Generator().manual_seed(config.seed)
     offsets = torch.arange(window)
     tuner = ThreadTuner(_training_threads(config))
@@ -525,9 +555,10 @@ def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, prog
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         running += loss.item()
         running_steps += 1
         tuner.record(step, threads, time.perf_counter() - step_start)
