@@ -389,6 +389,8 @@ class DraftSystem(L.LightningModule):
         labels: torch.Tensor,  # [M, S]
         normed: torch.Tensor | None,  # [b, T, H] final-normed target hidden (online mode)
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if not self.needs_target_logits:
+            return None  # no active loss reads target logits (e.g. the DFlash-only ablation)
         mode = self.target_logits_mode
         has_cache = "topm_ids" in batch
         if mode == "cache" or (mode == "auto" and normed is None and has_cache):
@@ -408,8 +410,6 @@ class DraftSystem(L.LightningModule):
 
             return from_cache
         if normed is None:
-            if not self.needs_target_logits:
-                return None
             raise RuntimeError(
                 "exact target logits need the online target, but features came from the offline cache; "
                 "enable data.logit_cache or disable data.feature_cache"

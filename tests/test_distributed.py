@@ -70,7 +70,7 @@ class RecordRank(L.Callback):
         Path(f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def test_samplers_shard_the_global_order_and_resume_on_any_world_size():
+def test_samplers_shard_the_global_order_and_skip_a_global_prefix():
     n, seed = 11, 5
     order = ResumableShuffleSampler(n, seed=seed).order(0)
     ranks = [list(ResumableShuffleSampler(n, seed=seed, num_replicas=3, rank=r)) for r in range(3)]

@@ -135,9 +135,7 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
 
 
 def test_notebook_shows_only_top1_for_a_checkpoint_without_a_lattice_head(tmp_path, monkeypatch):
-    # target_logits=auto: tiny.yaml's "cache" mode insists on a logit cache that no remaining loss reads.
-    fit_tiny(tmp_path / "fit", "-c", str(ROOT / "configs" / "ablations" / "dflash_only.yaml"),
-             "--model.target_logits=auto", steps=1)
+    fit_tiny(tmp_path / "fit", "-c", str(ROOT / "configs" / "ablations" / "dflash_only.yaml"), steps=1)
     ckpt = tmp_path / "fit" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     nb = execute_notebook(tmp_path, monkeypatch, ckpt, tmp_path / "no_results.json")
 

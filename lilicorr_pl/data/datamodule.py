@@ -174,11 +174,11 @@ class ResumableShuffleSampler(DistributedSampler):
     Epoch ``e`` visits the global order ``randperm(n, generator=seed + e)``. Rank ``r`` of ``W`` takes every
     ``W``-th sample of it starting at ``r``, so one step of ``W`` ranks × ``b`` samples consumes the next
     ``W·b`` samples of the global order: the samples one process with batch ``W·b`` would see. ``skip`` drops
-    the first samples of the current epoch's *global* order once (set when resuming), so a run can also
-    resume on a different number of processes. When the rest of the epoch does not divide by ``W``, the
-    shards are padded with its first samples (as ``DistributedSampler`` does) so every rank runs the same
-    number of steps. ``__len__`` is this rank's share of a whole epoch, so Lightning's batch counters, which
-    already include the consumed batches, stay consistent.
+    the first samples of the current epoch's *global* order once (set when resuming; the data module's
+    state counts global samples, so exact resume needs the same ``W`` and batch size). When the rest of the
+    epoch does not divide by ``W``, the shards are padded with its first samples (as ``DistributedSampler``
+    does) so every rank runs the same number of steps. ``__len__`` is this rank's share of a whole epoch,
+    so Lightning's batch counters, which already include the consumed batches, stay consistent.
 
     It subclasses ``DistributedSampler`` only so that Lightning keeps it instead of wrapping it in one.
     """
