@@ -98,7 +98,8 @@ def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path):
     # ... and so does the mid-epoch data position: 4 steps × batch 4 of the epoch's shuffled order.
     assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 4 * 4
     # Up to the kill both runs computed the same thing (same process setup, same numbers).
-    _assert_same(_weights(ckpts / f"step={KILL_AT_STEP}.ckpt"), _weights(tmp_path / "full" / "ckpt" / f"step={KILL_AT_STEP}.ckpt"))
+    step_ckpt = f"step={KILL_AT_STEP}.ckpt"
+    _assert_same(_weights(ckpts / step_ckpt), _weights(tmp_path / "full" / "ckpt" / step_ckpt))
 
     _finish(_launch(tmp_path / "killed", cache, "--ckpt_path=last"))
     resumed = torch.load(last, map_location="cpu", weights_only=True)
@@ -106,5 +107,6 @@ def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path):
     reference = tmp_path / "full" / "ckpt" / "last.ckpt"
     _assert_same(_weights(last), _weights(reference))
     # Same optimizer moments too, so the runs would stay identical past this point.
-    a, b = resumed["optimizer_states"][0]["state"], torch.load(reference, weights_only=True)["optimizer_states"][0]["state"]
+    a = resumed["optimizer_states"][0]["state"]
+    b = torch.load(reference, weights_only=True)["optimizer_states"][0]["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)

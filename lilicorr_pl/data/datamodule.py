@@ -183,7 +183,9 @@ class ResumableShuffleSampler(DistributedSampler):
     It subclasses ``DistributedSampler`` only so that Lightning keeps it instead of wrapping it in one.
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self, num_samples: int, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0
+    ) -> None:
         # Explicit replicas/rank: DistributedSampler would otherwise query torch.distributed.
         super().__init__(range(int(num_samples)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.dataset_size = int(num_samples)
@@ -653,7 +655,9 @@ class DraftDataModule(L.LightningDataModule):
         if self.train_dataset is None:
             raise RuntimeError("call setup('fit') before train_dataloader()")
         replicas, rank = self._replicas()
-        self._sampler = ResumableShuffleSampler(len(self.train_dataset), seed=self.seed, num_replicas=replicas, rank=rank)
+        self._sampler = ResumableShuffleSampler(
+            len(self.train_dataset), seed=self.seed, num_replicas=replicas, rank=rank
+        )
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None

@@ -36,8 +36,8 @@ SETTINGS = {
     # quick: minutes on 2 CPU cores; full: about half an hour once the target is cached.
     "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, steps=120, bench_prompts=6,
                   bench_new_tokens=48),
-    "full": dict(target="full", prompts=1200, prefix_tokens=64, new_tokens=128, steps=500, bench_prompts=16,
-                 bench_new_tokens=96),
+    "full": dict(target="full", prompts=600, prefix_tokens=64, new_tokens=96, steps=300, bench_prompts=10,
+                 bench_new_tokens=64),
 }
 
 
@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arms", help="comma list of arms to run (overrides --baselines)")
     p.add_argument("--bench-prompts", type=int, help="prompts per benchmark (default by mode)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--target-preset", choices=["test", "quick", "full"], help="override the mode's target build")
+    p.add_argument("--prompts", type=int, help="regeneration prompts (default by mode)")
+    p.add_argument("--regen-tokens", type=int, help="tokens regenerated per prompt (default by mode)")
+    p.add_argument("--prefix-tokens", type=int, help="prompt prefix length in tokens (default by mode)")
+    p.add_argument("--bench-new-tokens", type=int, help="tokens generated per benchmark prompt (default by mode)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -69,6 +74,25 @@ def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed
         for i, text in enumerate(prefixes):
             fh.write(json.dumps({"id": f"train-{i}", "text": text}) + "\n")
     os.replace(tmp, path)
+
+
+def target_overrides(target_dir: str) -> list[str]:
+    """Config overrides for targets smaller than the demo config assumes (the seconds-long test preset):
+    explicit layer ids where the default rule would repeat a layer, and a max_length within RoPE range."""
+    from transformers import AutoConfig
+
+    from lilicorr_pl.target import default_layer_ids
+
+    config = AutoConfig.from_pretrained(target_dir)
+    out = []
+    try:
+        default_layer_ids(config.num_hidden_layers, 3)
+    except ValueError:
+        ids = ", ".join(str(i) for i in range(1, max(2, config.num_hidden_layers - 1)))
+        out.append(f"--model.target.layer_ids=[{ids}]")
+    if config.max_position_embeddings < 256:
+        out.append(f"--data.max_length={config.max_position_embeddings}")
+    return out
 
 
 def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, steps: int, seed: int) -> Path:
@@ -93,6 +117,7 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, steps: 
         f"--trainer.logger.init_args.save_dir=runs/demo/{arm}",
         f"--trainer.logger.init_args.name={arm}",
         "--data.cache_dir=runs/demo/cache",
+        *target_overrides(target_dir),
     ]
     log(f"{arm}: lilicorr {' '.join(args)}")
     cwd = os.getcwd()
@@ -112,39 +137,6 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, steps: 
     tmp = ckpt.with_suffix(".tmp")
     shutil.copyfile(produced, tmp)
     os.replace(tmp, ckpt)  # atomic: a half-copied checkpoint is never reused
-    return ckpt
-    args = ["fit", "-c", str(CONFIG_DIR / config)]
-    for o in overlays:
-        args += ["-c", str(CONFIG_DIR / o)]
-    args += [
-        f"--seed_everything={seed}",
-        f"--model.target.name_or_path={target_dir}",
-        f"--data.train_files=[{data_file}]",
-        f"--trainer.max_steps={steps}",
-        f"--trainer.val_check_interval={max(1, steps // 2)}",
-        f"--trainer.default_root_dir=runs/demo/{arm}",
-        f"--trainer.logger.init_args.save_dir=runs/demo/{arm}",
-        f"--trainer.logger.init_args.name={arm}",
-        "--data.cache_dir=runs/demo/cache",
-    ]
-    log(f"{arm}: lilicorr {' '.join(args)}")
-    cwd = os.getcwd()
-    os.chdir(workdir)
-    try:
-        cli_main(args)
-    finally:
-        os.chdir(cwd)
-        try:
-            import wandb
-
-            wandb.finish()
-        except Exception:  # noqa: BLE001 - a logger teardown problem must not lose the results
-            pass
-    # The no-distractor arm shares the lilicorr config's checkpoint dir name: move it to its own.
-    produced = workdir / "runs" / "demo" / Path(config).stem / "checkpoints" / "last.ckpt"
-    if produced != ckpt:
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(produced, ckpt)
     return ckpt
 
 
@@ -211,7 +203,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     mode = "quick" if args.quick else "full"
-    cfg = SETTINGS[mode]
+    cfg = dict(SETTINGS[mode])
+    for key, value in (("target", args.target_preset), ("prompts", args.prompts), ("new_tokens", args.regen_tokens),
+                       ("prefix_tokens", args.prefix_tokens), ("bench_new_tokens", args.bench_new_tokens)):
+        if value is not None:
+            cfg[key] = value
     steps = args.steps or cfg["steps"]
     bench_prompts = args.bench_prompts or cfg["bench_prompts"]
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else (

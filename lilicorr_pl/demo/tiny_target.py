@@ -113,19 +113,20 @@ class TinyTargetConfig:
     """RMSNorm epsilon, Qwen3's value."""
     tie_word_embeddings: bool = False
     """Share embedding and LM head. Qwen3-8B does not (small Qwen3 models do)."""
-    train_steps: int = 800
+    train_steps: int = 1100
     """Optimizer steps."""
-    batch_size: int = 6
+    batch_size: int = 4
     """Windows of ``max_seq_len + 1`` tokens per step, sampled at random from the packed stream."""
-    lr: float = 2e-3
-    """Peak AdamW learning rate."""
+    lr: float = 1e-2
+    """Peak AdamW learning rate (for embeddings, LM head and norms when ``optimizer="muon"``)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to ``lr * min_lr_ratio``."""
-    warmup_steps: int = 60
+    warmup_steps: int = 50
     """Linear warmup steps."""
-    optimizer: str = "adamw"
-    """``"adamw"``, or ``"muon"``: Muon for the decoder's weight matrices, AdamW (``lr``) for
-    embeddings, LM head and norms."""
+    optimizer: str = "muon"
+    """``"muon"``: Muon for the decoder's weight matrices, AdamW (``lr``) for embeddings, LM head and
+    norms (measured: held-out loss 5.54 vs 6.27 for AdamW after the same 200 steps); or ``"adamw"``
+    for everything (then use ``lr`` ≈ 3e-3). Torch without ``torch.optim.Muon`` falls back to AdamW."""
     muon_lr: float = 0.02
     """Muon's peak learning rate (Keller Jordan's shape adjustment)."""
     weight_decay: float = 0.1
@@ -153,8 +154,8 @@ class TinyTargetConfig:
     def full(cls) -> TinyTargetConfig:
         """The demo target: the best quality a one-time build of about 25 minutes on 2 CPU cores allows.
 
-        The field defaults are this preset (8 layers of width 256, ~8 M parameters, ~2.5 M training
-        tokens ≈ 1.1 epochs of the training split).
+        The field defaults are this preset (8 layers of width 256, ~8.4 M parameters, ~2.25 M training
+        tokens ≈ 0.9 epochs of the training split), about 17 minutes of training on 2 idle cores.
         """
         return cls(name="full")
 
@@ -163,7 +164,7 @@ class TinyTargetConfig:
         """A smaller build of about 2-3 minutes on 2 CPU cores, for trying the demo quickly."""
         return cls(
             name="quick", hidden_size=192, num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
-            intermediate_size=576, max_seq_len=256, train_steps=220, batch_size=8, lr=3e-3, warmup_steps=30,
+            intermediate_size=576, max_seq_len=256, train_steps=250, batch_size=4, warmup_steps=30,
             eval_tokens=16384,
         )
 
@@ -173,7 +174,7 @@ class TinyTargetConfig:
         return cls(
             name="test", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=128, max_seq_len=64, train_steps=40,
-            batch_size=8, lr=5e-3, warmup_steps=5, corpus_max_bytes=300_000, eval_tokens=2048,
+            batch_size=8, warmup_steps=5, corpus_max_bytes=300_000, eval_tokens=2048,
             eval_prefixes=2, eval_prefix_tokens=24, eval_new_tokens=16,
         )
 
@@ -207,6 +208,8 @@ class TinyTargetConfig:
             raise ValueError(f"eval_prefix_tokens + eval_new_tokens = {self.eval_prefix_tokens + self.eval_new_tokens} "
                              f"exceeds max_seq_len={self.max_seq_len}, where RoPE positions were never trained; "
                              "shorten the evaluation or raise max_seq_len.")
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"optimizer={self.optimizer!r} is not supported; use 'muon' or 'adamw'.")
         if not 0.0 <= self.chat_fraction < 1.0:
             raise ValueError(f"chat_fraction={self.chat_fraction} must lie in [0, 1).")
         if self.train_steps < 1 or self.batch_size < 1 or self.warmup_steps < 0:
@@ -766,6 +769,10 @@ def build_tiny_target(
     """
     config = TinyTargetConfig.preset(preset) if isinstance(preset, str) else preset
     config.validate()
+    if config.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        # Resolved before fingerprinting, so the cache key names the optimizer actually used.
+        _log(progress, f"torch {torch.__version__} has no torch.optim.Muon; training with AdamW (lr 3e-3) instead")
+        config = dataclasses.replace(config, optimizer="adamw", lr=3e-3)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     fingerprint = build_fingerprint(config)
     name = f"tiny-target-{config.name}-{fingerprint}"
