@@ -228,6 +228,12 @@ class DraftSystem(L.LightningModule):
         return super().load_state_dict(filtered, strict=False, assign=assign)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Strategies such as FSDP gather the state dict themselves, bypassing our state_dict(): drop the
+        # frozen target here too, so no checkpoint ever carries it.
+        if "state_dict" in checkpoint:
+            checkpoint["state_dict"] = {
+                k: v for k, v in checkpoint["state_dict"].items() if k.split(".", 1)[0] != TARGET_PREFIX[:-1]
+            }
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         checkpoint["lilicorr"] = {
             "target": {"name_or_path": self.target_spec.name_or_path, "resolved_path": self.target_path,
