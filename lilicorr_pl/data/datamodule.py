@@ -302,6 +302,8 @@ class DraftDataModule(L.LightningDataModule):
             header and size (faster for very large feature caches).
         precompute_device: device for the cache precompute; None = CUDA when available, else CPU.
         progress: show a progress bar while precomputing.
+        shard_precompute: under a multi-process strategy, compute the target caches on every rank (each
+            a share of the batches, merged by rank 0 into the same cache format) instead of on one.
     """
 
     def __init__(
@@ -326,6 +328,7 @@ class DraftDataModule(L.LightningDataModule):
         cache_verify: Literal["full", "size"] = "full",
         precompute_device: str | None = None,
         progress: bool = True,
+        shard_precompute: bool = False,
     ) -> None:
         super().__init__()
         # The spec is stored as a plain dict: checkpoints then load with torch.load(weights_only=True).
@@ -364,6 +367,7 @@ class DraftDataModule(L.LightningDataModule):
         self.logit_cache = bool(logit_cache)
         self.logit_top_m = int(logit_top_m)
         self.feature_cache = bool(feature_cache)
+        self.shard_precompute = bool(shard_precompute)
         self.cache_dir = str(cache_dir)
         self.target = _as_spec(target)
         self.hparams["target"] = asdict(self.target) if self.target is not None else None
@@ -481,8 +485,25 @@ class DraftDataModule(L.LightningDataModule):
         return open_cache(path, expected_fingerprint=expected, kind=kind, verify=self.cache_verify)
 
     # ------------------------------------------------------------------ prepare_data: writes
+    def _sharded(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        return self.shard_precompute and trainer is not None and trainer.world_size > 1
+
     def prepare_data(self) -> None:
-        """Tokenize the data and build the target caches that are missing (reusing valid ones)."""
+        """Tokenize the data and build the target caches that are missing (reusing valid ones).
+
+        With ``shard_precompute`` under a multi-process strategy, only the token caches are written
+        here; every rank then computes its share of the target caches in ``setup``.
+        """
+        if self._sharded():
+            from lilicorr_pl.data.sharded import _token_caches_only
+
+            with _token_caches_only(self):
+                self._prepare_caches()
+            return
+        self._prepare_caches()
+
+    def _prepare_caches(self) -> None:
         self._check_inputs()
         todo: list[tuple[str, dict[str, Path]]] = []
         for split in self._splits():
@@ -582,6 +603,10 @@ class DraftDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ setup: reads
     def setup(self, stage: str | None = None) -> None:
         """Open the caches built by ``prepare_data`` (memory-mapped, validated) and split train/val."""
+        if self._sharded():
+            from lilicorr_pl.data.sharded import prepare_data_sharded, strategy_kwargs
+
+            prepare_data_sharded(self, **strategy_kwargs(self.trainer.strategy))
         self._check_inputs()
         datasets = {}
         for split in self._splits():
