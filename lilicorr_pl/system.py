@@ -445,6 +445,14 @@ class DraftSystem(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Per-block teacher-forced diagnostics (``lilicorr predict``): prefixes, oracle gap, coverage."""
+        g = torch.Generator().manual_seed(1_000_003 * (batch_idx + 1))
+        step = self.compute_step(batch, generator=g)
+        diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"],
+                                   step["selected"])
+        return {k: v.detach().cpu() for k, v in diag.items() if torch.is_tensor(v)}
+
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
         on_step = stage == "train"
         scalars = {"loss": step["loss"].detach(), **{k: v for k, v in step["logs"].items() if v.numel() == 1}}

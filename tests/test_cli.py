@@ -121,3 +121,21 @@ def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     assert len(losses) >= 45
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.95 * first, (first, last)  # measured: 6.37 -> 5.71
+
+
+def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
+    fit_tiny(tmp_path, steps=2)
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
+                    "--trainer.enable_progress_bar=false"])
+        assert "val/loss" in cli.trainer.callback_metrics
+        cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
+                    "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
+    finally:
+        os.chdir(cwd)
+    out = cli.trainer.predict_loop.predictions
+    assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
+    assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1

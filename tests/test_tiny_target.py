@@ -32,7 +32,8 @@ def test_splits_are_disjoint_whole_modules() -> None:
     files = corpus.stdlib_files("train") + corpus.stdlib_files("heldout")
     assert all(not {"test", "tests", "site-packages", "__pycache__"} & set(p.relative_to(root).parts) for p in files)
     assert all(p.stat().st_size <= corpus.MAX_FILE_BYTES for p in files)
-    assert corpus.stdlib_files("train") == sorted(corpus.stdlib_files("train"), key=lambda p: p.relative_to(root).as_posix())
+    train_files = corpus.stdlib_files("train")
+    assert train_files == sorted(train_files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def test_empty_stdlib_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +53,8 @@ def test_loads_with_auto_classes_and_padded_vocab(built: tuple[Path, Path]) -> N
     assert rows > len(tokenizer) and rows % 64 == 0
     assert model.config.mask_token_id == len(tokenizer) < rows
     assert load_build_report(directory)["mask_token_id"] == len(tokenizer)
-    assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == TinyTargetConfig.test().num_hidden_layers
+    assert model.config.model_type == "qwen3"
+    assert model.config.num_hidden_layers == TinyTargetConfig.test().num_hidden_layers
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token_id == tokenizer.eos_token_id
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
@@ -73,7 +75,8 @@ def test_chat_template(built: tuple[Path, Path]) -> None:
     assert prompt == "<|im_start|>user\ndef f(x):\n<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False) == prompt
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "    return x\n"}], tokenize=False)
+    answer = {"role": "assistant", "content": "    return x\n"}
+    full = tokenizer.apply_chat_template(messages + [answer], tokenize=False)
     assert full.endswith("<|im_start|>assistant\n    return x\n<|im_end|>\n")
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -106,7 +109,9 @@ def test_second_call_reuses_cache(built: tuple[Path, Path], monkeypatch: pytest.
     assert build_tiny_target(TinyTargetConfig.test(), cache_dir=root, progress=False) == directory
 
 
-def test_corrupted_cache_is_rebuilt(built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_corrupted_cache_is_rebuilt(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory = tmp_path / built[1].name
     shutil.copytree(built[1], directory)
     (directory / tiny_target.WEIGHTS_NAME).unlink()
@@ -140,6 +145,10 @@ def test_heldout_prefixes_are_deterministic_and_fit(built: tuple[Path, Path]) ->
         assert 24 <= len(tokenizer.encode(prefix, add_special_tokens=False)) <= 48
         assert prefix.endswith(":\n") or "#" in prefix.splitlines()[-1]  # cut right after a def/class header
         assert prefix in heldout_text
+    # The training split serves the demo's regeneration prompts; those never come from held-out code.
+    train_prefixes = corpus.code_prefixes(tokenizer, num=4, prefix_tokens=48, seed=3, split="train")
+    train_text = "\n".join(corpus.read_corpus("train"))
+    assert all(prefix in train_text and prefix not in heldout_text for prefix in train_prefixes)
 
 
 def test_repetition_rate() -> None:

@@ -699,6 +699,12 @@ class DraftDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def predict_dataloader(self) -> DataLoader:
+        """The validation split, for ``lilicorr predict`` (per-block diagnostics)."""
+        if self.val_dataset is None:
+            raise ValueError("lilicorr predict reads the validation split; set data.val_files or data.val_fraction > 0")
+        return self.val_dataloader()
+
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []

@@ -124,7 +124,9 @@ def corpus_fingerprint() -> str:
     root = stdlib_root()
     digest = hashlib.sha256()
     digest.update(f"python={sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}\n".encode())
-    digest.update(f"excluded={sorted(EXCLUDED_DIRS)};max={MAX_FILE_BYTES};heldout={HELDOUT_SALT}{HELDOUT_BUCKETS}/{HELDOUT_MODULUS}\n".encode())
+    rules = f"excluded={sorted(EXCLUDED_DIRS)};max={MAX_FILE_BYTES};"
+    rules += f"heldout={HELDOUT_SALT}{HELDOUT_BUCKETS}/{HELDOUT_MODULUS}"
+    digest.update(f"{rules}\n".encode())
     for path in _all_files(root):
         digest.update(f"{path.relative_to(root).as_posix()}:{path.stat().st_size}\n".encode())
     return digest.hexdigest()[:16]
@@ -188,7 +190,7 @@ def code_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0, s
             if len(prefixes) == num:
                 return prefixes
     raise ValueError(
-        f"Only {len(prefixes)} of the requested {num} held-out prefixes of {prefix_tokens // 2}.."
-        f"{prefix_tokens} tokens could be cut from {len(files)} held-out files; request fewer or "
+        f"Only {len(prefixes)} of the requested {num} {split} prefixes of {prefix_tokens // 2}.."
+        f"{prefix_tokens} tokens could be cut from {len(files)} {split} files; request fewer or "
         "shorter prefixes."
     )

@@ -181,9 +181,12 @@ class TinyTargetConfig:
     @classmethod
     def preset(cls, name: str) -> TinyTargetConfig:
         """The preset called ``name`` (``full``, ``quick`` or ``test``)."""
-        presets: dict[str, Callable[[], TinyTargetConfig]] = {"full": cls.full, "quick": cls.quick, "test": cls.test}
+        presets: dict[str, Callable[[], TinyTargetConfig]] = {
+            "full": cls.full, "quick": cls.quick, "test": cls.test,
+        }
         if name not in presets:
-            raise ValueError(f"Unknown tiny-target preset {name!r}; choose one of {sorted(presets)} or pass a TinyTargetConfig.")
+            raise ValueError(f"Unknown tiny-target preset {name!r}; choose one of {sorted(presets)} "
+                             "or pass a TinyTargetConfig.")
         return presets[name]()
 
     @property
@@ -205,7 +208,8 @@ class TinyTargetConfig:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}; pick kv heads that divide it.")
         if self.eval_prefix_tokens + self.eval_new_tokens > self.max_seq_len:
-            raise ValueError(f"eval_prefix_tokens + eval_new_tokens = {self.eval_prefix_tokens + self.eval_new_tokens} "
+            total = self.eval_prefix_tokens + self.eval_new_tokens
+            raise ValueError(f"eval_prefix_tokens + eval_new_tokens = {total} "
                              f"exceeds max_seq_len={self.max_seq_len}, where RoPE positions were never trained; "
                              "shorten the evaluation or raise max_seq_len.")
         if self.optimizer not in ("muon", "adamw"):
@@ -343,6 +347,10 @@ def train_tokenizer(texts: Sequence[str], config: TinyTargetConfig) -> Any:
     return tokenizer
 
 
+def _leading_space(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
 def chat_samples(texts: Sequence[str], tokenizer: Any, target_chars: int, seed: int) -> list[str]:
     """ChatML samples: the user sends code ending in a ``def``/``class`` header, the assistant its body.
 
@@ -360,7 +368,7 @@ def chat_samples(texts: Sequence[str], tokenizer: Any, target_chars: int, seed: 
                 continue
             indent = len(match.group(1).expandtabs())
             end = line_index + 1
-            while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+            while end < len(lines) and (not lines[end].strip() or _leading_space(lines[end]) > indent):
                 end += 1
             while end > line_index + 1 and not lines[end - 1].strip():  # trailing blank lines are not body
                 end -= 1
@@ -568,8 +576,8 @@ def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, prog
         if (step + 1) % log_every == 0 or step + 1 == config.train_steps:
             curve.append((step + 1, round(running / running_steps, 4)))
             elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{running / running_steps:.3f}", tok_s=f"{(step + 1) * tokens_per_step / elapsed:.0f}",
-                            threads=threads)
+            bar.set_postfix(loss=f"{running / running_steps:.3f}",
+                            tok_s=f"{(step + 1) * tokens_per_step / elapsed:.0f}", threads=threads)
             running, running_steps = 0.0, 0
     bar.close()
     seconds = time.perf_counter() - start
@@ -601,7 +609,8 @@ def heldout_metrics(model: Any, stream: torch.Tensor, config: TinyTargetConfig) 
         batch = stream[chunk[:, None] + torch.arange(window)].long()
         logits = model(input_ids=batch[:, :-1]).logits.float()
         labels = batch[:, 1:]
-        total_loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum").item()
+        flat_logits = logits.reshape(-1, logits.shape[-1])  # [windows * T, rows]
+        total_loss += F.cross_entropy(flat_logits, labels.reshape(-1), reduction="sum").item()
         total_correct += (logits.argmax(-1) == labels).sum().item()
         total += labels.numel()
     return {"heldout_loss": round(total_loss / total, 4), "heldout_top1": round(total_correct / total, 4),
@@ -653,7 +662,8 @@ def evaluate(model: Any, tokenizer: Any, heldout_stream: torch.Tensor, config: T
     metrics: dict[str, Any] = dict(heldout_metrics(model, heldout_stream, config))
     prompts = corpus.heldout_prefixes(tokenizer, config.eval_prefixes, config.eval_prefix_tokens, seed=config.seed)
     for name, temperature in (("t0", 0.0), ("t1", 1.0)):
-        continuations = generate_continuations(model, tokenizer, prompts, config.eval_new_tokens, temperature, config.seed)
+        continuations = generate_continuations(model, tokenizer, prompts, config.eval_new_tokens, temperature,
+                                               config.seed)
         metrics[f"repetition_rate_{name}"] = round(repetition_rate(continuations), 4)
         metrics[f"mean_new_tokens_{name}"] = round(sum(map(len, continuations)) / len(continuations), 1)
         metrics[f"sample_{name}"] = {"prompt": prompts[0], "continuation": tokenizer.decode(continuations[0])}
