@@ -22,7 +22,7 @@ def test_demo_runs_every_stage_and_reports_each_arm(tmp_path):
     rows = result["results"]
     seen = {(r["benchmark"], r["temperature"], r["arm"]) for r in rows}
     for bench in ("humaneval", "stdlib-heldout"):
-        for arm in ARMS:
+        for arm in (*ARMS, "lilicorr_drafter_top1"):
             assert (bench, 0.0, arm) in seen and (bench, 1.0, arm) in seen
         assert (bench, 0.0, "oracle") in seen
     for r in rows:

@@ -278,6 +278,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dict[str, Any]:
+    """One row of the comparison JSON for a measured arm."""
+    return {
+        "benchmark": bench, "temperature": temp, "arm": arm, "tau": r.tau,
+        "tokens_per_s": r.tokens_per_s, "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
+        "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
+        "lossless": r.lossless, "target_tokens_per_s": target_tps,
+    }
+
+
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
                    prefix_tokens: int, seed: int) -> list[dict[str, Any]]:
     """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0."""
@@ -303,14 +313,17 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 selector = selector_for(ARMS[arm][2], system)
                 r = evaluate_arm(system.target, system.drafter, selector, prompts, max_new_tokens, temp,
                                  seed=seed, reference=reference)
-                rows.append({
-                    "benchmark": bench, "temperature": temp, "arm": arm, "tau": r.tau,
-                    "tokens_per_s": r.tokens_per_s, "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
-                    "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
-                    "lossless": r.lossless, "target_tokens_per_s": target_tps,
-                })
+                rows.append(arm_row(bench, temp, arm, r, target_tps))
                 log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s "
                     f"(target {target_tps:.1f}), lossless={r.lossless}")
+            if "lilicorr" in systems:
+                # Same drafter, per-slot top-1: separates the head's effect from joint training's.
+                from lilicorr_pl.heads.top1 import Top1Selector
+
+                lil = systems["lilicorr"]
+                r = evaluate_arm(lil.target, lil.drafter, Top1Selector(), prompts, max_new_tokens, temp,
+                                 seed=seed, reference=reference)
+                rows.append(arm_row(bench, temp, "lilicorr_drafter_top1", r, target_tps))
             if temp == 0 and "lilicorr" in systems:
                 lil = systems["lilicorr"]
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(getattr(lil.head, "top_k", 8)))
