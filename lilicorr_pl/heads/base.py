@@ -69,14 +69,43 @@ class Selector(nn.Module):
     uses_lattice: bool = False
     """True for heads trained with lattice losses (they expose ``score_lattice``)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.target_hidden_size: int | None = None
+        self.vocab_size: int | None = None
+
+    @property
+    def is_built(self) -> bool:
+        """Whether :meth:`build` has run (and created any parameters)."""
+        return self.target_hidden_size is not None
+
     def build(self, hidden_size: int, vocab_size: int) -> "Selector":
         """Create parameters once the target's sizes are known. Idempotent; returns ``self``.
+
+        A different size after building is an error (the parameters would not fit the checkpoint).
+        Subclasses create their layers in :meth:`_build_layers`.
 
         Args:
             hidden_size: hidden size ``H`` of the frozen target (= drafter width).
             vocab_size: number of rows ``V`` of the target's LM head.
         """
+        name = type(self).__name__
+        if hidden_size < 1 or vocab_size < 1:
+            raise ValueError(f"{name} needs positive sizes, got hidden_size {hidden_size}, vocab_size {vocab_size}")
+        if self.is_built:
+            if (self.target_hidden_size, self.vocab_size) != (hidden_size, vocab_size):
+                raise ValueError(
+                    f"{name} was built for hidden_size {self.target_hidden_size} and vocab_size "
+                    f"{self.vocab_size}, now asked for {hidden_size} and {vocab_size}; create a new head "
+                    f"for a different target"
+                )
+            return self
+        self.target_hidden_size, self.vocab_size = hidden_size, vocab_size
+        self._build_layers(hidden_size, vocab_size)
         return self
+
+    def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
+        """Create the selector's parameters (none by default)."""
 
     def select(
         self,

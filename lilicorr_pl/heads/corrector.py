@@ -33,39 +33,6 @@ class CorrectorHead(Selector):
     needs_anchor_token: bool = True
     """:meth:`select` needs ``anchor_tokens=`` (the token ``x_0`` the block starts from)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.target_hidden_size: int | None = None
-        self.vocab_size: int | None = None
-
-    # ------------------------------------------------------------------ construction
-
-    @property
-    def is_built(self) -> bool:
-        """Whether :meth:`build` has created the parameters."""
-        return self.target_hidden_size is not None
-
-    def build(self, hidden_size: int, vocab_size: int) -> "CorrectorHead":
-        """Create the layers for a target with hidden size ``hidden_size`` and ``vocab_size`` rows.
-
-        Idempotent for the same sizes; different sizes after building are an error (the parameters
-        would not fit the checkpoint).
-        """
-        name = type(self).__name__
-        if hidden_size < 1 or vocab_size < 1:
-            raise ValueError(f"{name} needs positive sizes, got hidden_size {hidden_size}, vocab_size {vocab_size}")
-        if self.is_built:
-            if (self.target_hidden_size, self.vocab_size) != (hidden_size, vocab_size):
-                raise ValueError(
-                    f"{name} was built for hidden_size {self.target_hidden_size} and vocab_size "
-                    f"{self.vocab_size}, now asked for {hidden_size} and {vocab_size}; create a new head "
-                    f"for a different target"
-                )
-            return self
-        self.target_hidden_size, self.vocab_size = hidden_size, vocab_size
-        self._build_layers(hidden_size, vocab_size)
-        return self
-
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _build_layers()")
 

@@ -106,15 +106,8 @@ class LiLiCorrHead(Selector):
         self.decode = decode
         self.max_slots = max_slots
         self.dropout = dropout
-        self.target_hidden_size: int | None = None
-        self.vocab_size: int | None = None
 
     # ------------------------------------------------------------------ construction
-
-    @property
-    def is_built(self) -> bool:
-        """Whether :meth:`build` has created the parameters."""
-        return self.target_hidden_size is not None
 
     def build(self, hidden_size: int, vocab_size: int) -> "LiLiCorrHead":
         """Create the layers for a target with hidden size ``hidden_size`` and ``vocab_size`` rows.
@@ -127,15 +120,9 @@ class LiLiCorrHead(Selector):
                 f"LiLiCorrHead top_k {self.top_k} is larger than the target vocabulary ({vocab_size} "
                 f"rows); set model.head.init_args.top_k <= {vocab_size}"
             )
-        if self.is_built:
-            if (self.target_hidden_size, self.vocab_size) != (hidden_size, vocab_size):
-                raise ValueError(
-                    f"LiLiCorrHead was built for hidden_size {self.target_hidden_size} and vocab_size "
-                    f"{self.vocab_size}, now asked for {hidden_size} and {vocab_size}; create a new head "
-                    f"for a different target"
-                )
-            return self
-        self.target_hidden_size, self.vocab_size = hidden_size, vocab_size
+        return super().build(hidden_size, vocab_size)
+
+    def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         d = self.hidden_size
         # Node inputs. LayerNorms put the frozen embeddings (small scale) and drafter states (large
         # scale) on a common footing before projection.
@@ -164,7 +151,6 @@ class LiLiCorrHead(Selector):
         self.out_proj = nn.Linear(d, d, bias=False)
         self.in_proj = nn.Linear(d, d, bias=False)
         self.anchor_factor = nn.Linear(d, d, bias=False)
-        return self
 
     # ------------------------------------------------------------------ scoring
 
