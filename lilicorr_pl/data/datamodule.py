@@ -526,27 +526,28 @@ class DraftDataModule(L.LightningDataModule):
         target = self._load_target()
         for split, job in todo:
             tokens = job["tokens"]
-            precompute_kwargs: dict[str, Any] = {}
-            if "logits" in job:
-                precompute_kwargs.update(
-                    logit_dest=job["logits"], logit_parts=self._logits_parts(split), top_m=self.logit_top_m
-                )
-            if "features" in job:
-                precompute_kwargs.update(feature_dest=job["features"], feature_parts=self._features_parts(split))
             cache_mod.precompute_target_caches(
-                target,
-                tokens["input_ids"],
-                tokens["loss_mask"],
-                tokens["offsets"],
-                batch_size=self.precompute_batch_size,
-                pad_id=int(tokens.meta.get("pad_id", 0)),
-                progress=self.progress,
-                meta={"split": split, "target": self._spec().name_or_path},
-                **precompute_kwargs,
+                target, tokens["input_ids"], tokens["loss_mask"], tokens["offsets"],
+                **self._precompute_kwargs(split, tokens, job),
             )
         del target
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _precompute_kwargs(self, split: str, tokens: cache_mod.Cache, dests: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of a target-cache precompute for ``split`` writing the caches in ``dests``
+        (shared by the single-process and the sharded path, so both write the same format)."""
+        kwargs: dict[str, Any] = dict(
+            batch_size=self.precompute_batch_size,
+            pad_id=int(tokens.meta.get("pad_id", 0)),
+            progress=self.progress,
+            meta={"split": split, "target": self._spec().name_or_path},
+        )
+        if "logits" in dests:
+            kwargs.update(logit_dest=dests["logits"], logit_parts=self._logits_parts(split), top_m=self.logit_top_m)
+        if "features" in dests:
+            kwargs.update(feature_dest=dests["features"], feature_parts=self._features_parts(split))
+        return kwargs
 
     def _load_target(self) -> FrozenTarget:
         device = self.precompute_device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -243,25 +243,10 @@ def prepare_data_sharded(
         tokens = datamodule._open(split, "tokens", paths["tokens"])
         if target is None:
             target = FrozenTarget.from_spec(datamodule._spec(), device=device)
-        kwargs: dict[str, Any] = {}
-        if "logits" in missing:
-            kwargs.update(logit_dest=missing["logits"], logit_parts=datamodule._logits_parts(split),
-                          top_m=datamodule.logit_top_m)
-        if "features" in missing:
-            kwargs.update(feature_dest=missing["features"], feature_parts=datamodule._features_parts(split))
         precompute_target_caches_sharded(
-            target,
-            tokens["input_ids"],
-            tokens["loss_mask"],
-            tokens["offsets"],
-            rank=rank,
-            world_size=world_size,
-            barrier=barrier,
-            batch_size=datamodule.precompute_batch_size,
-            pad_id=int(tokens.meta.get("pad_id", 0)),
-            progress=datamodule.progress,
-            meta={"split": split, "target": datamodule._spec().name_or_path},
-            **kwargs,
+            target, tokens["input_ids"], tokens["loss_mask"], tokens["offsets"],
+            rank=rank, world_size=world_size, barrier=barrier,
+            **datamodule._precompute_kwargs(split, tokens, missing),
         )
     del target
     if torch.cuda.is_available():
