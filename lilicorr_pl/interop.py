@@ -69,44 +69,88 @@ def drafter_config(drafter: DFlashDrafter) -> dict[str, Any]:
     return cfg
 
 
-def _atomic_dir(output: Path) -> Path:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+class ExportError(ValueError):
+    """An export destination that would lose or mix a user's files."""
 
 
-def _publish(tmp: Path, output: Path) -> None:
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(tmp, output)
+def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
+    """Refuse a destination that is a file or a non-empty directory (unless ``overwrite``), before any work.
+
+    Nothing the exporter did not write is ever deleted: with ``overwrite`` only the files it writes are
+    replaced; everything else in the directory stays.
+    """
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output} is a file, not a directory; choose a new directory name")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(
+            f"--output {output} is not empty; choose a new or empty directory, or pass --overwrite to replace "
+            "only the files the export writes (config.json, model.safetensors) and keep everything else"
+        )
+    probe = output
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise ExportError(f"--output {output}: {probe} is not writable")
+    return output
+
+
+def _publish(files: dict[str, Path], output: Path) -> None:
+    """Move each finished file into ``output`` with one atomic rename per file; touch nothing else."""
+    mode = 0o666 & ~_umask()
+    for name, path in files.items():
+        os.chmod(path, mode)  # readable like any model directory (temp files start 0600)
+        os.replace(path, output / name)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Module | None = None,
-                   head_init: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write ``drafter`` (and optionally its head) in the z-lab DFlash layout, atomically."""
-    output = Path(output)
-    tmp = _atomic_dir(output)
+                   head_init: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                   overwrite: bool = False) -> Path:
+    """Write ``drafter`` (and optionally its head) in the z-lab DFlash layout.
+
+    Every file is written under a temporary name inside the destination and renamed into place, so a reader
+    never sees a half-written export. A non-empty ``output`` is refused unless ``overwrite``; even then
+    only the files written here are replaced.
+    """
+    output = check_output_dir(output, overwrite)
+    created = not output.exists()
+    output.mkdir(parents=True, exist_ok=True)
+    # The temporary files live inside the destination (same filesystem: each rename is atomic).
+    tmp = Path(tempfile.mkdtemp(prefix=".lilicorr-export-", dir=output))
     try:
         cfg = drafter_config(drafter)
         if extra:
             cfg["lilicorr"] = extra
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
+        files["config.json"].write_text(json.dumps(cfg, indent=2))
         state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, str(files["model.safetensors"]), metadata={"format": "pt"})
         if head is not None and any(True for _ in head.parameters()):
             cls = type(head)
-            (tmp / HEAD_CONFIG).write_text(json.dumps({
+            files[HEAD_CONFIG] = tmp / HEAD_CONFIG
+            files[HEAD_CONFIG].write_text(json.dumps({
                 "class_path": f"{cls.__module__}.{cls.__qualname__}",
                 "init_args": head_init or {},
                 "hidden_size": drafter.dims.hidden_size,
                 "vocab_size": int(drafter.target_config.vocab_size),
                 "block_size": drafter.block_size,
             }, indent=2))
+            files[HEAD_WEIGHTS] = tmp / HEAD_WEIGHTS
             save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
-                      str(tmp / HEAD_WEIGHTS), metadata={"format": "pt"})
-        _publish(tmp, output)
+                      str(files[HEAD_WEIGHTS]), metadata={"format": "pt"})
+        _publish(files, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not any(output.iterdir()):
+            output.rmdir()  # the empty directory this call made, nothing else
         raise
+    shutil.rmtree(tmp, ignore_errors=True)  # our own temporary directory, empty by now
     return output
 
 
@@ -177,16 +221,22 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="lilicorr export", description="Export a trained drafter in the z-lab DFlash layout.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
-    p.add_argument("--output", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow a non-empty --output; only the exported files are replaced, nothing else is touched")
     args = p.parse_args(argv)
     if not Path(args.ckpt).is_file():
         sys.exit(f"lilicorr export: checkpoint {args.ckpt} does not exist")
+    try:
+        check_output_dir(args.output, args.overwrite)
+    except ExportError as err:
+        sys.exit(f"lilicorr export: {err}")
     from lilicorr_pl.system import DraftSystem
 
     system = DraftSystem.load_from_checkpoint(args.ckpt, map_location="cpu")
     head_cfg = system.hparams.get("head")
     init = dict(head_cfg.get("init_args", {})) if isinstance(head_cfg, dict) else {}
     out = export_drafter(system.drafter, args.output, head=system.head, head_init=init,
-                         extra={"target": system.target_spec.name_or_path})
+                         extra={"target": system.target_spec.name_or_path}, overwrite=args.overwrite)
     print(f"exported drafter to {out}")
     return out

@@ -89,3 +89,39 @@ def test_import_accepts_block_size_inside_dflash_config(tiny_target, tmp_path):
     assert load_drafter(out).block_size == 6
     with pytest.raises(FileNotFoundError, match="not a DFlash drafter directory"):
         load_drafter(tmp_path / "nothing")
+
+
+def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
+    """Issue 11.1: `export --output DIR` used to rmtree DIR. A non-empty DIR is refused; --overwrite
+    replaces only the exported files and keeps everything else (a checkpoint, a user's notes)."""
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    (out / "last.ckpt").write_bytes(b"precious")
+    with pytest.raises(ExportError, match="not empty.*--overwrite"):
+        export_drafter(drafter, out)
+    assert sorted(p.name for p in out.iterdir()) == ["last.ckpt", "notes.txt"]
+    (out / "config.json").write_text("{}")  # a stale file of a previous export: replaced, not merged
+    export_drafter(drafter, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me" and (out / "last.ckpt").read_bytes() == b"precious"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    # Exported files are readable like any model directory (temporary files start 0600).
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    with pytest.raises(ExportError, match="is a file"):
+        export_drafter(drafter, out / "notes.txt")
+
+
+def test_export_cli_refuses_the_checkpoint_folder_before_loading(tmp_path, capsys):
+    from lilicorr_pl.interop import main
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    ckpt = folder / "last.ckpt"
+    ckpt.write_bytes(b"not read: the destination is refused first")
+    with pytest.raises(SystemExit, match="not empty"):
+        main(["--ckpt", str(ckpt), "--output", str(folder)])
+    assert ckpt.read_bytes().startswith(b"not read")
