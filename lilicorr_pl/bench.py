@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-template", choices=["auto", "yes", "no"], default="auto",
                    help="wrap prompts as one user message (auto: chat/math/code benchmarks when the tokenizer has one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the target's own code (never taken from the checkpoint)")
+    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
+                   help="also trust components from this package when the checkpoint names them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write results JSON here (one temperature: the run; several: {\"runs\": [...]})")
     p.add_argument("--plot", help="directory for per-position acceptance PNGs")
@@ -206,9 +210,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lilicorr_pl.system import DraftSystem
 
-    # mmap: only the small "lilicorr" record is read here, not the weights and optimizer state.
-    meta = torch.load(str(ckpt), map_location="cpu", weights_only=False, mmap=True).get("lilicorr", {})
-    system = DraftSystem.load_from_checkpoint(str(ckpt), map_location=args.device)
+    from lilicorr_pl.checkpoint import CheckpointError
+
+    try:
+        system = DraftSystem.from_checkpoint(ckpt, map_location=args.device, trust_remote_code=args.trust_remote_code,
+                                             allow_modules=args.allow_module)
+    except CheckpointError as err:
+        _fail(str(err))
+    meta = system.checkpoint_meta
     try:
         for name in selectors:
             selector_for(name, system)

@@ -17,8 +17,9 @@ from typing import Any
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
+from lilicorr_pl.checkpoint import CheckpointError, UserInputError, check_class_paths, read_checkpoint
 from lilicorr_pl.data.datamodule import DraftDataModule
-from lilicorr_pl.system import DraftSystem
+from lilicorr_pl.system import DraftSystem, check_resume_settings, plain_data
 
 TOOLS = {
     "demo": ("lilicorr_pl.demo.run", "build a small target, train DFlash + LiLiCorr, compare arms"),
@@ -27,6 +28,10 @@ TOOLS = {
     "export": ("lilicorr_pl.interop", "export a drafter in the z-lab DFlash Hugging Face layout"),
     "build-target": ("lilicorr_pl.demo.tiny_target", "build the built-in tiny stdlib target"),
 }
+
+
+# Lightning's ckpt_path keywords (not files).
+CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
 
 
 def git_commit() -> str | None:
@@ -64,6 +69,47 @@ class LilicorrCLI(LightningCLI):
     def before_fit(self) -> None:
         self._wire_data()
 
+    def _parse_ckpt_path(self) -> None:
+        """Check a ``ckpt_path`` before anything is built, without letting it override the command line.
+
+        LightningCLI's own version loads the checkpoint's hyperparameters over the user's config, so a resume
+        with another head, target or ``num_anchors`` silently ran with the checkpoint's. Here the checkpoint is
+        opened weights-only (a pickled payload, a truncated file or untrusted components get one line), and its
+        settings are compared with this run's: weights-defining keys must agree, the rest is applied and shown.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        ckpt = self.config[subcommand].get("ckpt_path")
+        if not ckpt or (str(ckpt) in CKPT_SHORTCUTS and not os.path.exists(str(ckpt))):
+            return
+        checkpoint = read_checkpoint(ckpt, verify=False)  # the checksum is verified when Lightning restores it
+        saved = checkpoint.get("hyper_parameters") or {}
+        check_class_paths(saved, ckpt)
+        del checkpoint
+        current = plain_data(self.config[subcommand].get("model"))
+        if subcommand == "fit":
+            # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
+            check_resume_settings(saved, current)
+
+    def instantiate_classes(self) -> None:
+        # Constructors validate their settings (before any heavy work); a bad value is the user's to fix, so it
+        # becomes one line, not a 70-line traceback. Errors after this point keep their tracebacks.
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as err:
+            while err.__cause__ is not None and isinstance(err.__cause__, (ValueError, TypeError)):
+                err = err.__cause__
+            raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if "weights_only" in self._subcommand_method_arguments[subcommand]:
+            if kwargs.get("weights_only") is False:
+                raise CheckpointError("--weights_only=false is refused: checkpoints are always opened weights-only")
+            kwargs["weights_only"] = True  # never unpickle objects from a checkpoint, whatever torch's env flag says
+        return kwargs
+
     def before_validate(self) -> None:
         self._wire_data()
 
@@ -92,10 +138,20 @@ def main(args: Sequence[str] | None = None) -> Any:
             return result
         return result if isinstance(result, int) else None  # an int is the tool's exit status
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cli = LilicorrCLI(
+    try:
+        cli = _make_cli(argv if args is not None else None)
+    except UserInputError as err:
+        # A user's mistake or an unsafe file: one line naming the problem and the fix, not a traceback.
+        print(f"lilicorr: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return cli if args is not None else None
+
+
+def _make_cli(args: list[str] | None) -> LilicorrCLI:
+    return LilicorrCLI(
         DraftSystem,
         DraftDataModule,
-        args=argv if args is not None else None,
+        args=args,
         parser_kwargs={
             "parser_mode": "omegaconf",
             "description": (__doc__ or "") + "\nTools: " + ", ".join(f"{k} ({v[1]})" for k, v in TOOLS.items()),
@@ -104,7 +160,6 @@ def main(args: Sequence[str] | None = None) -> Any:
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
-    return cli if args is not None else None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="lilicorr export", description="Export a trained drafter in the z-lab DFlash layout.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
     p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the target's own code (never taken from the checkpoint)")
+    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
+                   help="also trust components from this package when the checkpoint names them")
     p.add_argument("--overwrite", action="store_true",
                    help="allow a non-empty --output; only the exported files are replaced, nothing else is touched")
     args = p.parse_args(argv)
@@ -231,9 +235,14 @@ def main(argv: list[str] | None = None) -> Path:
         check_output_dir(args.output, args.overwrite)
     except ExportError as err:
         sys.exit(f"lilicorr export: {err}")
+    from lilicorr_pl.checkpoint import CheckpointError
     from lilicorr_pl.system import DraftSystem
 
-    system = DraftSystem.load_from_checkpoint(args.ckpt, map_location="cpu")
+    try:
+        system = DraftSystem.from_checkpoint(args.ckpt, map_location="cpu", trust_remote_code=args.trust_remote_code,
+                                             allow_modules=args.allow_module)
+    except CheckpointError as err:
+        sys.exit(f"lilicorr export: {err}")
     head_cfg = system.hparams.get("head")
     init = dict(head_cfg.get("init_args", {})) if isinstance(head_cfg, dict) else {}
     out = export_drafter(system.drafter, args.output, head=system.head, head_init=init,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -89,6 +90,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
+    checkpoint = None
+    if args.ckpt:
+        # Checked before anything is built: weights-only, checksum verified, trusted components only.
+        from lilicorr_pl.checkpoint import CheckpointError, check_class_paths, read_checkpoint
+
+        try:
+            checkpoint = read_checkpoint(args.ckpt)
+            check_class_paths(checkpoint.get("hyper_parameters") or {}, args.ckpt)
+        except CheckpointError as err:
+            sys.exit(f"lilicorr perf: {err}")
     from lilicorr_pl.cli import LilicorrCLI
     from lilicorr_pl.data.datamodule import DraftDataModule
     from lilicorr_pl.system import DraftSystem
@@ -100,9 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
     dm.prepare_data()
     dm.setup("fit")
-    if args.ckpt:
-        state = torch.load(args.ckpt, map_location="cpu", weights_only=False)["state_dict"]
-        system.load_state_dict(state)
+    if checkpoint is not None:
+        system.load_state_dict(checkpoint["state_dict"])
     batches = [b for _, b in zip(range(max(4, args.steps)), dm.train_dataloader())]
     if args.penalty_error:
         result = penalty_cache_error(system, batches[: args.steps])

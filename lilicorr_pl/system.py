@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,6 +17,15 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lilicorr_pl.builtin import resolve_target_path
+from lilicorr_pl.checkpoint import (
+    CHECKSUM_KEY,
+    CheckpointError,
+    check_class_paths,
+    check_remote_code,
+    read_checkpoint,
+    state_checksum,
+    verify_checksum,
+)
 from lilicorr_pl.heads.base import Lattice, Selector
 from lilicorr_pl.heads.top1 import Top1Selector
 from lilicorr_pl.losses.base import LossComponent, LossInputs
@@ -27,6 +37,52 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids
 
 TARGET_PREFIX = "target."
+
+
+def plain_data(value: Any) -> Any:
+    """Hyperparameters as plain JSON-like data (jsonargparse Namespaces and tuples unwrapped), for comparison."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, Mapping):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_data(dataclasses.asdict(value))
+    return value
+
+
+def _target_identity(spec: Any) -> tuple[Any, ...]:
+    spec = spec or {}
+    return (spec.get("name_or_path"), spec.get("dtype"), spec.get("layer_ids"), spec.get("num_features"))
+
+
+# Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
+# would train a different model on top of these weights, or fail on shapes. Other settings are applied.
+RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
+_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from")
+
+
+def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Compare a checkpoint's model settings with this run's: raise on fixed keys, return the applied changes."""
+    saved, current = plain_data(dict(saved)), plain_data(dict(current))
+    differing = sorted(k for k in set(current) | set(saved)
+                       if k not in _RESUME_IGNORED_KEYS and current.get(k) != saved.get(k))
+    if "target" in differing and _target_identity(current.get("target")) == _target_identity(saved.get("target")):
+        differing.remove("target")  # only how it is loaded changed (e.g. load_kwargs), not which target
+    refused = [k for k in differing if k in RESUME_FIXED_KEYS]
+    if refused:
+        detail = "; ".join(f"model.{k}: checkpoint {_short(saved.get(k))} vs now {_short(current.get(k))}" for k in refused)
+        raise CheckpointError(
+            f"cannot resume: the checkpoint was trained with other {', '.join(refused)} settings ({detail}); "
+            "resume with the checkpoint's settings, or start a new run (warm start: model.init_drafter_from)"
+        )
+    return [f"model.{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in differing]
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -122,6 +178,7 @@ class DraftSystem(L.LightningModule):
         self.val_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
         self._timings: dict[str, float] = {}
         self.record_timings = False
+        self.checkpoint_meta: dict[str, Any] = {}
 
     @staticmethod
     def _apply_loss_flags(
@@ -243,6 +300,8 @@ class DraftSystem(L.LightningModule):
             "enable_thinking": getattr(dm, "enable_thinking", None),
             "chat_template": getattr(dm, "chat_template", None),
             "version": __import__("lilicorr_pl").__version__,
+            # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
+            CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
         # Exact resume: the global random streams (anchor sampling, dropout) of every rank, so a resumed run
         # draws what the uninterrupted one would have. Lightning does not save them. Only tensors, ints and
@@ -270,6 +329,10 @@ class DraftSystem(L.LightningModule):
         checkpoint["rng_states"] = states
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
+        verify_checksum(checkpoint)
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
         states = checkpoint.get("rng_states")
         # Only a resumed fit takes over the random streams; load_from_checkpoint or validate leave the caller's alone.
         if not states or self._trainer is None or self.trainer.state.fn != "fit":
@@ -295,6 +358,37 @@ class DraftSystem(L.LightningModule):
                              np_state["has_gauss"], np_state["cached_gaussian"]))
         py = state["python"]
         random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        map_location: Any = "cpu",
+        trust_remote_code: bool = False,
+        allow_modules: Sequence[str] = (),
+    ) -> DraftSystem:
+        """Rebuild a trained system from a ``lilicorr fit`` checkpoint that may come from anyone.
+
+        Weights-only load (a pickled object is refused before it is built), checksum verified, components
+        limited to trusted packages (plus ``allow_modules``), and ``trust_remote_code`` only from the
+        caller: a checkpoint trained with it is refused unless ``trust_remote_code=True`` is passed here.
+        """
+        checkpoint = read_checkpoint(path, verify=False)  # the checksum is verified once, in on_load_checkpoint
+        hparams = checkpoint.get("hyper_parameters") or {}
+        check_class_paths(hparams, path, allow_modules)
+        target = dict(hparams.get("target") or {})
+        check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
+        target["trust_remote_code"] = bool(trust_remote_code)
+        meta = dict(checkpoint.get("lilicorr") or {})
+        del checkpoint
+        system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target)
+        system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
+        return system
+
+    def _check_resume_settings(self, saved: Mapping[str, Any]) -> None:
+        changed = check_resume_settings(saved, dict(self.hparams))
+        if changed:
+            self.print("lilicorr: resuming with changed settings (applied from this run's config): " + "; ".join(changed))
 
     # ------------------------------------------------------------------ forward pieces
     def _require_target(self) -> FrozenTarget:

@@ -103,7 +103,7 @@ CELLS: list[tuple[str, str, list[str], str]] = [
                 f"no checkpoint at {CKPT!r}; run `lilicorr demo --quick` from the repository root (it writes "
                 "runs/demo/checkpoints/lilicorr.ckpt) or set LILICORR_NOTEBOOK_CKPT to a `lilicorr fit` checkpoint"
             )
-        system = DraftSystem.load_from_checkpoint(ckpt_path, map_location="cpu")
+        system = DraftSystem.from_checkpoint(ckpt_path, map_location="cpu")
         system.configure_model()  # loads the frozen target named in the hyperparameters
         system.eval()
         target, drafter, head = system.target, system.drafter, system.head

@@ -4,6 +4,7 @@ the real ``from_pretrained`` path (no hub, no downloads)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from lilicorr_pl.cli import main as cli_main
 from lilicorr_pl.target import FrozenTarget
 
 # Tiny models: one thread is ~100x faster than two on a loaded 2-core machine (no contention).
@@ -55,3 +57,24 @@ def save_tiny_target(path, tie: bool = True, seed: int = 0, **kw) -> str:
 def tiny_target(request, tmp_path) -> FrozenTarget:
     path = save_tiny_target(tmp_path / "target", tie=request.param)
     return FrozenTarget.from_pretrained(path, load_tokenizer=False, num_features=3)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """Two steps of configs/tiny.yaml, run from inside a temp dir (its output paths are relative)."""
+    root = tmp_path_factory.mktemp("tiny")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        cli = cli_main([
+            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+        ])
+    finally:
+        os.chdir(cwd)
+    ckpt = root / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    return cli, ckpt

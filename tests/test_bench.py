@@ -15,24 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8  # configs/tiny.yaml
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """Two steps of configs/tiny.yaml, run from inside a temp dir (its output paths are relative)."""
-    root = tmp_path_factory.mktemp("tiny")
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        cli = cli_main([
-            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-        ])
-    finally:
-        os.chdir(cwd)
-    ckpt = root / "runs" / "tiny" / "checkpoints" / "last.ckpt"
-    assert ckpt.is_file()
-    return cli, ckpt
-
-
 def test_shipped_tiny_config_logs_real_acceptance(tiny_run):
     cli, _ = tiny_run
     metrics = cli.trainer.callback_metrics

@@ -298,7 +298,7 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
 
     systems = {}
     for arm, path in ckpts.items():
-        system = DraftSystem.load_from_checkpoint(str(path), map_location="cpu")
+        system = DraftSystem.from_checkpoint(path, map_location="cpu")
         system.configure_model()
         systems[arm] = system.eval()
     any_system = next(iter(systems.values()))

@@ -1,0 +1,134 @@
+"""Opening checkpoints written by ``lilicorr fit``: weights-only, integrity-checked, never running code.
+
+Checkpoints travel (people share and download drafters), so every load of a user-supplied ``.ckpt``
+goes through :func:`read_checkpoint`:
+
+- ``torch.load(weights_only=True)``: tensors and plain containers only; a pickled object (whose
+  ``__reduce__`` could run anything) is refused before it is built;
+- a SHA-256 of the trainable state recorded at save time is checked, so a flipped byte is refused
+  instead of being benchmarked or trained on;
+- the components a checkpoint names (``class_path`` of drafter, head, losses, optimizer, scheduler)
+  must live in trusted packages: naming a module makes jsonargparse import it, which runs its code;
+- ``trust_remote_code`` is never taken from a checkpoint: only the user's own flag for this run enables
+  it, and a checkpoint trained with it is refused until the user passes that flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import warnings
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKSUM_KEY = "state_sha256"
+# Packages whose classes a checkpoint may name; anything else needs the user's explicit allowance.
+TRUSTED_MODULES = ("lilicorr_pl.", "callbacks.", "torch.optim.", "lightning.pytorch.")
+
+
+class UserInputError(ValueError):
+    """A setting, file or checkpoint given by the user that cannot be used; the message names the fix.
+
+    Commands print it as one line (exit status 2) instead of a traceback."""
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint that cannot be used safely: unreadable, corrupted, or asking for code to run."""
+
+
+def state_checksum(state_dict: Mapping[str, Any]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in key order."""
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        value = state_dict[key]
+        if not torch.is_tensor(value):
+            continue
+        t = value.detach().cpu().contiguous()
+        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is not a file; pass a .ckpt written by `lilicorr fit`")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes); it was not written completely")
+
+
+def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Load a checkpoint weights-only (memory-mapped) and, with ``verify``, check its recorded checksum."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        checkpoint = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path} holds pickled objects that are not plain data and was refused (opening it "
+            f"could run code): {first[:200]}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or not a torch checkpoint ({type(err).__name__}); "
+            "re-save it or use another checkpoint"
+        ) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {path} has no state_dict; is it a `lilicorr fit` checkpoint?")
+    if verify:
+        verify_checksum(checkpoint, path)
+    return checkpoint
+
+
+def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
+    """Raise when the state dict differs from the checksum recorded at save time."""
+    where = f"checkpoint {path}" if path is not None else "the checkpoint"
+    expected = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
+    if expected is None:
+        warnings.warn(f"{where} records no checksum (written by an older lilicorr_pl); its integrity is not verified",
+                      stacklevel=3)
+        return
+    if state_checksum(checkpoint["state_dict"]) != expected:
+        raise CheckpointError(
+            f"{where} is corrupted: its weights do not match the checksum recorded when it was saved; "
+            "use another checkpoint (nothing was loaded)"
+        )
+
+
+def _class_paths(value: Any) -> Iterable[str]:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if key in ("class_path", "_class_path") and isinstance(item, str):
+                yield item
+            else:
+                yield from _class_paths(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _class_paths(item)
+
+
+def check_class_paths(hparams: Mapping[str, Any], path: str | Path, allow: Iterable[str] = ()) -> None:
+    """Refuse components outside the trusted packages: importing a named module runs its code."""
+    trusted = tuple(TRUSTED_MODULES) + tuple(f"{a.rstrip('.')}." for a in allow)
+    bad = sorted({p for p in _class_paths(hparams) if not p.startswith(trusted)})
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} names components outside the trusted packages: {bad}; importing them would run "
+            "their code. If you trust this checkpoint, allow the package explicitly (--allow-module NAME)"
+        )
+
+
+def check_remote_code(target_hparams: Mapping[str, Any] | None, allowed: bool, path: str | Path, flag: str) -> None:
+    """A checkpoint trained with ``trust_remote_code`` is refused until the user passes ``flag`` for this run."""
+    if target_hparams and target_hparams.get("trust_remote_code") and not allowed:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with a target that needs trust_remote_code "
+            f"({target_hparams.get('name_or_path')!r}); remote code is never enabled from a checkpoint: "
+            f"pass {flag} if you trust that target's code"
+        )

@@ -1,0 +1,251 @@
+"""Opening a checkpoint never runs code and never uses corrupted weights (issues 14 and 11.7).
+
+A crafted ``.ckpt`` whose metadata holds a pickled object with a ``__reduce__`` payload must be refused
+by every command that opens checkpoints, and the payload must never run (its marker file must not
+exist). ``trust_remote_code`` is never taken from a checkpoint. A checkpoint whose bytes were flipped is
+refused, not benchmarked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint, state_checksum
+from lilicorr_pl.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Payload:
+    """Pickles to a call that creates ``marker``: what an attacker would put in a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.fixture()
+def evil(tmp_path, tiny_run) -> tuple[Path, Path]:
+    """A real checkpoint of the tiny run whose metadata also holds the payload."""
+    _, good = tiny_run
+    marker = tmp_path / "PWNED"
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["lilicorr"]["note"] = Payload(marker)
+    path = tmp_path / "evil.ckpt"
+    torch.save(state, path)
+    # The payload is real: a pickle-trusting load runs it (we check this on a throwaway copy).
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    torch.save({"x": Payload(probe / "ran")}, probe / "p.pt")
+    torch.load(probe / "p.pt", weights_only=False)
+    assert (probe / "ran").exists()
+    return path, marker
+
+
+def test_reader_refuses_a_pickle_payload_with_one_line(evil):
+    path, marker = evil
+    with pytest.raises(CheckpointError, match="pickled objects that are not plain data") as err:
+        read_checkpoint(path)
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_bench_refuses_the_payload_before_it_runs(evil, capsys):
+    from lilicorr_pl.bench import main as bench
+
+    path, marker = evil
+    with pytest.raises(SystemExit, match="pickled objects"):
+        bench(["--ckpt", str(path), "--benchmark", "humaneval", "--num-prompts", "1", "--max-new-tokens", "2"])
+    assert not marker.exists()
+
+
+def test_export_refuses_the_payload_before_it_runs(evil, tmp_path):
+    from lilicorr_pl.interop import main as export
+
+    path, marker = evil
+    with pytest.raises(SystemExit, match="pickled objects"):
+        export(["--ckpt", str(path), "--output", str(tmp_path / "out")])
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_perf_refuses_the_payload_before_building_anything(evil):
+    from lilicorr_pl.perf import main as perf
+
+    path, marker = evil
+    with pytest.raises(SystemExit, match="pickled objects"):
+        perf(["-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1"])
+    assert not marker.exists()
+
+
+def test_fit_resume_refuses_the_payload(evil, tmp_path, capsys):
+    path, marker = evil
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={path}",
+                      "--trainer.max_steps=3", "--trainer.enable_progress_bar=false"])
+    finally:
+        os.chdir(cwd)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pickled objects" in err and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_warm_start_reads_only_safetensors(tmp_path):
+    """A drafter directory whose weights come as a pickle (``pytorch_model.bin``) is refused unread."""
+    from lilicorr_pl.interop import load_drafter
+
+    marker = tmp_path / "PWNED"
+    directory = tmp_path / "drafter"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"block_size": 4, "dflash_config": {"target_layer_ids": [1]}}))
+    torch.save({"fc.weight": Payload(marker)}, directory / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_drafter(directory)
+    assert not marker.exists()
+
+
+def _with_target(tmp_path: Path, good: Path, **changes) -> Path:
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["target"].update(changes)
+    path = tmp_path / "remote.ckpt"
+    torch.save(state, path)
+    return path
+
+
+def test_trust_remote_code_is_never_taken_from_a_checkpoint(tiny_run, tmp_path):
+    from lilicorr_pl.bench import main as bench
+    from lilicorr_pl.interop import main as export
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    path = _with_target(tmp_path, good, trust_remote_code=True)
+    with pytest.raises(CheckpointError, match="trust_remote_code.*--trust-remote-code"):
+        DraftSystem.from_checkpoint(path)
+    with pytest.raises(SystemExit, match="--trust-remote-code"):
+        bench(["--ckpt", str(path), "--num-prompts", "1", "--max-new-tokens", "2"])
+    with pytest.raises(SystemExit, match="--trust-remote-code"):
+        export(["--ckpt", str(path), "--output", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    # The user's own flag enables it, for this run only; a checkpoint without it never turns it on.
+    assert DraftSystem.from_checkpoint(path, trust_remote_code=True).target_spec.trust_remote_code is True
+    assert DraftSystem.from_checkpoint(good).target_spec.trust_remote_code is False
+
+
+def test_components_outside_trusted_packages_are_not_imported(tiny_run, tmp_path):
+    """Naming a module in class_path makes jsonargparse import it (running its code): refused."""
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["head"]["class_path"] = "antigravity.Head"
+    path = tmp_path / "foreign.ckpt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="outside the trusted packages.*antigravity"):
+        DraftSystem.from_checkpoint(path)
+
+
+def _flip_bytes_in_largest_tensor(src: Path, dst: Path, count: int = 400) -> None:
+    shutil.copyfile(src, dst)
+    with zipfile.ZipFile(dst) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        with open(dst, "rb") as fh:
+            fh.seek(info.header_offset + 26)
+            name_len, extra_len = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 3
+    with open(dst, "r+b") as fh:
+        fh.seek(start)
+        data = bytearray(fh.read(count))
+        fh.seek(start)
+        fh.write(bytes(b ^ 0x5A for b in data))
+
+
+def test_flipped_bytes_are_refused_by_bench_export_and_resume(tiny_run, tmp_path, capsys):
+    from lilicorr_pl.bench import main as bench
+    from lilicorr_pl.interop import main as export
+
+    _, good = tiny_run
+    bad = tmp_path / "flipped.ckpt"
+    _flip_bytes_in_largest_tensor(good, bad)
+    with pytest.raises(CheckpointError, match="corrupted|truncated"):
+        read_checkpoint(bad)
+    with pytest.raises(SystemExit, match="corrupted|truncated"):
+        bench(["--ckpt", str(bad), "--num-prompts", "1", "--max-new-tokens", "2"])
+    with pytest.raises(SystemExit, match="corrupted|truncated"):
+        export(["--ckpt", str(bad), "--output", str(tmp_path / "out")])
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={bad}",
+                      "--trainer.max_steps=3", "--trainer.enable_progress_bar=false"])
+    finally:
+        os.chdir(cwd)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("corrupted" in err or "truncated" in err) and "Traceback" not in err
+
+
+def test_truncated_and_empty_checkpoints_get_one_line(tiny_run, tmp_path):
+    _, good = tiny_run
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty"):
+        read_checkpoint(empty)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated") as err:
+        read_checkpoint(cut)
+    assert "\n" not in str(err.value)
+
+
+def test_the_recorded_checksum_covers_the_saved_weights(tiny_run):
+    _, good = tiny_run
+    state = read_checkpoint(good)  # verifies
+    assert state["lilicorr"]["state_sha256"] == state_checksum(state["state_dict"])
+    changed = dict(state["state_dict"])
+    key = next(k for k, v in changed.items() if v.is_floating_point() and v.numel() > 1)
+    changed[key] = changed[key].clone()
+    changed[key].view(-1)[0] += 1.0
+    assert state_checksum(changed) != state["lilicorr"]["state_sha256"]
+
+
+def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
+                         "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+                         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])
+    finally:
+        os.chdir(cwd)
+
+
+def test_resume_never_silently_takes_the_checkpoints_settings(tiny_run, tmp_path, capsys):
+    """Issue 11.3: LightningCLI loaded the checkpoint's hyperparameters over the command line."""
+    _, good = tiny_run
+    # A different head: the weights would mean something else -> refused, naming the key, before any work.
+    with pytest.raises(SystemExit) as exit_info:
+        _resume(tmp_path, good, "--model.head.init_args.top_k=3")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "model.head" in err and "Traceback" not in err
+    # An invalid value is rejected with one line.
+    with pytest.raises(SystemExit):
+        _resume(tmp_path, good, "--model.num_anchors=0")
+    assert "num_anchors must be >= 1, got 0" in capsys.readouterr().err
+    # A training setting: applied (not the checkpoint's 32) and announced.
+    cli = _resume(tmp_path, good, "--model.num_anchors=16")
+    assert cli.model.num_anchors == 16 and cli.trainer.global_step == 3
+    assert "model.num_anchors: 32 -> 16" in capsys.readouterr().out
