@@ -110,7 +110,10 @@ class DraftSystem(L.LightningModule):
                 f"{config.max_position_embeddings}; lower data.max_length (or extend RoPE, e.g. YaRN)"
             )
         self.drafter = drafter.build(config, layer_ids)
-        self.head = (head or Top1Selector()).build(config.hidden_size, config.vocab_size)
+        self.head = (head or Top1Selector()).build(
+            config.hidden_size, config.vocab_size,
+            block_size=self.drafter.block_size, rms_norm_eps=self.drafter.dims.rms_norm_eps,
+        )
         if init_drafter_from:
             self._warm_start(init_drafter_from, config)
         if freeze_drafter:
