@@ -1,21 +1,27 @@
-"""z-lab DFlash Hugging Face layout: export what we train, import released drafters (DESIGN §3.4).
+"""Checkpoint layout the serving engines load: export what we train, import released drafters (DESIGN §3.4).
 
-The drafter directory holds ``config.json`` (``architectures: ["DFlashDraftModel"]``, Qwen3 fields,
-``block_size``, ``num_target_layers``, ``dflash_config``) and one ``model.safetensors`` with un-prefixed
-keys and no embedding or LM head, so serving engines that load DFlash drafters load ours. A trained
-head goes beside it in a companion pair: ``lilicorr_head.json`` (class path and init args, sizes) and
-``lilicorr_head.safetensors`` (its state dict).
+A drafter alone is the z-lab ``DFlashDraftModel`` directory: ``config.json``
+(``architectures: ["DFlashDraftModel"]``, Qwen3 fields, ``block_size``, ``num_target_layers``,
+``dflash_config``) and one ``model.safetensors`` with un-prefixed keys and no embedding or LM head.
+
+A drafter with a LiLiCorr head is the same directory as a ``LiLiCorrDraftModel`` (what SGLang, vLLM and
+TensorRT-LLM serve, and what NVIDIA Model-Optimizer's ``LiLiCorrExporter`` writes): ``dflash_config``
+adds ``causal: false``, ``projector_type: "lilicorr"``, ``lilicorr_enabled: true`` and the head's
+geometry ``lilicorr_{candidate_topk, hidden_size, num_layers, num_heads, mlp_ratio, factor_dim,
+vector_eps, logit_scale}``, and the head's tensors sit in the same ``model.safetensors`` under
+``lilicorr.``. :class:`~lilicorr_pl.heads.LiLiCorrHead`'s ``state_dict`` already uses the served names
+and shapes, so the export only adds the prefix. No companion files.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +30,23 @@ from safetensors.torch import load_file, save_file
 
 from lilicorr_pl.models.dflash import DFlashDrafter
 
-HEAD_CONFIG = "lilicorr_head.json"
-HEAD_WEIGHTS = "lilicorr_head.safetensors"
+from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+
+HEAD_PREFIX = "lilicorr."
+"""Key prefix of the LiLiCorr head's tensors inside ``model.safetensors``."""
+LILICORR_ARCHITECTURE = "LiLiCorrDraftModel"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+OLD_COMPANION_FILES = ("lilicorr_head.json", "lilicorr_head.safetensors")
+HEAD_CONFIG_FIELDS = (
+    "candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps", "logit_scale",
+)
+"""``dflash_config.lilicorr_<field>`` keys every engine requires to rebuild the head."""
+# Older exports (Model-Optimizer's training module) index the MLPs as nn.Sequential; the engines accept
+# both forms and we read both, but only ever write the named form.
+_SEQUENTIAL_NAMES = (
+    ("feature_mlp.0.", "feature_norm."), ("feature_mlp.1.", "feature_mlp.up_proj."),
+    ("feature_mlp.3.", "feature_mlp.down_proj."), (".mlp.0.", ".mlp.up_proj."), (".mlp.2.", ".mlp.down_proj."),
+)
 QWEN3_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "hidden_act",
@@ -38,8 +59,62 @@ def _rope_theta(config: Any) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def drafter_config(drafter: DFlashDrafter) -> dict[str, Any]:
-    """The ``config.json`` of a built drafter in the z-lab layout."""
+def head_geometry(head: LiLiCorrHead) -> dict[str, Any]:
+    """The init args that define a built LiLiCorr head's function (what the export records)."""
+    return {
+        "top_k": head.top_k, "hidden_size": head.hidden_size, "num_layers": head.num_layers,
+        "num_heads": head.num_heads, "mlp_ratio": head.mlp_ratio, "factor_dim": head.factor_dim,
+        "vector_eps": head.vector_eps, "logit_scale": head.logit_scale, "block_size": head.block_size,
+        "rms_norm_eps": head.rms_norm_eps,
+    }
+
+
+def lilicorr_config_fields(head: LiLiCorrHead) -> dict[str, Any]:
+    """The ``dflash_config`` entries of a ``LiLiCorrDraftModel`` for ``head``."""
+    return {
+        "causal": False,
+        "projector_type": "lilicorr",
+        "lilicorr_enabled": True,
+        "lilicorr_candidate_topk": head.top_k,
+        "lilicorr_hidden_size": head.hidden_size,
+        "lilicorr_num_layers": head.num_layers,
+        "lilicorr_num_heads": head.num_heads,
+        "lilicorr_mlp_ratio": head.mlp_ratio,
+        "lilicorr_factor_dim": head.factor_dim,
+        "lilicorr_vector_eps": head.vector_eps,
+        "lilicorr_logit_scale": head.logit_scale,
+    }
+
+
+def _check_head_fits(head: LiLiCorrHead, drafter: DFlashDrafter) -> None:
+    if not head.is_built:
+        raise ExportError("export needs a built LiLiCorrHead (head.build)")
+    d = drafter.dims
+    problems = [
+        f"{name} {ours} vs the drafter's {theirs}"
+        for name, ours, theirs in (
+            ("block_size", head.block_size, drafter.block_size),
+            ("hidden size", head.target_hidden_size, d.hidden_size),
+            ("vocab_size", head.vocab_size, int(drafter.target_config.vocab_size)),
+            ("rms_norm_eps", head.rms_norm_eps, d.rms_norm_eps),
+        )
+        if ours != theirs
+    ]
+    if problems:
+        raise ExportError(
+            "the LiLiCorr head does not fit the drafter it is exported with (" + "; ".join(problems) + "); the "
+            "engines build the head from the drafter's config, so both must come from the same run"
+        )
+    k = head.top_k
+    if k > 16 or k & (k - 1):
+        warnings.warn(
+            f"LiLiCorr top_k {k} is not a power of two <= 16: SGLang and TensorRT-LLM serve it, vLLM refuses it",
+            stacklevel=3,
+        )
+
+
+def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a built drafter: ``DFlashDraftModel``, or ``LiLiCorrDraftModel`` with ``head``."""
     if not drafter.built:
         raise RuntimeError("export needs a built drafter (DFlashDrafter.build)")
     tc, d = drafter.target_config, drafter.dims
@@ -66,7 +141,22 @@ def drafter_config(drafter: DFlashDrafter) -> dict[str, Any]:
     params = getattr(tc, "rope_parameters", None) or {}
     if params.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    if head is not None:
+        cfg["architectures"] = [LILICORR_ARCHITECTURE]
+        cfg["dflash_config"].update(lilicorr_config_fields(head))
     return cfg
+
+
+def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors``: the drafter's keys, plus the head's under ``lilicorr.``.
+
+    The head is cast to the drafter's dtype so the file has one dtype, the config's ``torch_dtype``.
+    """
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if head is not None:
+        dtype = next(drafter.parameters()).dtype
+        state.update({HEAD_PREFIX + k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()})
+    return state
 
 
 class ExportError(ValueError):
@@ -110,40 +200,36 @@ def _umask() -> int:
 
 
 def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Module | None = None,
-                   head_init: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                   overwrite: bool = False) -> Path:
-    """Write ``drafter`` (and optionally its head) in the z-lab DFlash layout.
+                   extra: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Write ``drafter`` (and its LiLiCorr ``head``, if given) as one serving checkpoint directory.
 
-    Every file is written under a temporary name inside the destination and renamed into place, so a reader
-    never sees a half-written export. A non-empty ``output`` is refused unless ``overwrite``; even then
-    only the files written here are replaced.
+    Without a head (or with a parameter-free selector) the directory is a ``DFlashDraftModel``; with a
+    :class:`LiLiCorrHead` it is a ``LiLiCorrDraftModel``. Other heads have no serving layout here and
+    are refused. Every file is written under a temporary name inside the destination and renamed
+    into place, so a reader never sees a half-written export. A non-empty ``output`` is refused unless
+    ``overwrite``; even then only the files written here are replaced.
     """
+    if head is not None and not any(True for _ in head.parameters()):
+        head = None  # top-1: nothing to serve beyond the drafter
+    if head is not None and not isinstance(head, LiLiCorrHead):
+        raise ExportError(
+            f"{type(head).__name__} has no serving checkpoint layout here; only LiLiCorrHead exports "
+            "(as LiLiCorrDraftModel). Export the drafter alone with head=None"
+        )
+    if head is not None:
+        _check_head_fits(head, drafter)
     output = check_output_dir(output, overwrite)
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     # The temporary files live inside the destination (same filesystem: each rename is atomic).
     tmp = Path(tempfile.mkdtemp(prefix=".lilicorr-export-", dir=output))
     try:
-        cfg = drafter_config(drafter)
+        cfg = drafter_config(drafter, head)
         if extra:
-            cfg["lilicorr"] = extra
+            cfg["lilicorr_pl"] = extra
         files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
         files["config.json"].write_text(json.dumps(cfg, indent=2))
-        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-        save_file(state, str(files["model.safetensors"]), metadata={"format": "pt"})
-        if head is not None and any(True for _ in head.parameters()):
-            cls = type(head)
-            files[HEAD_CONFIG] = tmp / HEAD_CONFIG
-            files[HEAD_CONFIG].write_text(json.dumps({
-                "class_path": f"{cls.__module__}.{cls.__qualname__}",
-                "init_args": head_init or {},
-                "hidden_size": drafter.dims.hidden_size,
-                "vocab_size": int(drafter.target_config.vocab_size),
-                "block_size": drafter.block_size,
-            }, indent=2))
-            files[HEAD_WEIGHTS] = tmp / HEAD_WEIGHTS
-            save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
-                      str(files[HEAD_WEIGHTS]), metadata={"format": "pt"})
+        save_file(export_state(drafter, head), str(files["model.safetensors"]), metadata={"format": "pt"})
         _publish(files, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -154,19 +240,40 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     return output
 
 
-def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafter:
-    """Load a z-lab-format DFlash drafter (ours or a released one) as a built ``DFlashDrafter``."""
-    from transformers import Qwen3Config
-
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """``config.json`` of a serving checkpoint directory, refusing the old companion layout."""
     directory = Path(directory)
+    old = [name for name in OLD_COMPANION_FILES if (directory / name).exists()]
+    if old:
+        raise ValueError(
+            f"{directory} is an old lilicorr export ({' / '.join(old)} beside the drafter), which is no longer "
+            "supported; re-export the training checkpoint: lilicorr export --ckpt RUN.ckpt --output NEW_DIR"
+        )
     cfg_path, weights = directory / "config.json", directory / "model.safetensors"
     if not cfg_path.is_file() or not weights.is_file():
         raise FileNotFoundError(
             f"{directory} is not a DFlash drafter directory (needs config.json and model.safetensors)"
         )
-    cfg = json.loads(cfg_path.read_text())
+    return json.loads(cfg_path.read_text())
+
+
+def _block_size(cfg: dict[str, Any]) -> int | None:
+    block_size = cfg.get("block_size", (cfg.get("dflash_config") or {}).get("block_size"))
+    return None if block_size is None else int(block_size)
+
+
+def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafter:
+    """Load the drafter of a ``DFlashDraftModel`` or ``LiLiCorrDraftModel`` directory (ours or released).
+
+    Returns a built ``DFlashDrafter``; a LiLiCorr head in the same file is left out (see :func:`load_head`).
+    """
+    from transformers import Qwen3Config
+
+    directory = Path(directory)
+    cfg = read_config(directory)
+    cfg_path, weights = directory / "config.json", directory / "model.safetensors"
     dflash = cfg.get("dflash_config") or {}
-    block_size = cfg.get("block_size", dflash.get("block_size"))
+    block_size = _block_size(cfg)
     layer_ids = dflash.get("target_layer_ids")
     if block_size is None or layer_ids is None:
         raise ValueError(
@@ -180,11 +287,11 @@ def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafte
     )
     drafter = DFlashDrafter(
         num_layers=int(cfg["num_hidden_layers"]),
-        block_size=int(block_size),
+        block_size=block_size,
         mask_token_id=int(dflash.get("mask_token_id", 151669)),
         attention=attention,
     ).build(target_like, layer_ids)
-    state = load_file(str(weights))
+    state = {k: v for k, v in load_file(str(weights)).items() if not k.startswith(HEAD_PREFIX)}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights}: keys do not match a DFlash drafter: missing {missing[:6]}, unexpected {unexpected[:6]}")
@@ -192,17 +299,63 @@ def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafte
     return drafter.to(dtype)
 
 
-def load_head(directory: str | Path) -> torch.nn.Module | None:
-    """Load the companion head, if the directory has one."""
+def _served_name(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A ``lilicorr.*`` tensor (prefix stripped) in the named form and 5-d embedding shapes we build."""
+    for old, new in _SEQUENTIAL_NAMES:
+        key = key.replace(old, new)  # "feature_mlp.0." never contains ".mlp.0.": the forms cannot collide
+    if key in ("slot_embedding", "rank_embedding") and tensor.dim() == 4:
+        tensor = tensor.unsqueeze(1)  # TensorRT-LLM's squeezed [1, S, 1, D] / [1, 1, K, D]
+    return key, tensor
+
+
+def load_head(directory: str | Path) -> LiLiCorrHead | None:
+    """The LiLiCorr head of a ``LiLiCorrDraftModel`` directory, built and loaded; None for a DFlash-only one.
+
+    The head is rebuilt from ``dflash_config.lilicorr_*`` alone (none is defaulted: ``vector_eps`` and
+    ``logit_scale`` change the scores without changing a shape) and every ``lilicorr.*`` tensor must
+    match it, in either MLP naming form.
+    """
     directory = Path(directory)
-    if not (directory / HEAD_CONFIG).is_file():
+    cfg = read_config(directory)
+    if LILICORR_ARCHITECTURE not in (cfg.get("architectures") or []):
         return None
-    meta = json.loads((directory / HEAD_CONFIG).read_text())
-    module_name, _, cls_name = meta["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    head = cls(**meta["init_args"]).build(meta["hidden_size"], meta["vocab_size"])
-    head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)))
-    return head
+    dflash = cfg.get("dflash_config") or {}
+    if dflash.get("lilicorr_enabled") is False:
+        raise ValueError(f"{directory}/config.json declares {LILICORR_ARCHITECTURE} with lilicorr_enabled false")
+    missing = [f"lilicorr_{f}" for f in HEAD_CONFIG_FIELDS if dflash.get(f"lilicorr_{f}") is None and f != "hidden_size"]
+    if missing or _block_size(cfg) is None:
+        raise ValueError(
+            f"{directory}/config.json declares {LILICORR_ARCHITECTURE} but dflash_config lacks {missing or ['block_size']}; "
+            "the head cannot be rebuilt without its geometry"
+        )
+    model_hidden = int(cfg["hidden_size"])
+    head = LiLiCorrHead(
+        top_k=int(dflash["lilicorr_candidate_topk"]),
+        hidden_size=int(dflash.get("lilicorr_hidden_size") or model_hidden),  # 0/absent: the drafter's width
+        num_layers=int(dflash["lilicorr_num_layers"]),
+        num_heads=int(dflash["lilicorr_num_heads"]),
+        mlp_ratio=float(dflash["lilicorr_mlp_ratio"]),
+        factor_dim=int(dflash["lilicorr_factor_dim"]),
+        vector_eps=float(dflash["lilicorr_vector_eps"]),
+        logit_scale=float(dflash["lilicorr_logit_scale"]),
+        block_size=_block_size(cfg),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    ).build(model_hidden, int(cfg["vocab_size"]))
+    weights = directory / "model.safetensors"
+    state = dict(
+        _served_name(k[len(HEAD_PREFIX):], v) for k, v in load_file(str(weights)).items() if k.startswith(HEAD_PREFIX)
+    )
+    expected = head.state_dict()
+    missing_keys = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing_keys or unexpected or wrong:
+        raise ValueError(
+            f"{weights}: the lilicorr.* tensors do not match the head its config.json describes (missing "
+            f"{missing_keys[:4]}, unexpected {unexpected[:4]}, wrong shape {wrong[:4]}); check dflash_config.lilicorr_*"
+        )
+    head.load_state_dict(state)
+    return head.to(next(iter(state.values())).dtype)
 
 
 def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
@@ -219,7 +372,11 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="lilicorr export", description="Export a trained drafter in the z-lab DFlash layout.")
+    p = argparse.ArgumentParser(
+        prog="lilicorr export",
+        description="Export a trained drafter as a serving checkpoint: DFlashDraftModel, or LiLiCorrDraftModel "
+        "(drafter + LiLiCorr head in one model.safetensors) for SGLang, vLLM and TensorRT-LLM.",
+    )
     p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
     p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -243,9 +400,15 @@ def main(argv: list[str] | None = None) -> Path:
                                              allow_modules=args.allow_module)
     except CheckpointError as err:
         sys.exit(f"lilicorr export: {err}")
-    head_cfg = system.hparams.get("head")
-    init = dict(head_cfg.get("init_args", {})) if isinstance(head_cfg, dict) else {}
-    out = export_drafter(system.drafter, args.output, head=system.head, head_init=init,
-                         extra={"target": system.target_spec.name_or_path}, overwrite=args.overwrite)
-    print(f"exported drafter to {out}")
+    head = system.head if isinstance(system.head, LiLiCorrHead) else None
+    if head is None and any(True for _ in system.head.parameters()):
+        print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
+              "exporting the DFlash drafter alone", file=sys.stderr)
+    try:
+        out = export_drafter(system.drafter, args.output, head=head,
+                             extra={"target": system.target_spec.name_or_path}, overwrite=args.overwrite)
+    except ExportError as err:
+        sys.exit(f"lilicorr export: {err}")
+    kind = LILICORR_ARCHITECTURE if head is not None else DFLASH_ARCHITECTURE
+    print(f"exported {kind} to {out}")
     return out

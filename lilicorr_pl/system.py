@@ -60,7 +60,7 @@ def _target_identity(spec: Any) -> tuple[Any, ...]:
 # Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
-_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from")
+_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from")
 
 
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -111,7 +111,15 @@ class DraftSystem(L.LightningModule):
         disabled_losses: names of loss components to drop (ablation flags, e.g.
             ``[distractor_penalty]``); an unknown name is an error.
         loss_weights: per-name weight overrides (e.g. ``{margin_hinge: 0.125}`` for the margin variant).
-        init_drafter_from: warm start from a z-lab-format DFlash drafter directory (ours or released).
+        init_drafter_from: warm start the drafter from a checkpoint directory in the serving layout:
+            a z-lab ``DFlashDraftModel`` (ours or released) or a ``LiLiCorrDraftModel`` (what
+            ``lilicorr export`` writes). Only the drafter's weights load; a head in the same
+            directory is left alone unless ``init_head_from`` names it too.
+        init_head_from: warm start the LiLiCorr head from a ``LiLiCorrDraftModel`` directory (its
+            ``lilicorr.*`` tensors). ``model.head`` must be a ``LiLiCorrHead`` with the directory's
+            geometry (``dflash_config.lilicorr_*``). Set both to the same directory to continue a
+            served checkpoint; set only ``init_drafter_from`` (with ``freeze_drafter``) to train a
+            fresh head on a fixed drafter; set only this one to reuse a head on another drafter.
         freeze_drafter: keep the drafter fixed and train only the head.
     """
 
@@ -129,6 +137,7 @@ class DraftSystem(L.LightningModule):
         disabled_losses: list[str] | None = None,
         loss_weights: dict[str, float] | None = None,
         init_drafter_from: str | None = None,
+        init_head_from: str | None = None,
         freeze_drafter: bool = False,
     ) -> None:
         super().__init__()
@@ -166,9 +175,14 @@ class DraftSystem(L.LightningModule):
                 f"{config.max_position_embeddings}; lower data.max_length (or extend RoPE, e.g. YaRN)"
             )
         self.drafter = drafter.build(config, layer_ids)
-        self.head = (head or Top1Selector()).build(config.hidden_size, config.vocab_size)
+        self.head = (head or Top1Selector()).build(
+            config.hidden_size, config.vocab_size,
+            block_size=self.drafter.block_size, rms_norm_eps=self.drafter.dims.rms_norm_eps,
+        )
         if init_drafter_from:
             self._warm_start(init_drafter_from, config)
+        if init_head_from:
+            self._warm_start_head(init_head_from)
         if freeze_drafter:
             if not any(p.requires_grad for p in self.head.parameters()):
                 raise ValueError("freeze_drafter=True with a parameter-free head leaves nothing to train")
@@ -211,6 +225,32 @@ class DraftSystem(L.LightningModule):
                 "block_size and target layer ids to the released drafter's config.json"
             )
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
+
+    def _warm_start_head(self, directory: str) -> None:
+        from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+        from lilicorr_pl.interop import head_geometry, load_head
+
+        if not isinstance(self.head, LiLiCorrHead):
+            raise ValueError(
+                f"model.init_head_from={directory} loads a LiLiCorr head, but model.head is "
+                f"{type(self.head).__name__}; set model.head to lilicorr_pl.heads.LiLiCorrHead"
+            )
+        loaded = load_head(directory)
+        if loaded is None:
+            raise ValueError(
+                f"model.init_head_from={directory} holds no LiLiCorr head (its config.json is not a "
+                "LiLiCorrDraftModel); use model.init_drafter_from for a DFlash-only directory"
+            )
+        ours, theirs = head_geometry(self.head), head_geometry(loaded)
+        theirs["target_hidden_size"], ours["target_hidden_size"] = loaded.target_hidden_size, self.head.target_hidden_size
+        diff = [f"{k}: {ours[k]} here vs {theirs[k]} there" for k in ours if ours[k] != theirs[k]]
+        if diff:
+            raise ValueError(
+                f"model.init_head_from={directory} does not match model.head ({'; '.join(diff)}); set "
+                "model.head.init_args to the directory's dflash_config.lilicorr_* values"
+            )
+        mine = self.head.state_dict()
+        self.head.load_state_dict({k: v.to(mine[k].dtype) for k, v in loaded.state_dict().items()})
 
     def _top_k(self) -> int:
         return int(getattr(self.head, "top_k", 8)) if self.head is not None else 8
@@ -381,7 +421,9 @@ class DraftSystem(L.LightningModule):
         target["trust_remote_code"] = bool(trust_remote_code)
         meta = dict(checkpoint.get("lilicorr") or {})
         del checkpoint
-        system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target)
+        # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
+        system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target,
+                                          init_drafter_from=None, init_head_from=None)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         return system
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 
@@ -88,6 +89,17 @@ def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
         torch.testing.assert_close(loaded.state_dict()[key], value)
     assert type(loaded.head).__name__ == "LiLiCorrHead"
     assert [l.name for l in loaded.losses] == [l.name for l in system.losses]
+
+    # `lilicorr export` of the trained run: one LiLiCorrDraftModel directory that loads back identically.
+    from lilicorr_pl.interop import load_drafter, load_head
+    from lilicorr_pl.interop import main as export_main
+
+    out = export_main(["--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LiLiCorrDraftModel"]
+    head, drafter = load_head(out), load_drafter(out)
+    for ours, theirs in ((loaded.head, head), (loaded.drafter, drafter)):
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in ours.state_dict().items())
 
 
 def test_no_distractor_overlay_removes_the_term(tmp_path):

@@ -67,7 +67,9 @@ def one_thread():
 def test_lilicorr_learns_coherent_pairs_that_top1_cannot_produce(one_thread):
     torch.manual_seed(0)
     embedding = nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)  # the frozen "target" embedding
-    head = LiLiCorrHead(top_k=K, hidden_size=32, num_layers=1, num_heads=4, max_slots=2).build(HIDDEN, VOCAB)
+    head = LiLiCorrHead(top_k=K, hidden_size=32, num_layers=1, num_heads=4, factor_dim=32).build(
+        HIDDEN, VOCAB, block_size=3
+    )
     loss_fn = OraclePrefixCE(weight=1.0, gamma=None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)

@@ -207,7 +207,7 @@ def test_greedy_speculative_equals_greedy_target_with_a_real_drafter(target, sel
         selector = (
             Top1Selector()
             if selector_name == "top1"
-            else LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2).build(hidden, vocab)
+            else LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2).build(hidden, vocab, block_size=block_size)
         )
         for prompt in random_prompts(vocab, 3, seed=10 + seed):
             expected = greedy(target, prompt, 17)
@@ -334,7 +334,7 @@ def test_plain_decoding_result_and_input_checks(target):
 def test_drafter_and_selector_run_in_eval_mode_and_are_restored(target):
     drafter = real_drafter(target, 4)
     head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, dropout=0.5).build(
-        target.hidden_size, target.output_rows
+        target.hidden_size, target.output_rows, block_size=4
     )
     drafter.train(), head.train()
     prompt = random_prompts(target.output_rows, 1, seed=53)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -124,9 +125,19 @@ def test_top1_selector_is_per_slot_argmax():
 
 def _head(top_k: int = 4, **kwargs) -> LiLiCorrHead:
     torch.manual_seed(0)
-    cfg = dict(top_k=top_k, hidden_size=16, num_layers=2, num_heads=4, mlp_ratio=2.0, max_slots=8)
+    cfg = dict(top_k=top_k, hidden_size=16, num_layers=2, num_heads=4, mlp_ratio=2.0, factor_dim=8, block_size=9)
     cfg.update(kwargs)
-    return LiLiCorrHead(**cfg).build(H, V).eval()
+    return _randomize(LiLiCorrHead(**cfg).build(H, V)).eval()
+
+
+def _randomize(head: LiLiCorrHead, seed: int = 0) -> LiLiCorrHead:
+    """Random values in every parameter, as after training (the init zeroes biases and embeddings)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else 0.3 * torch.randn(p.shape, generator=g))
+    return head
 
 
 def _inputs(m: int = 5, s: int = 4, seed: int = 1, requires_grad: bool = False):
@@ -160,16 +171,18 @@ def test_lattice_shapes_candidates_and_logprobs(embedding):
 
 
 def test_scores_are_bounded_by_sigma(embedding):
-    head = _head(scale=3.0)
+    head = _head(logit_scale=3.0)
     sh, sl, a, valid = _inputs(m=16, s=6, seed=5)
     with torch.no_grad():
         lat = head.score_lattice(100 * sh, 100 * sl, 100 * a, valid, embedding)
     assert lat.start.abs().max() <= 3.0 + 1e-5 and lat.pair.abs().max() <= 3.0 + 1e-5
     assert lat.pair.abs().max() > 0.1  # not trivially zero
+    # σ is a fixed constant, not a parameter
+    assert all(p.numel() != 1 for p in head.parameters()) and head.scale == head.logit_scale == 3.0
 
 
 def test_scores_stay_fp32_and_bounded_under_bf16_autocast(embedding):
-    head = _head(scale=8.0)
+    head = _head(logit_scale=8.0)
     sh, sl, a, valid = _inputs(m=8, s=5, seed=4)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         lat = head.score_lattice(sh.bfloat16(), sl.bfloat16(), a.bfloat16(), valid, embedding)
@@ -200,7 +213,8 @@ def test_lattice_losses_train_drafter_and_head_but_not_the_embedding(embedding, 
     assert len(trained) > 10
 
 
-def test_invalid_anchor_is_ignored_and_zeroes_start_scores(embedding):
+def test_invalid_anchor_is_ignored(embedding):
+    """As the reference: the projected anchor is zeroed where invalid (context_proj has a bias)."""
     head = _head()
     sh, sl, a, _ = _inputs()
     valid = torch.tensor([False, True, False, True, True])
@@ -208,15 +222,21 @@ def test_invalid_anchor_is_ignored_and_zeroes_start_scores(embedding):
         lat1 = head.score_lattice(sh, sl, a, valid, embedding)
         lat2 = head.score_lattice(sh, sl, torch.randn_like(a), valid, embedding)
     invalid = ~valid
-    torch.testing.assert_close(lat1.start[invalid], torch.zeros_like(lat1.start[invalid]))
-    torch.testing.assert_close(lat1.pair[invalid], lat2.pair[invalid])  # anchor ignored where invalid
+    torch.testing.assert_close(lat1.start[invalid], lat2.start[invalid])  # anchor ignored where invalid
+    torch.testing.assert_close(lat1.pair[invalid], lat2.pair[invalid])
     assert not torch.allclose(lat1.pair[valid], lat2.pair[valid])  # a valid anchor conditions pairs
-    # select() treats an all-zero anchor feature as invalid: slot 1 falls back to the top-1
+    assert not torch.allclose(lat1.start[valid], lat2.start[valid])
+    # select() treats an all-zero anchor feature as invalid
     a0 = a.clone()
     a0[0] = 0
     with torch.no_grad():
         sel = head.select(sh, sl, a0, embedding)
-    assert sel.lattice_index[0, 0].item() == 0
+    torch.testing.assert_close(sel.lattice.start[0], lat1.start[0])
+    # A fresh head (zero biases) scores no start preference without an anchor: slot 1 is the top-1.
+    fresh = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=4, factor_dim=8).build(H, V, block_size=9)
+    with torch.no_grad():
+        lat = fresh.score_lattice(sh, sl, a, valid, embedding)
+    assert lat.start[invalid].abs().max() == 0
 
 
 def test_select_walks_the_lattice_and_viterbi_option(embedding):
@@ -277,14 +297,25 @@ def test_nodes_see_the_other_slots(embedding):
 
 
 def test_build_validates_sizes_and_is_idempotent():
-    head = LiLiCorrHead(top_k=8, hidden_size=16, num_heads=4)
+    head = LiLiCorrHead(top_k=8, hidden_size=16, num_heads=4, factor_dim=8)
     with pytest.raises(ValueError, match=r"top_k 8 is larger than the target vocabulary \(5 rows\)"):
-        head.build(H, 5)
-    head.build(H, V)
+        head.build(H, 5, block_size=5)
+    with pytest.raises(ValueError, match="needs the drafter's block size"):
+        head.build(H, V)
+    head.build(H, V, block_size=5)
     params = [id(p) for p in head.parameters()]
     assert head.build(H, V) is head and [id(p) for p in head.parameters()] == params
+    assert head.build(H, V, block_size=5) is head
+    with pytest.raises(ValueError, match="differs from the drafter's block size 6"):
+        head.build(H, V, block_size=6)
     with pytest.raises(ValueError, match="create a new head"):
         head.build(H + 1, V)
+    # The tables follow the drafter's block: B - 1 slots, 2B - 1 relative offsets.
+    assert head.slot_embedding.shape == (1, 1, 4, 1, 16) and head.relative_slot_bias.shape == (4, 9)
+    assert head.rms_norm_eps == 1e-6 and head.output_norm.variance_epsilon == 1e-6
+    # token_proj only when the head is narrower or wider than the drafter
+    same = LiLiCorrHead(top_k=2, hidden_size=H, num_heads=4, factor_dim=8).build(H, V, block_size=3, rms_norm_eps=1e-5)
+    assert isinstance(same.token_proj, nn.Identity) and same.anchor_norm.variance_epsilon == 1e-5
 
 
 def test_clear_errors_for_bad_configuration(embedding):
@@ -293,19 +324,40 @@ def test_clear_errors_for_bad_configuration(embedding):
     with pytest.raises(ValueError, match="decode must be one of"):
         LiLiCorrHead(decode="beam")
     sh, sl, a, valid = _inputs()
+    with pytest.raises(ValueError, match="vector_eps must be in"):
+        LiLiCorrHead(vector_eps=0.0)
     with pytest.raises(RuntimeError, match="call head.build"):
         LiLiCorrHead(hidden_size=16, num_heads=4).score_lattice(sh, sl, a, valid, embedding)
-    with pytest.raises(ValueError, match="max_slots >= 4"):
-        _head(max_slots=3).score_lattice(sh, sl, a, valid, embedding)
+    with pytest.raises(ValueError, match="at most 3 slots"):
+        _head(block_size=4).score_lattice(sh, sl, a, valid, embedding)
 
 
-def test_recipe_defaults():
-    head = LiLiCorrHead()
-    assert (head.top_k, head.hidden_size, head.num_layers, head.num_heads) == (8, 1024, 2, 8)
-    assert (head.mlp_ratio, head.scale, head.decode, head.uses_lattice) == (2.0, 8.0, "greedy", True)
-    # σ is a fixed constant, not a parameter
-    head.build(64, 100)
-    assert isinstance(head.scale, float) and all("scale" not in n for n, _ in head.named_parameters())
+def test_confidence_features_are_the_references_five():
+    """log-prob, prob, gap to the slot's best, rank / (k - 1), is-top-1 (the reference's k - 1 scaling)."""
+    head = _head(top_k=4)
+    lp = torch.tensor([[-0.5, -1.0, -2.0, -4.0]])
+    feats = head.confidence_features(lp)
+    e = math.exp
+    expected = torch.tensor([[[-0.5, e(-0.5), 0.0, 0.0, 1.0],
+                              [-1.0, e(-1.0), -0.5, 1 / 3, 0.0],
+                              [-2.0, e(-2.0), -1.5, 2 / 3, 0.0],
+                              [-4.0, e(-4.0), -3.5, 1.0, 0.0]]])
+    torch.testing.assert_close(feats, expected)
+    assert head.confidence_features(lp[:, :1])[..., 3].item() == 0.0  # k = 1: no range to normalise over
+
+
+def test_same_slot_bias_covers_the_node_itself():
+    head = _head()
+    with torch.no_grad():
+        head.relative_slot_bias.zero_()
+        head.same_slot_bias.fill_(1.0)
+        head.relative_slot_bias[:, head.block_size - 1 + 1] = 5.0  # offset s_i - s_j = +1
+    bias = head.attention_bias(num_slots=3, k=2)  # nodes (slot, rank): 00 01 10 11 20 21
+    slot = torch.tensor([0, 0, 1, 1, 2, 2])
+    expected = (slot[:, None] == slot[None, :]).float() + 5.0 * (slot[:, None] - slot[None, :] == 1).float()
+    assert bias.shape == (head.num_heads, 6, 6)
+    torch.testing.assert_close(bias, expected.expand(head.num_heads, 6, 6))
+    assert (bias.diagonal(dim1=-2, dim2=-1) == 1).all()  # the node itself gets the same-slot bias
 
 
 @pytest.mark.parametrize("chunked", [False, True])

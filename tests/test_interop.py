@@ -1,13 +1,22 @@
-"""z-lab DFlash layout: exact keys, shapes and config fields; export -> import gives identical logits."""
+"""Serving checkpoint layouts: z-lab ``DFlashDraftModel`` and ``LiLiCorrDraftModel`` (drafter + head).
+
+Exact keys, shapes and config fields against hand-written fixtures; export -> import gives identical
+logits, lattice scores and speculative drafts; a loader written here from the layout alone (plain torch
+and safetensors) rebuilds the head's scores, so the export is self-sufficient.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from conftest import save_tiny_target
+from lilicorr_pl.decoding import speculative_generate
 from lilicorr_pl.heads import LiLiCorrHead
 from lilicorr_pl.interop import export_drafter, load_drafter, load_head
 from lilicorr_pl.models.dflash import DFlashDrafter
@@ -59,25 +68,213 @@ def test_export_matches_the_zlab_layout(tiny_target, tmp_path):
         assert cfg[key] == value, key
 
 
-def test_export_then_import_gives_identical_logits(tiny_target, tmp_path):
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(num_layers=2, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
-    head = LiLiCorrHead(top_k=3, hidden_size=16, num_layers=1, num_heads=2).build(32, 96)
-    out = export_drafter(drafter, tmp_path / "export", head=head,
-                         head_init={"top_k": 3, "hidden_size": 16, "num_layers": 1, "num_heads": 2})
-    loaded = load_drafter(out)
+def expected_lilicorr_layout(model_h: int, h: int, layers: int, heads: int, mlp: int, factor: int, block: int,
+                             k: int) -> dict:
+    """The head's tensors in a ``LiLiCorrDraftModel`` ``model.safetensors``, written out by hand from the
+    engines' loaders (SGLang / vLLM / TensorRT-LLM ``lilicorr``): named MLP form, packed attention."""
+    keys: dict = {}
+
+    def linear(name, n_in, n_out):
+        keys[f"lilicorr.{name}.weight"] = (n_out, n_in)
+        keys[f"lilicorr.{name}.bias"] = (n_out,)
+
+    if h != model_h:
+        linear("token_proj", model_h, h)
+    linear("pass_hidden_proj", model_h, h)
+    linear("context_proj", model_h, h)
+    keys["lilicorr.feature_norm.weight"] = keys["lilicorr.feature_norm.bias"] = (5,)
+    linear("feature_mlp.up_proj", 5, h)
+    linear("feature_mlp.down_proj", h, h)
+    keys["lilicorr.slot_embedding"] = (1, 1, block - 1, 1, h)
+    keys["lilicorr.rank_embedding"] = (1, 1, 1, k, h)
+    keys["lilicorr.relative_slot_bias"] = (heads, 2 * block - 1)
+    keys["lilicorr.same_slot_bias"] = (heads,)
+    for i in range(layers):
+        p = f"layers.{i}."
+        keys[f"lilicorr.{p}attn_norm.weight"] = keys[f"lilicorr.{p}mlp_norm.weight"] = (h,)
+        keys[f"lilicorr.{p}attn.in_proj_weight"] = (3 * h, h)
+        keys[f"lilicorr.{p}attn.in_proj_bias"] = (3 * h,)
+        linear(p + "attn.out_proj", h, h)
+        linear(p + "mlp.up_proj", h, mlp)
+        linear(p + "mlp.down_proj", mlp, h)
+    keys["lilicorr.output_norm.weight"] = keys["lilicorr.anchor_norm.weight"] = (h,)
+    linear("factor_input_proj", 3 * h, h)
+    for name in ("out_head", "in_head", "anchor_out_head"):
+        linear(name, h, factor)
+    return keys
+
+
+def trained_like(head: LiLiCorrHead, seed: int = 0) -> LiLiCorrHead:
+    """Random values in every parameter (the init zeroes biases and embeddings), as after training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return head
+
+
+def make_pair(target, head_width: int = 16, block_size: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(num_layers=2, block_size=block_size).build(target.config, target.layer_ids)
+    head = LiLiCorrHead(top_k=4, hidden_size=head_width, num_layers=2, num_heads=2, mlp_ratio=1.5, factor_dim=6,
+                        vector_eps=1e-5, logit_scale=5.0)
+    head.build(target.hidden_size, target.output_rows, block_size=block_size, rms_norm_eps=drafter.dims.rms_norm_eps)
+    return drafter, trained_like(head, seed).eval()
+
+
+@pytest.mark.parametrize("head_width", [16, 32], ids=["narrow-head", "drafter-width-head"])
+def test_lilicorr_export_is_the_served_layout(tiny_target, tmp_path, head_width):
+    drafter, head = make_pair(tiny_target, head_width)
+    out = export_drafter(drafter, tmp_path / "export", head=head)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no companion files
+    state = load_file(str(out / "model.safetensors"))
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    head_keys = {k: v for k, v in shapes.items() if k.startswith("lilicorr.")}
+    assert {k: v for k, v in shapes.items() if k not in head_keys} == expected_layout(2, 32, 64, 4, 2, 8, 3)
+    mlp = int(head_width * 1.5)
+    assert head_keys == expected_lilicorr_layout(32, head_width, 2, 2, mlp, 6, 4, 4)
+    assert ("lilicorr.token_proj.weight" in head_keys) == (head_width != 32)
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LiLiCorrDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 4 and cfg["hidden_size"] == 32 and cfg["rms_norm_eps"] == 1e-6
+    assert cfg["dflash_config"] == {
+        "mask_token_id": 95, "target_layer_ids": [1, 2, 3], "causal": False, "projector_type": "lilicorr",
+        "lilicorr_enabled": True, "lilicorr_candidate_topk": 4, "lilicorr_hidden_size": head_width,
+        "lilicorr_num_layers": 2, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 1.5, "lilicorr_factor_dim": 6,
+        "lilicorr_vector_eps": 1e-5, "lilicorr_logit_scale": 5.0,
+    }
+
+
+def test_export_refuses_a_head_that_does_not_fit_the_drafter(tiny_target, tmp_path):
+    from lilicorr_pl.heads import DominoHead
+    from lilicorr_pl.interop import ExportError
+
+    drafter, _ = make_pair(tiny_target, block_size=4)
+    _, other = make_pair(tiny_target, block_size=5)
+    with pytest.raises(ExportError, match="block_size 5 vs the drafter's 4"):
+        export_drafter(drafter, tmp_path / "a", head=other)
+    with pytest.raises(ExportError, match="DominoHead has no serving checkpoint layout"):
+        export_drafter(drafter, tmp_path / "b", head=DominoHead(gru_hidden=4, rank=4).build(32, 96))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before writing
+
+
+def test_export_then_import_gives_identical_logits_scores_and_drafts(tiny_target, tmp_path):
+    drafter, head = make_pair(tiny_target)
+    out = export_drafter(drafter, tmp_path / "export", head=head)
+    loaded, head2 = load_drafter(out), load_head(out)
+    assert isinstance(head2, LiLiCorrHead)
     x = torch.randint(0, 90, (1, 16))
     feats = tiny_target(x).features
     anchors = torch.tensor([[3, 9]])
     a = drafter(feats, x, anchors, tiny_target.embed, tiny_target.lm_head)
     b = loaded(feats, x, anchors, tiny_target.embed, tiny_target.lm_head)
     assert torch.equal(a.slot_logits, b.slot_logits)
-    head2 = load_head(out)
     emb = tiny_target.embed
-    sa = head.select(a.slot_hidden[:, 0], a.slot_logits[:, 0], a.anchor_feature[:, 0], emb)
-    sb = head2.select(b.slot_hidden[:, 0], b.slot_logits[:, 0], b.anchor_feature[:, 0], emb)
-    assert torch.equal(sa.tokens, sb.tokens)
-    assert torch.equal(sa.lattice.pair, sb.lattice.pair)
+    with torch.no_grad():
+        la = head.score_lattice(a.slot_hidden[0], a.slot_logits[0], a.anchor_feature[0], a.anchor_feature_valid[0], emb)
+        lb = head2.score_lattice(b.slot_hidden[0], b.slot_logits[0], b.anchor_feature[0], b.anchor_feature_valid[0], emb)
+    assert torch.equal(la.candidates, lb.candidates)
+    assert torch.equal(la.start, lb.start) and torch.equal(la.pair, lb.pair)
+    # Real speculative decoding: the same drafts, round by round, and the same output.
+    g = torch.Generator().manual_seed(5)
+    for prompt in (torch.randint(2, 90, (n,), generator=g).tolist() for n in (3, 9)):
+        ours = speculative_generate(tiny_target, drafter, head, prompt, 14, stop_token_ids=[], record_rounds=99)
+        served = speculative_generate(tiny_target, loaded, head2, prompt, 14, stop_token_ids=[], record_rounds=99)
+        assert served.tokens == ours.tokens and served.accepted_lengths == ours.accepted_lengths
+        assert [r["drafted"] for r in served.rounds] == [r["drafted"] for r in ours.rounds]
+
+
+def served_scores(directory, slot_hidden, slot_logits, anchor, anchor_valid, embedding_table):
+    """Start and pair scores of one block from ``config.json`` + ``model.safetensors`` alone.
+
+    Written from the layout, with plain torch (float64) and no project code: what a serving engine does.
+    """
+    cfg = json.loads((directory / "config.json").read_text())
+    dc = cfg["dflash_config"]
+    w = {k[len("lilicorr."):]: v.double() for k, v in load_file(str(directory / "model.safetensors")).items()
+         if k.startswith("lilicorr.")}
+    block, k_top, heads = cfg["block_size"], dc["lilicorr_candidate_topk"], dc["lilicorr_num_heads"]
+    rms_eps, vec_eps, sigma = cfg["rms_norm_eps"], dc["lilicorr_vector_eps"], dc["lilicorr_logit_scale"]
+
+    def lin(name, x):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    def rms(name, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rms_eps) * w[name + ".weight"]
+
+    def unit(v):
+        return v / v.norm(dim=-1, keepdim=True).clamp_min(vec_eps)
+
+    slot_hidden, anchor = slot_hidden.double(), anchor.double()
+    log_probs = slot_logits.double().log_softmax(-1)  # full vocabulary
+    lp, cand = log_probs.topk(k_top, dim=-1)  # [S, K]
+    n_slots = lp.shape[0]
+    rank = torch.arange(k_top, dtype=torch.float64)
+    feats = torch.stack([lp, lp.exp(), lp - lp.max(-1, keepdim=True).values,
+                         (rank / (k_top - 1)).expand_as(lp), (rank == 0).double().expand_as(lp)], -1)
+    feats = F.layer_norm(feats, (5,), w["feature_norm.weight"], w["feature_norm.bias"], eps=1e-5)
+    emb = embedding_table.double()[cand]  # [S, K, H]
+    x = lin("token_proj", emb) if "token_proj.weight" in w else emb
+    x = x + lin("pass_hidden_proj", slot_hidden)[:, None]
+    x = x + lin("feature_mlp.down_proj", F.silu(lin("feature_mlp.up_proj", feats)))
+    x = x + w["slot_embedding"][0, 0, :n_slots] + w["rank_embedding"][0, 0, 0]
+    width = x.shape[-1]
+    x = x.reshape(n_slots * k_top, width)
+    slot = torch.arange(n_slots).repeat_interleave(k_top)
+    rel = slot[:, None] - slot[None, :]
+    bias = w["relative_slot_bias"][:, rel + block - 1] + w["same_slot_bias"][:, None, None] * (rel == 0)
+    d_head = width // heads
+    for i in range(dc["lilicorr_num_layers"]):
+        p = f"layers.{i}."
+        qkv = rms(p + "attn_norm", x) @ w[p + "attn.in_proj_weight"].T + w[p + "attn.in_proj_bias"]
+        q, kk, v = (t.reshape(-1, heads, d_head).transpose(0, 1) for t in qkv.chunk(3, -1))
+        attn = torch.softmax(q @ kk.transpose(-1, -2) / math.sqrt(d_head) + bias, -1) @ v
+        x = x + lin(p + "attn.out_proj", attn.transpose(0, 1).reshape(-1, width))
+        x = x + lin(p + "mlp.down_proj", F.silu(lin(p + "mlp.up_proj", rms(p + "mlp_norm", x))))
+    h = rms("output_norm", x).reshape(n_slots, k_top, width)
+    a = rms("anchor_norm", lin("context_proj", anchor) * float(anchor_valid))
+    z = F.silu(lin("factor_input_proj", torch.cat([h, a.expand_as(h), h * a], -1)))
+    out_vec, in_vec, u = unit(lin("out_head", z)), unit(lin("in_head", z)), unit(lin("anchor_out_head", a))
+    return cand, sigma * in_vec[0] @ u, sigma * out_vec[:-1] @ in_vec[1:].transpose(-1, -2)
+
+
+@pytest.mark.parametrize("head_width", [16, 32], ids=["narrow-head", "drafter-width-head"])
+def test_a_loader_written_from_the_layout_alone_rebuilds_the_scores(tiny_target, tmp_path, head_width):
+    drafter, head = make_pair(tiny_target, head_width, block_size=5, seed=3)
+    out = export_drafter(drafter, tmp_path / "export", head=head)
+    x = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([[0, 7]])  # block 0 has no anchor feature, block 1 has one
+    with torch.no_grad():
+        d = drafter(tiny_target(x).features, x, anchors, tiny_target.embed, tiny_target.lm_head)
+        lattice = head.score_lattice(d.slot_hidden[0], d.slot_logits[0], d.anchor_feature[0],
+                                     d.anchor_feature_valid[0], tiny_target.embed)
+    table = tiny_target.embed(torch.arange(tiny_target.output_rows))  # the target's own embedding table
+    assert d.anchor_feature_valid[0].tolist() == [False, True]
+    for block in range(2):
+        cand, start, pair = served_scores(out, d.slot_hidden[0, block], d.slot_logits[0, block],
+                                          d.anchor_feature[0, block], d.anchor_feature_valid[0, block], table)
+        assert torch.equal(cand, lattice.candidates[block])
+        torch.testing.assert_close(lattice.start[block].double(), start, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lattice.pair[block].double(), pair, atol=1e-5, rtol=0)
+        assert pair.abs().max() > 0.5  # a real function of the weights, not a trivial zero
+
+
+def test_a_dflash_only_directory_has_no_head(tiny_target, tmp_path):
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    assert load_head(export_drafter(drafter, tmp_path / "export")) is None
+
+
+def test_old_companion_exports_get_a_clear_error(tiny_target, tmp_path):
+    drafter, head = make_pair(tiny_target)
+    out = export_drafter(drafter, tmp_path / "old")
+    (out / "lilicorr_head.json").write_text("{}")
+    (out / "lilicorr_head.safetensors").write_bytes(b"")
+    for load in (load_drafter, load_head):
+        with pytest.raises(ValueError, match="no longer supported; re-export the training checkpoint") as err:
+            load(out)
+        assert "\n" not in str(err.value) and "lilicorr export --ckpt" in str(err.value)
 
 
 def test_import_accepts_block_size_inside_dflash_config(tiny_target, tmp_path):
@@ -125,3 +322,56 @@ def test_export_cli_refuses_the_checkpoint_folder_before_loading(tmp_path, capsy
     with pytest.raises(SystemExit, match="not empty"):
         main(["--ckpt", str(ckpt), "--output", str(folder)])
     assert ckpt.read_bytes().startswith(b"not read")
+
+
+# ---------------------------------------------------------------------------- warm start in the system
+
+
+def _system(target_dir, head=True, **kw):
+    from lilicorr_pl.system import DraftSystem
+    from lilicorr_pl.target import TargetSpec
+
+    torch.manual_seed(kw.pop("seed", 7))
+    head = (LiLiCorrHead(top_k=4, hidden_size=16, num_layers=2, num_heads=2, mlp_ratio=1.5, factor_dim=6,
+                         vector_eps=1e-5, logit_scale=5.0) if head else None)
+    return DraftSystem(TargetSpec(name_or_path=str(target_dir), layer_ids=[1, 2, 3]),
+                       DFlashDrafter(num_layers=2, block_size=4), head=head, **kw)
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_warm_start_drafter_and_head_drafter_only_or_head_only(tmp_path):
+    target_dir = save_tiny_target(tmp_path / "target")
+    trained = _system(target_dir, seed=1)
+    trained_like(trained.head, seed=2)
+    out = export_drafter(trained.drafter, tmp_path / "export", head=trained.head)
+
+    both = _system(target_dir, init_drafter_from=str(out), init_head_from=str(out))
+    assert _same(both.drafter, trained.drafter) and _same(both.head, trained.head)
+
+    drafter_only = _system(target_dir, init_drafter_from=str(out), freeze_drafter=True)  # train a fresh head
+    assert _same(drafter_only.drafter, trained.drafter) and not _same(drafter_only.head, trained.head)
+    trainable = {n.split(".")[0] for n, p in drafter_only.named_parameters() if p.requires_grad}
+    assert trainable == {"head"}
+
+    head_only = _system(target_dir, init_head_from=str(out))
+    assert _same(head_only.head, trained.head) and not _same(head_only.drafter, trained.drafter)
+
+    with pytest.raises(ValueError, match="factor_dim: 6 here vs 4 there"):
+        other = _system(target_dir, head=False)
+        other.head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=2, num_heads=2, mlp_ratio=1.5, factor_dim=4,
+                                  vector_eps=1e-5, logit_scale=5.0)
+        export_drafter(trained.drafter, tmp_path / "narrow",
+                       head=other.head.build(32, 96, block_size=4, rms_norm_eps=1e-6))
+        _system(target_dir, init_head_from=str(tmp_path / "narrow"))
+    with pytest.raises(ValueError, match="model.head is Top1Selector"):
+        _system(target_dir, head=False, init_head_from=str(out))
+    dflash_only = export_drafter(trained.drafter, tmp_path / "dflash")
+    with pytest.raises(ValueError, match="holds no LiLiCorr head"):
+        _system(target_dir, init_head_from=str(dflash_only))
+    (out / "lilicorr_head.json").write_text("{}")
+    with pytest.raises(ValueError, match="no longer supported"):
+        _system(target_dir, init_drafter_from=str(out))

@@ -79,7 +79,14 @@ class Selector(nn.Module):
         """Whether :meth:`build` has run (and created any parameters)."""
         return self.target_hidden_size is not None
 
-    def build(self, hidden_size: int, vocab_size: int) -> "Selector":
+    def build(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        block_size: int | None = None,
+        rms_norm_eps: float | None = None,
+    ) -> "Selector":
         """Create parameters once the target's sizes are known. Idempotent; returns ``self``.
 
         A different size after building is an error (the parameters would not fit the checkpoint).
@@ -88,6 +95,10 @@ class Selector(nn.Module):
         Args:
             hidden_size: hidden size ``H`` of the frozen target (= drafter width).
             vocab_size: number of rows ``V`` of the target's LM head.
+            block_size: the drafter's block size ``B``, for heads whose parameters depend on it (the
+                LiLiCorr head's slot tables); ignored by the others.
+            rms_norm_eps: the drafter's RMSNorm epsilon, for heads that share the drafter's norms in
+                the serving layout (LiLiCorr); ignored by the others.
         """
         name = type(self).__name__
         if hidden_size < 1 or vocab_size < 1:

@@ -3,6 +3,11 @@
 It keeps the drafter's top-K candidates per slot, encodes all ``S·K`` nodes with a light
 bidirectional transformer, scores every adjacent candidate pair in one batched matmul of unit
 vectors, and walks the lattice greedily. Its only sequential part is a K-wide argmax per slot.
+
+The modules are the reference head's, one for one, under the names the serving engines load
+(``LiLiCorrDraftModel``: SGLang, vLLM, TensorRT-LLM; written by Model-Optimizer's ``LiLiCorrExporter``):
+``state_dict()`` keys are the exported ``lilicorr.*`` tensor names without the prefix, and every
+shape is the exported shape, so export is a renaming and never an approximation.
 """
 
 from __future__ import annotations
@@ -10,48 +15,80 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lilicorr_pl.heads.base import EmbedFn, Lattice, Selection, Selector
 from lilicorr_pl.heads.lattice import candidate_log_probs, greedy_walk, viterbi
 
 _DECODERS = ("greedy", "viterbi")
-_NUM_CONFIDENCE_FEATURES = 5  # log-prob, prob, log-prob gap to top-1, rank/K, is-top-1
-_CONFIDENCE_MLP_WIDTH = 64
+NUM_CONFIDENCE_FEATURES = 5
+"""Per-candidate features, in the order the first feature Linear reads them: log-prob (full-vocabulary
+log-softmax), prob, log-prob gap to the slot's best candidate, rank fraction ``r/(k-1)``, is-top-1."""
+_INIT_STD = 0.02  # the reference's initializer_range for every Linear of the head
 
 
-class _LatticeBlock(nn.Module):
-    """Pre-norm transformer block; every node attends to every node, with an additive bias."""
+class _LatticeAttention(nn.Module):
+    """Multi-head self-attention with ``nn.MultiheadAttention``'s parameters (packed ``in_proj``).
 
-    def __init__(self, width: int, num_heads: int, mlp_ratio: float, dropout: float) -> None:
+    Same tensors as ``nn.MultiheadAttention(width, heads, batch_first=True)`` — ``in_proj_weight``
+    ``[3D, D]`` (q, k, v stacked), ``in_proj_bias [3D]``, ``out_proj`` — run through SDPA with an
+    additive per-head bias, as the serving engines run it.
+    """
+
+    def __init__(self, width: int, num_heads: int, dropout: float) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
-        self.attn_norm = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.attn_out = nn.Linear(width, width)
-        self.mlp_norm = nn.LayerNorm(width)
-        mlp_width = max(1, round(width * mlp_ratio))
-        self.mlp = nn.Sequential(
-            nn.Linear(width, mlp_width), nn.GELU(), nn.Linear(mlp_width, width), nn.Dropout(dropout)
-        )
-        self.resid_dropout = nn.Dropout(dropout)
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)  # nn.MultiheadAttention's own init
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         m, n, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(m, n, 3, self.num_heads, d // self.num_heads).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [M, heads, N, d_head]
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # [M, N, 3D]
+        q, k, v = (t.view(m, n, self.num_heads, d // self.num_heads).transpose(1, 2) for t in qkv.chunk(3, -1))
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias.to(q.dtype), dropout_p=self.dropout if self.training else 0.0
         )  # [M, heads, N, d_head]
-        x = x + self.resid_dropout(self.attn_out(attn.transpose(1, 2).reshape(m, n, d)))
-        return x + self.mlp(self.mlp_norm(x))
+        return self.out_proj(attn.transpose(1, 2).reshape(m, n, d))
+
+
+class _MLP(nn.Module):
+    """``down_proj(SiLU(up_proj(x)))`` with biases: the named MLP form the engines load."""
+
+    def __init__(self, width_in: int, width_mid: int, width_out: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(width_in, width_mid)
+        self.down_proj = nn.Linear(width_mid, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.up_proj(x)))
+
+
+class _LatticeLayer(nn.Module):
+    """Pre-RMSNorm transformer layer; every node attends to every node, with an additive bias."""
+
+    def __init__(self, width: int, num_heads: int, mlp_ratio: float, rms_norm_eps: float, dropout: float) -> None:
+        super().__init__()
+        self.attn_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
+        self.attn = _LatticeAttention(width, num_heads, dropout)
+        self.mlp_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
+        self.mlp = _MLP(width, int(width * mlp_ratio), width)  # int(): the engines' rounding
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), bias))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
 class LiLiCorrHead(Selector):
     """LiLiCorr: rerank the drafter's top-K lattice with pairwise factors and a greedy walk.
 
-    Defaults are the published recipe for an 8B target; scale ``hidden_size`` down for small targets.
-    Parameters are created by :meth:`build` once the target's hidden and vocabulary sizes are known.
+    The reference head, module for module (SGLang / vLLM / TensorRT-LLM ``LiLiCorrDraftModel``).
+    Defaults are the published recipe for an 8B target; scale ``hidden_size`` and ``factor_dim`` down
+    for small targets. Parameters are created by :meth:`build` once the target's hidden and vocabulary
+    sizes and the drafter's block size are known.
     """
 
     uses_lattice = True
@@ -63,96 +100,177 @@ class LiLiCorrHead(Selector):
         num_layers: int = 2,
         num_heads: int = 8,
         mlp_ratio: float = 2.0,
-        scale: float = 8.0,
+        factor_dim: int = 1024,
+        vector_eps: float = 1e-4,
+        logit_scale: float = 8.0,
         decode: str = "greedy",
-        max_slots: int = 32,
+        block_size: int | None = None,
+        rms_norm_eps: float | None = None,
         dropout: float = 0.0,
     ) -> None:
         """
         Args:
-            top_k: lattice width K, candidates kept per slot during training. Serving may use any
-                ``k <= top_k`` (the node features are rank-ordered).
-            hidden_size: width of the lattice transformer and factor vectors (not the target's size).
+            top_k: lattice width K, candidates kept per slot during training
+                (``lilicorr_candidate_topk``). Serving may use any ``k <= top_k`` (rank-ordered
+                features); vLLM serves only K in {1, 2, 4, 8, 16}.
+            hidden_size: width of the lattice transformer (``lilicorr_hidden_size``), not the
+                target's size; the candidate embeddings get a ``token_proj`` only when it differs.
             num_layers: lattice transformer layers.
             num_heads: attention heads per layer; must divide ``hidden_size``.
-            mlp_ratio: transformer MLP width as a multiple of ``hidden_size``.
-            scale: fixed score scale σ; scores are ``σ·cosine`` so they stay within ``[-σ, σ]``.
-                Not learned: bounded scores stabilise joint training of the shared backbone.
+            mlp_ratio: transformer MLP width as a multiple of ``hidden_size`` (truncated to an int).
+            factor_dim: width of the unit in/out/anchor factor vectors (``lilicorr_factor_dim``).
+            vector_eps: epsilon of the factor vectors' L2 normalisation (``lilicorr_vector_eps``);
+                it changes the scores without changing any shape, so it travels in the export.
+            logit_scale: fixed score scale σ (``lilicorr_logit_scale``); scores are ``σ·cosine`` so
+                they stay within ``[-σ, σ]``. Not learned: bounded scores stabilise joint training of
+                the shared backbone.
             decode: ``"greedy"`` (the method) or ``"viterbi"`` (max-sum ablation).
-            max_slots: size of the slot-embedding and relative-slot-bias tables; must be at least the
-                number of speculative slots ``S = block_size - 1``.
-            dropout: dropout in the lattice transformer (0 in the recipe).
+            block_size: the drafter's block size B; sizes the slot embedding (``B - 1`` slots) and the
+                relative-slot bias (``2B - 1`` offsets). None: follow the drafter (the system passes it
+                to :meth:`build`). A head built for B also scores shorter blocks (the learned prefix).
+            rms_norm_eps: epsilon of the head's RMSNorms. None: the drafter's (the engines build the
+                head's norms with the checkpoint's ``rms_norm_eps``; 1e-6 when built standalone).
+            dropout: dropout in the lattice transformer (0 in the recipe; no parameters).
         """
         super().__init__()
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}; the recipe uses 8")
+        if hidden_size < 1 or num_layers < 1 or factor_dim < 1 or num_heads < 1:
+            raise ValueError(
+                f"hidden_size, num_layers, num_heads and factor_dim must be positive, got {hidden_size}, "
+                f"{num_layers}, {num_heads}, {factor_dim}"
+            )
         if hidden_size % num_heads != 0:
             raise ValueError(
                 f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
                 f"choose e.g. num_heads={_largest_divisor(hidden_size, num_heads)}"
             )
+        if int(hidden_size * mlp_ratio) < 1:
+            raise ValueError(f"mlp_ratio {mlp_ratio} gives an empty MLP at hidden_size {hidden_size}")
+        if not 0.0 < vector_eps < 0.5:
+            raise ValueError(f"vector_eps must be in (0, 0.5), got {vector_eps}; the recipe uses 1e-4")
         if decode not in _DECODERS:
             raise ValueError(f"decode must be one of {_DECODERS}, got {decode!r}")
-        if scale <= 0:
-            raise ValueError(f"scale (σ) must be positive, got {scale}; the recipe uses 8.0")
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}; use at least block_size - 1")
+        if logit_scale <= 0:
+            raise ValueError(f"logit_scale (σ) must be positive, got {logit_scale}; the recipe uses 8.0")
+        if block_size is not None and block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one speculative slot), got {block_size}")
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.num_heads = num_heads
-        self.mlp_ratio = mlp_ratio
-        self.scale = float(scale)
+        self.mlp_ratio = float(mlp_ratio)
+        self.factor_dim = factor_dim
+        self.vector_eps = float(vector_eps)
+        self.logit_scale = float(logit_scale)
         self.decode = decode
-        self.max_slots = max_slots
+        self.block_size = block_size
+        self.rms_norm_eps = None if rms_norm_eps is None else float(rms_norm_eps)
         self.dropout = dropout
+
+    @property
+    def scale(self) -> float:
+        """σ, the fixed score scale (alias of :attr:`logit_scale`)."""
+        return self.logit_scale
 
     # ------------------------------------------------------------------ construction
 
-    def build(self, hidden_size: int, vocab_size: int) -> "LiLiCorrHead":
+    def build(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        block_size: int | None = None,
+        rms_norm_eps: float | None = None,
+    ) -> "LiLiCorrHead":
         """Create the layers for a target with hidden size ``hidden_size`` and ``vocab_size`` rows.
 
-        Idempotent for the same sizes; a different size after building is an error (the parameters
-        would not fit the checkpoint).
+        ``block_size`` and ``rms_norm_eps`` are the drafter's; they fill the init args left at None
+        and must agree with the ones set. Idempotent for the same sizes; a different size after
+        building is an error (the parameters would not fit the checkpoint).
         """
         if self.top_k > vocab_size:
             raise ValueError(
                 f"LiLiCorrHead top_k {self.top_k} is larger than the target vocabulary ({vocab_size} "
                 f"rows); set model.head.init_args.top_k <= {vocab_size}"
             )
+        if block_size is not None and self.block_size is not None and block_size != self.block_size:
+            raise ValueError(
+                f"LiLiCorrHead block_size {self.block_size} differs from the drafter's block size {block_size}; "
+                "leave model.head.init_args.block_size unset (it follows the drafter) or make them equal"
+            )
+        if self.block_size is None:
+            if block_size is None:
+                raise ValueError(
+                    "LiLiCorrHead needs the drafter's block size: pass build(..., block_size=B) or "
+                    "LiLiCorrHead(block_size=B) (the system passes the drafter's)"
+                )
+            if block_size < 2:
+                raise ValueError(f"block_size must be >= 2 (one speculative slot), got {block_size}")
+            self.block_size = int(block_size)
+        if rms_norm_eps is not None and self.rms_norm_eps is not None and rms_norm_eps != self.rms_norm_eps:
+            raise ValueError(
+                f"LiLiCorrHead rms_norm_eps {self.rms_norm_eps} differs from the drafter's {rms_norm_eps}; the "
+                "serving engines build the head's norms with the drafter's, so leave it unset"
+            )
+        if self.rms_norm_eps is None:
+            self.rms_norm_eps = float(rms_norm_eps) if rms_norm_eps is not None else 1e-6
         return super().build(hidden_size, vocab_size)
 
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
-        d = self.hidden_size
-        # Node inputs. LayerNorms put the frozen embeddings (small scale) and drafter states (large
-        # scale) on a common footing before projection.
-        self.token_proj = nn.Sequential(nn.LayerNorm(hidden_size), nn.Linear(hidden_size, d, bias=False))
-        self.slot_proj = nn.Sequential(nn.LayerNorm(hidden_size), nn.Linear(hidden_size, d, bias=False))
-        self.confidence_mlp = nn.Sequential(
-            nn.Linear(_NUM_CONFIDENCE_FEATURES, _CONFIDENCE_MLP_WIDTH),
-            nn.SiLU(),
-            nn.Linear(_CONFIDENCE_MLP_WIDTH, d),
-        )
-        self.slot_embedding = nn.Embedding(self.max_slots, d)
-        self.rank_embedding = nn.Embedding(self.top_k, d)
-        nn.init.normal_(self.slot_embedding.weight, std=0.02)
-        nn.init.normal_(self.rank_embedding.weight, std=0.02)
-        # Lattice transformer with per-head relative-slot bias b_h[s_i - s_j] (index offset by
-        # max_slots - 1) and a sibling bias for the other candidates of the node's own slot.
-        self.layers = nn.ModuleList(
-            _LatticeBlock(d, self.num_heads, self.mlp_ratio, self.dropout) for _ in range(self.num_layers)
-        )
-        self.relative_slot_bias = nn.Parameter(torch.zeros(self.num_heads, 2 * self.max_slots - 1))
+        d, slots = self.hidden_size, self.block_size - 1
+        # Node inputs. Candidate embeddings are used as-is when the head is as wide as the drafter.
+        self.token_proj = nn.Identity() if hidden_size == d else nn.Linear(hidden_size, d)
+        self.pass_hidden_proj = nn.Linear(hidden_size, d)  # drafter hidden state of the slot
+        self.context_proj = nn.Linear(hidden_size, d)  # the anchor (fused context feature)
+        self.feature_norm = nn.LayerNorm(NUM_CONFIDENCE_FEATURES)
+        self.feature_mlp = _MLP(NUM_CONFIDENCE_FEATURES, d, d)
+        # Stored in the serving layout's broadcast shapes: [1, 1, slots, 1, D] and [1, 1, 1, K, D].
+        self.slot_embedding = nn.Parameter(torch.zeros(1, 1, slots, 1, d))
+        self.rank_embedding = nn.Parameter(torch.zeros(1, 1, 1, self.top_k, d))
+        # Per-head relative-slot bias b_h[s_i - s_j] (column offset block_size - 1) and a same-slot
+        # bias for the candidates of a node's own slot, the node itself included.
+        self.relative_slot_bias = nn.Parameter(torch.zeros(self.num_heads, 2 * self.block_size - 1))
         self.same_slot_bias = nn.Parameter(torch.zeros(self.num_heads))
-        self.final_norm = nn.LayerNorm(d)
-        # Anchor and factor heads.
-        self.anchor_proj = nn.Sequential(nn.LayerNorm(hidden_size), nn.Linear(hidden_size, d, bias=False))
-        self.factor_mix = nn.Linear(3 * d, d)
-        self.out_proj = nn.Linear(d, d, bias=False)
-        self.in_proj = nn.Linear(d, d, bias=False)
-        self.anchor_factor = nn.Linear(d, d, bias=False)
+        self.layers = nn.ModuleList(
+            _LatticeLayer(d, self.num_heads, self.mlp_ratio, self.rms_norm_eps, self.dropout)
+            for _ in range(self.num_layers)
+        )
+        self.output_norm = Qwen3RMSNorm(d, eps=self.rms_norm_eps)
+        self.anchor_norm = Qwen3RMSNorm(d, eps=self.rms_norm_eps)
+        # Factor heads: z = SiLU(factor_input_proj([h, a, h ⊙ a])), then unit out/in/anchor vectors.
+        self.factor_input_proj = nn.Linear(3 * d, d)
+        self.out_head = nn.Linear(d, self.factor_dim)
+        self.in_head = nn.Linear(d, self.factor_dim)
+        self.anchor_out_head = nn.Linear(d, self.factor_dim)
+        for module in self.modules():  # the reference's init: N(0, 0.02) weights, zero biases
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=_INIT_STD)
+                nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------------ scoring
+
+    def confidence_features(self, candidate_logprobs: torch.Tensor) -> torch.Tensor:
+        """The five per-candidate features ``[..., K, 5]`` (fp32) from the candidates' log-probs.
+
+        ``candidate_logprobs [..., K]`` come from the full-vocabulary log-softmax, rank-ordered. The
+        rank fraction is ``r / (k - 1)`` over the lattice width in use (0 when ``k = 1``), as the
+        reference computes it: 0 for the top-1, 1 for the last candidate. (DESIGN §4.2 writes rank/K;
+        the reference's ``k - 1`` is what the engines feed a served head, so it is the one used.)
+        """
+        lp = candidate_logprobs.float()
+        k = lp.shape[-1]
+        rank = torch.arange(k, device=lp.device, dtype=lp.dtype)
+        return torch.stack(
+            [
+                lp,
+                lp.exp(),
+                lp - lp.amax(dim=-1, keepdim=True),
+                (rank / max(k - 1, 1)).expand_as(lp),
+                (rank == 0).to(lp.dtype).expand_as(lp),
+            ],
+            dim=-1,
+        )
 
     def score_lattice(
         self,
@@ -170,7 +288,7 @@ class LiLiCorrHead(Selector):
             slot_logits: ``[M, S, V]`` live drafter logits; the confidence features keep their
                 gradient so lattice losses also train the drafter.
             anchor_feature: ``[M, H]`` fused context feature at ``anchor_pos - 1``.
-            anchor_valid: ``[M]`` bool; the anchor vector is zeroed where False.
+            anchor_valid: ``[M]`` bool; the projected anchor is zeroed where False.
             embed: token ids -> frozen target input embeddings (always detached here).
             top_k: lattice width to use, ``<= self.top_k`` (default: ``self.top_k``).
 
@@ -179,55 +297,53 @@ class LiLiCorrHead(Selector):
         """
         k = self._check_inputs(slot_hidden, slot_logits, anchor_feature, anchor_valid, top_k)
         m, s, _ = slot_hidden.shape
-        dtype = self.token_proj[1].weight.dtype
+        d = self.hidden_size
+        dtype = self.pass_hidden_proj.weight.dtype
         device = slot_hidden.device
 
         # 1. Lattice: indices from detached logits; confidence features from live logits.
         candidates = slot_logits.detach().topk(k, dim=-1).indices  # [M, S, K]
         candidate_logprobs = candidate_log_probs(slot_logits, candidates)  # [M, S, K] fp32, live
-        rank = torch.arange(k, device=device)  # [K]
-        confidence = torch.stack(
-            [
-                candidate_logprobs,
-                candidate_logprobs.exp(),
-                candidate_logprobs - candidate_logprobs[..., :1],
-                (rank.float() / self.top_k).expand(m, s, k),
-                (rank == 0).float().expand(m, s, k),
-            ],
-            dim=-1,
-        )  # [M, S, K, 5]
+        features = self.confidence_features(candidate_logprobs)  # [M, S, K, 5]
 
         # 2. Node vectors.
         with torch.no_grad():
             token_embeddings = embed(candidates)  # [M, S, K, H]
         nodes = (
             self.token_proj(token_embeddings.detach().to(dtype))  # [M, S, K, D]
-            + self.slot_proj(slot_hidden.to(dtype)).unsqueeze(2)  # [M, S, 1, D], shared by the slot
-            + self.confidence_mlp(confidence.to(dtype))  # [M, S, K, D]
-            + self.slot_embedding.weight[:s, None, :]  # [S, 1, D]
-            + self.rank_embedding.weight[:k]  # [K, D]
+            + self.pass_hidden_proj(slot_hidden.to(dtype)).unsqueeze(2)  # [M, S, 1, D], shared by the slot
+            + self.feature_mlp(self.feature_norm(features.to(dtype)))  # [M, S, K, D]
+            + self.slot_embedding[0, 0, :s]  # [S, 1, D]
+            + self.rank_embedding[0, 0, 0, :k]  # [K, D]
         )
 
         # 3. Lattice transformer over all S·K nodes.
-        h = nodes.reshape(m, s * k, self.hidden_size)  # [M, N=S·K, D]
-        bias = self._attention_bias(s, k, device)  # [1, heads, N, N]
+        h = nodes.reshape(m, s * k, d)  # [M, N=S·K, D]
+        bias = self.attention_bias(s, k).unsqueeze(0)  # [1, heads, N, N]
         for layer in self.layers:
             h = layer(h, bias)
-        h = self.final_norm(h).view(m, s, k, self.hidden_size)  # [M, S, K, D]
+        h = self.output_norm(h).view(m, s, k, d)  # [M, S, K, D]
 
-        # 4.-5. Anchor conditions the factor heads only.
-        a = self.anchor_proj(anchor_feature.to(dtype)) * anchor_valid.to(dtype).unsqueeze(-1)  # [M, D]
-        a_nodes = a[:, None, None, :].expand_as(h)  # [M, S, K, D]
-        z = F.silu(self.factor_mix(torch.cat([h, a_nodes, h * a_nodes], dim=-1)))  # [M, S, K, D]
-        out_vec, in_vec, u = self.out_proj(z), self.in_proj(z), self.anchor_factor(a)
+        # 4. The anchor conditions the factor heads only; zero where there is none.
+        a = self.context_proj(anchor_feature.to(dtype)) * anchor_valid.to(dtype).unsqueeze(-1)  # [M, D]
+        a = self.anchor_norm(a)
+        # 5. z = SiLU(W [h, a, h ⊙ a] + b), with W split by input block so neither the concatenation
+        #    nor the anchor's copy per node is materialised (same function, less memory).
+        w_node, w_anchor, w_cross = self.factor_input_proj.weight.split(d, dim=1)
+        a_row = a[:, None, None, :]  # [M, 1, 1, D]
+        z = F.silu(
+            F.linear(h, w_node, self.factor_input_proj.bias) + F.linear(a_row, w_anchor) + F.linear(h * a_row, w_cross)
+        )  # [M, S, K, D]
+        out_vec, in_vec, u = self.out_head(z), self.in_head(z), self.anchor_out_head(a)
 
         # 6. Scores as σ·cosine, in fp32 even under autocast so the bound |score| <= σ holds.
         with torch.autocast(device_type=device.type, enabled=False):
-            out_vec = F.normalize(out_vec.float(), dim=-1)  # [M, S, K, D]
-            in_vec = F.normalize(in_vec.float(), dim=-1)  # [M, S, K, D]
-            u = F.normalize(u.float(), dim=-1)  # [M, D]; zero vector (scores 0) for invalid anchors
-            start = self.scale * torch.einsum("md,mkd->mk", u, in_vec[:, 0])  # [M, K]
-            pair = self.scale * (out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2))  # [M, S-1, K, K]
+            eps = self.vector_eps
+            out_vec = F.normalize(out_vec.float(), dim=-1, eps=eps)  # [M, S, K, F]
+            in_vec = F.normalize(in_vec.float(), dim=-1, eps=eps)  # [M, S, K, F]
+            u = F.normalize(u.float(), dim=-1, eps=eps)  # [M, F]
+            start = self.logit_scale * (u[:, None, :] * in_vec[:, 0]).sum(-1)  # [M, K]
+            pair = self.logit_scale * (out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2))  # [M, S-1, K, K]
         return Lattice(candidates=candidates, start=start, pair=pair, candidate_logprobs=candidate_logprobs)
 
     def select(
@@ -240,8 +356,8 @@ class LiLiCorrHead(Selector):
     ) -> Selection:
         """Score the lattice and walk it (greedy, or Viterbi when ``decode="viterbi"``).
 
-        An anchor feature that is all zeros counts as invalid (the interface's convention), which
-        makes the start scores all zero so slot 1 falls back to the drafter's top-1.
+        An anchor feature that is all zeros counts as invalid (the interface's convention): the
+        projected anchor is then zero, as in the reference.
         """
         anchor_valid = anchor_feature.ne(0).any(dim=-1)  # [b]
         lattice = self.score_lattice(slot_hidden, slot_logits, anchor_feature, anchor_valid, embed, top_k)
@@ -252,15 +368,17 @@ class LiLiCorrHead(Selector):
 
     # ------------------------------------------------------------------ helpers
 
-    def _attention_bias(self, num_slots: int, k: int, device: torch.device) -> torch.Tensor:
-        """``[1, heads, N, N]`` additive attention bias: ``b_h[s_i - s_j]`` plus the sibling bias."""
+    def attention_bias(self, num_slots: int, k: int) -> torch.Tensor:
+        """``[heads, N, N]`` additive attention bias over the ``N = S·k`` nodes (slot-major).
+
+        ``relative_slot_bias[h, s_i - s_j + B - 1] + same_slot_bias[h]·[s_i = s_j]``; the same-slot
+        term covers every candidate of the node's slot, the node itself included.
+        """
+        device = self.relative_slot_bias.device
         slot_of_node = torch.arange(num_slots, device=device).repeat_interleave(k)  # [N]
         offset = slot_of_node[:, None] - slot_of_node[None, :]  # [N, N]
-        bias = self.relative_slot_bias[:, offset + self.max_slots - 1]  # [heads, N, N]
-        node = torch.arange(num_slots * k, device=device)
-        siblings = (offset == 0) & (node[:, None] != node[None, :])  # same slot, other candidate
-        bias = bias + self.same_slot_bias[:, None, None] * siblings
-        return bias.unsqueeze(0)
+        bias = self.relative_slot_bias[:, offset + self.block_size - 1]  # [heads, N, N]
+        return bias + self.same_slot_bias[:, None, None] * (offset == 0)
 
     def _check_inputs(
         self,
@@ -272,8 +390,8 @@ class LiLiCorrHead(Selector):
     ) -> int:
         if not self.is_built:
             raise RuntimeError(
-                "LiLiCorrHead has no parameters yet; call head.build(target_hidden_size, vocab_size) "
-                "first (the system does this when it constructs the model)"
+                "LiLiCorrHead has no parameters yet; call head.build(target_hidden_size, vocab_size, "
+                "block_size=B) first (the system does this when it constructs the model)"
             )
         if slot_hidden.dim() != 3 or slot_logits.dim() != 3:
             raise ValueError(
@@ -296,10 +414,10 @@ class LiLiCorrHead(Selector):
                 f"expected anchor_feature [{m}, {h}] and anchor_valid [{m}], got "
                 f"{tuple(anchor_feature.shape)} and {tuple(anchor_valid.shape)}"
             )
-        if s > self.max_slots:
+        if not 1 <= s <= self.block_size - 1:
             raise ValueError(
-                f"block has {s} speculative slots but LiLiCorrHead max_slots is {self.max_slots}; "
-                f"set model.head.init_args.max_slots >= {s}"
+                f"block has {s} speculative slots but this LiLiCorrHead was built for block_size "
+                f"{self.block_size} (at most {self.block_size - 1} slots); build it for the drafter's block size"
             )
         k = self.top_k if top_k is None else top_k
         if not 1 <= k <= self.top_k:
