@@ -91,6 +91,7 @@ def run_bench(
     arms = {name: selector_for(name, system) for name in selectors}
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed)
+    check_context(prompts, max_new_tokens, target)
     warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
@@ -180,6 +181,68 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
     return path
 
 
+def check_device(device: str) -> None:
+    """Raise ``ValueError`` for a device this machine does not have."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+
+
+def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
+    """Raise when a prompt plus the generation budget runs past the target's trained positions."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    longest = max(len(ids) for ids in prompts.input_ids)
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
+            f"max_position_embeddings {limit}; lower --max-new-tokens to at most {max(limit - longest, 0)}"
+        )
+
+
+def check_output_paths(output: str | None, plot: str | None) -> None:
+    """Raise ``ValueError`` when results could not be written, before any benchmark work starts."""
+    if output:
+        out = Path(output)
+        if out.is_dir():
+            raise ValueError(f"--output {out} is a directory; pass a file name such as {out / 'results.json'}")
+        _check_writable_dir(out.parent, f"--output {out}")
+    if plot:
+        directory = Path(plot)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--plot {directory} is a file; pass a directory for the PNGs")
+        _check_writable_dir(directory, f"--plot {directory}")
+
+
+def _check_writable_dir(directory: Path, what: str) -> None:
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
+    if not os.access(probe, os.W_OK):
+        raise ValueError(f"{what}: {probe} is not writable; choose another path")
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON under a temporary name beside ``path`` and rename it into place; never leave the temp file."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _fail(message: str) -> NoReturn:
     sys.exit(f"lilicorr bench: {message}")
 
@@ -203,8 +266,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             )
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
-    if any(t < 0 for t in args.temperature):
-        _fail(f"temperatures must be >= 0, got {args.temperature}")
+    try:
+        check_output_paths(args.output, args.plot)
+        check_device(args.device)
+    except ValueError as err:
+        _fail(str(err))
+    if any(not math.isfinite(t) or t < 0 for t in args.temperature):
+        _fail(f"--temperature values must be finite and >= 0, got {args.temperature}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         _fail(f"--num-prompts and --max-new-tokens must be >= 1, got {args.num_prompts} and {args.max_new_tokens}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -240,9 +308,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.output:
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
         out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(jsonable(payload), indent=2))
-        os.replace(tmp, out)
+        write_json_atomic(out, jsonable(payload))
         print(f"results: {out}")
     return runs

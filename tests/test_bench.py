@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from lilicorr_pl.bench import main as bench
 from lilicorr_pl.cli import main as cli_main
@@ -94,7 +95,13 @@ def write(path: Path, text: str) -> str:
         ("malformed_jsonl", r"prompts.jsonl:2: malformed JSON"),
         ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
         ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
-        ("negative_temperature", "temperatures must be >= 0"),
+        ("negative_temperature", "must be finite and >= 0"),
+        ("nan_temperature", "must be finite and >= 0"),
+        ("output_is_a_directory", "is a directory"),
+        ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
+        ("plot_is_a_file", "--plot .* is a file"),
+        ("cuda_without_cuda", "CUDA is not available"),
+        ("past_the_context", "exceeds the target's max_position_embeddings"),
     ],
 )
 def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, message):
@@ -114,9 +121,33 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, 
         args["--selectors"] = "top1,domino"
     elif case == "negative_temperature":
         args["--temperature"] = "-0.5"
+    elif case == "nan_temperature":
+        args["--temperature"] = "nan"
+    elif case == "output_is_a_directory":
+        args["--output"] = str(tmp_path)
+    elif case == "output_parent_is_a_file":
+        args["--output"] = write(tmp_path / "file", "x") + "/results.json"
+    elif case == "plot_is_a_file":
+        args["--plot"] = write(tmp_path / "plots", "x")
+    elif case == "cuda_without_cuda":
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        args["--device"] = "cuda"
+    elif case == "past_the_context":
+        args["--max-new-tokens"] = "100000"
     argv = [x for kv in args.items() for x in kv]
-    with pytest.raises(SystemExit, match=message):
-        bench(argv)
+    import lilicorr_pl.decoding.evaluate as evaluate
+
+    calls = []
+    real = evaluate.run_target_baseline
+    evaluate.run_target_baseline = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(SystemExit, match=message):
+            bench(argv)
+    finally:
+        evaluate.run_target_baseline = real
+    assert not calls, "bad input must be refused before any decoding"
+    assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
 
 
 def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_run):

@@ -1,0 +1,22 @@
+"""``last.ckpt`` that always holds the final weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (same arguments) whose ``last.ckpt`` always holds the final weights.
+
+    Lightning skips its end-of-training save of ``last`` once any ``last`` was written earlier in the run,
+    so ``max_steps=30`` with ``every_n_train_steps=25`` left ``last.ckpt`` at step 25 and lost 5 steps of
+    training. Here the end of training writes ``last`` whenever the latest save was at an earlier step.
+    """
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_last and trainer.global_step != self._last_global_step_saved:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            return
+        super().on_train_end(trainer, pl_module)
