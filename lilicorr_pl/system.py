@@ -60,7 +60,7 @@ def _target_identity(spec: Any) -> tuple[Any, ...]:
 # Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
-_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from")
+_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target")
 
 
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -121,6 +121,11 @@ class DraftSystem(L.LightningModule):
             served checkpoint; set only ``init_drafter_from`` (with ``freeze_drafter``) to train a
             fresh head on a fixed drafter; set only this one to reuse a head on another drafter.
         freeze_drafter: keep the drafter fixed and train only the head.
+        init_drafter_layers_from_target: start drafter layer ``i`` (and its final norm) from the target's
+            decoder layer ``L − n + i`` (its top ``n`` layers), read from the target's safetensors; the context
+            projection stays random. Needs the drafter at the target's sizes. Applied before
+            ``init_drafter_from`` (which then wins) and only when the system is built, so a checkpoint's
+            trained weights always replace it.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class DraftSystem(L.LightningModule):
         init_drafter_from: str | None = None,
         init_head_from: str | None = None,
         freeze_drafter: bool = False,
+        init_drafter_layers_from_target: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(target, TargetSpec):
@@ -149,6 +155,11 @@ class DraftSystem(L.LightningModule):
             raise ValueError(f"target_logits must be 'auto', 'cache' or 'exact', got {target_logits!r}")
         if num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+        if max_length is not None and drafter.block_size > max_length:
+            raise ValueError(
+                f"model.drafter.block_size {drafter.block_size} exceeds data.max_length {max_length}: no block fits in "
+                "a training sequence; lower the block size or raise data.max_length"
+            )
         # Under LightningCLI these are the parsed class_path configs, so load_from_checkpoint rebuilds them.
         self.save_hyperparameters()
         self.target_spec = spec
@@ -179,6 +190,10 @@ class DraftSystem(L.LightningModule):
             config.hidden_size, config.vocab_size,
             block_size=self.drafter.block_size, rms_norm_eps=self.drafter.dims.rms_norm_eps,
         )
+        if init_drafter_layers_from_target:
+            from lilicorr_pl.models.target_init import init_drafter_from_target_layers
+
+            init_drafter_from_target_layers(self.drafter, path)
         if init_drafter_from:
             self._warm_start(init_drafter_from, config)
         if init_head_from:
@@ -423,7 +438,8 @@ class DraftSystem(L.LightningModule):
         del checkpoint
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
         system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target,
-                                          init_drafter_from=None, init_head_from=None)
+                                          init_drafter_from=None, init_head_from=None,
+                                          init_drafter_layers_from_target=False)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         return system
 

@@ -29,7 +29,8 @@ HUB_BENCHMARKS: dict[str, tuple[str, str | None, str, str, str]] = {
     "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", "chat"),
     "alpaca": ("tatsu-lab/alpaca_eval", None, "eval", "instruction", "chat"),
 }
-OFFLINE = ("humaneval", "stdlib-heldout")
+# stdlib-train: training-split code prefixes, for monitoring during training (never for reported results).
+OFFLINE = ("humaneval", "stdlib-heldout", "stdlib-train")
 
 
 @dataclass
@@ -98,6 +99,10 @@ def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_t
         from lilicorr_pl.demo.corpus import heldout_prefixes
 
         return heldout_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed), "raw"
+    if name == "stdlib-train":
+        from lilicorr_pl.demo.corpus import code_prefixes
+
+        return code_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed + 7919, split="train"), "raw"
     if name in HUB_BENCHMARKS:
         repo, config, split, field_name, kind = HUB_BENCHMARKS[name]
         try:
