@@ -15,8 +15,10 @@ import yaml
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "ablations" not in p.parts)
+# Overlays (ablations, demo arms) are parsed on top of their base, below.
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"ablations", "arms"} & set(p.parts))
 ABLATIONS = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+DEMO_ARMS = sorted((ROOT / "configs" / "demo" / "arms").glob("*.yaml"))
 
 
 def print_config(*configs: Path, extra: list[str] | None = None) -> dict:
@@ -36,6 +38,17 @@ def test_every_shipped_config_parses(config):
     assert cfg["model"]["target"]["name_or_path"]
     # Linked values are set once (model.target -> data.target, data.max_length -> model.max_length).
     assert "target" not in cfg["data"] and "max_length" not in cfg["model"]
+
+
+@pytest.mark.parametrize("overlay", DEMO_ARMS, ids=lambda p: p.stem)
+def test_demo_base_with_each_arm_overlay_parses(overlay):
+    cfg = print_config(ROOT / "configs" / "demo" / "base.yaml", overlay)
+    head = cfg["model"]["head"]
+    assert (head is None) == (overlay.stem == "dflash")
+    if head is not None:
+        assert overlay.stem in head["class_path"].lower()
+    assert cfg["model"]["init_drafter_layers_from_target"] is True
+    assert any("AcceptanceEval" in c["class_path"] for c in cfg["trainer"]["callbacks"])
 
 
 @pytest.mark.parametrize("overlay", ABLATIONS, ids=lambda p: p.stem)

@@ -1,42 +1,77 @@
-"""`lilicorr demo` end to end on the seconds-long test target: every stage runs and the JSON is complete."""
+"""`lilicorr demo` end to end on the seconds-long test target: every stage runs, the JSON is complete,
+and a rerun reuses exactly the stages whose settings are unchanged (issues 9 and 11.2)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import pytest
+
 from lilicorr_pl.cli import main
 
-ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor")
+ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 
 
-def test_demo_runs_every_stage_and_reports_each_arm(tmp_path):
+def demo(tmp_path, *extra: str) -> dict:
     out = tmp_path / "results.json"
     main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"), "--output", str(out),
-          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--steps", "2",
-          "--bench-prompts", "1", "--bench-new-tokens", "8", "--temperatures", "0", "1"])
-    result = json.loads(out.read_text())
+          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--base-steps", "2", "--steps", "2",
+          "--bench-prompts", "2", "--bench-new-tokens", "8", *extra])
+    return json.loads(out.read_text())
+
+
+def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(tmp_path, capsys):
+    result = demo(tmp_path, "--temperatures", "0", "1")
     assert result["tau_includes_bonus_token"] is True
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
     rows = result["results"]
     seen = {(r["benchmark"], r["temperature"], r["arm"]) for r in rows}
     for bench in ("humaneval", "stdlib-heldout"):
-        for arm in (*ARMS, "lilicorr_drafter_top1"):
+        for arm in ARMS:
             assert (bench, 0.0, arm) in seen and (bench, 1.0, arm) in seen
-        assert (bench, 0.0, "oracle") in seen
+        assert (bench, 0.0, "oracle") in seen and (bench, 0.0, "lilicorr_drafter_top1") in seen
     for r in rows:
         assert set(r) >= {"benchmark", "temperature", "arm", "tau", "tokens_per_s", "speedup_vs_target",
-                          "per_position_acceptance"}
+                          "per_position_acceptance", "per_prompt_tau", "per_prompt_rounds"}
         assert 1.0 <= r["tau"] <= 8.0
-        if r["arm"] != "oracle" and r["temperature"] == 0.0:
+        if r["arm"] not in ("oracle",) and r["temperature"] == 0.0:
             assert r["lossless"] is True  # speculative output == plain greedy output
-    # The oracle bound is at least what the same drafter's lattice head achieved.
+        # Every row has a τ ratio to DFlash on the same prompts with a 95 % interval around it.
+        assert r["ci_low"] <= r["ratio_to_dflash"] <= r["ci_high"]
+        if r["arm"] == "dflash":
+            assert r["ratio_to_dflash"] == pytest.approx(1.0) and r["ci_low"] == pytest.approx(1.0)
+        if r["tokens_per_s"] is not None:
+            assert r["speedup_vs_target"] == pytest.approx(r["tokens_per_s"] / r["target_tokens_per_s"])
     for bench in ("humaneval", "stdlib-heldout"):
         tau = {r["arm"]: r["tau"] for r in rows if r["benchmark"] == bench and r["temperature"] == 0.0}
         assert tau["oracle"] + 1e-9 >= tau["lilicorr"] or math.isclose(tau["oracle"], tau["lilicorr"])
     assert (tmp_path / "demo" / "plots" / "acceptance_curves.png").stat().st_size > 1000
-    # A rerun reuses regeneration and checkpoints (resumable).
-    main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"), "--output", str(out),
-          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--steps", "2",
-          "--bench-prompts", "1", "--bench-new-tokens", "8", "--temperatures", "0"])
+    # One folder per demo: every run's W&B files and checkpoints under <workdir>/runs/<stage>.
+    runs = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "demo" / "runs").iterdir())
+    assert runs == sorted(["base", *ARMS])
+    assert set(result["training"]) == set(ARMS)
+
+    # A rerun with the same settings reuses every stage, the measured comparison included.
+    capsys.readouterr()
+    again = demo(tmp_path, "--temperatures", "0", "1")
+    log = capsys.readouterr().out
+    assert log.count("reusing") == 1 + len(ARMS) + 1  # shared stage, every arm, the comparison
+    assert again["stages"] == result["stages"]
+    # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
+    third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr")
+    log = capsys.readouterr().out
+    assert "shared DFlash stage: reusing" in log and "dflash: reusing" not in log
+    assert third["stages"]["base"] == result["stages"]["base"]
+    assert third["stages"]["arms"]["dflash"] != result["stages"]["arms"]["dflash"]
+    assert third["steps_per_arm"] == 5 and third["settings"]["steps"] == 3
+    ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
+    assert len(ckpts) == 2
+
+
+def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--quick", "--steps", "0", "--workdir", str(tmp_path / "demo")])
+    assert "must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

@@ -43,6 +43,8 @@ class ArmResult:
     lossless: bool | None = None
     """T = 0 with a reference only: every output equals plain greedy target decoding."""
     per_prompt_tau: list[float] = field(default_factory=list)
+    per_prompt_rounds: list[int] = field(default_factory=list)
+    """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
     """``{"prompt": text tail, "prompt_index": i, "rounds": [...]}`` for the first recorded prompts;
     each round as :attr:`GenerationResult.rounds` (token ids)."""
@@ -133,6 +135,7 @@ def evaluate_arm(
     metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
     draft = head = verify = 0.0
     per_prompt: list[float] = []
+    per_prompt_rounds: list[int] = []
     examples: list[dict[str, Any]] = []
     lossless = True if (reference is not None and temperature == 0) else None
     for i, ids in enumerate(prompts.input_ids):
@@ -144,6 +147,7 @@ def evaluate_arm(
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
         draft, head, verify = draft + r.draft, head + r.head, verify + r.verify
         per_prompt.append(r.tau if r.num_rounds else math.nan)
+        per_prompt_rounds.append(int(r.num_rounds))
         if lossless and r.tokens != reference[i].tokens:  # type: ignore[index]
             lossless = False
         if recording:
@@ -161,5 +165,6 @@ def evaluate_arm(
         draft_time_fraction=draft / busy if busy > 0 else math.nan,
         lossless=lossless,
         per_prompt_tau=per_prompt,
+        per_prompt_rounds=per_prompt_rounds,
         examples=examples,
     )

@@ -3,18 +3,26 @@
 1. Build (or reuse) a small Qwen3-architecture target trained on the Python standard library.
 2. Regenerate: the target's own greedy continuations of training-split code prefixes become the
    drafter's training data (the same ``regenerate`` users run on chat prompts).
-3. Train every arm with ``lilicorr fit -c configs/demo/<arm>.yaml`` — same data, steps and seed:
-   vanilla DFlash, DFlash + LiLiCorr, LiLiCorr without the distractor penalty (and, with
-   ``--baselines``, Domino and DSpark).
+3. Train: one shared DFlash stage (``configs/demo/base.yaml``: drafter layers start as the target's top
+   layers, DFlash CE) for ``base_steps``, then every arm continues from it for ``steps`` more with its own
+   head and losses (``configs/demo/arms/<arm>.yaml``): vanilla DFlash (CE alone), DFlash + LiLiCorr,
+   LiLiCorr without the distractor penalty, Domino and DSpark. Same data, seed and total budget for all.
 4. Benchmark with real speculative decoding on HumanEval prompts and held-out stdlib prefixes,
    at T = 0 and T = 1, against plain target decoding in the same process, plus the top-K lattice
-   oracle (T = 0). τ includes the target's bonus token.
+   oracle (T = 0), with a paired bootstrap 95 % interval on every τ ratio to DFlash and the measured
+   cost of a round in plain decoding steps. τ includes the target's bonus token.
+
+Every stage is keyed by what produced it (target build, data settings, config file contents, steps,
+seed): a rerun reuses exactly the stages whose key matches and retrains the rest under a new key, so a
+changed setting is never answered with a stale artifact. Nothing a previous run wrote is deleted.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -24,44 +32,87 @@ from typing import Any
 import torch
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+BASE_CONFIG = "demo/base.yaml"
 ARMS = {
-    # arm -> (config, overlays, selector used at inference)
-    "dflash": ("demo/dflash.yaml", [], "top1"),
-    "lilicorr": ("demo/lilicorr.yaml", [], "lilicorr"),
-    "lilicorr_no_distractor": ("demo/lilicorr.yaml", ["ablations/no_distractor.yaml"], "lilicorr"),
-    "domino": ("demo/domino.yaml", [], "domino"),
-    "dspark": ("demo/dspark.yaml", [], "dspark"),
+    # arm -> (overlays on configs/demo/base.yaml, selector used at inference)
+    "dflash": (["demo/arms/dflash.yaml"], "top1"),
+    "lilicorr": (["demo/arms/lilicorr.yaml"], "lilicorr"),
+    "lilicorr_no_distractor": (["demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml"], "lilicorr"),
+    "domino": (["demo/arms/domino.yaml"], "domino"),
+    "dspark": (["demo/arms/dspark.yaml"], "dspark"),
 }
 SETTINGS = {
-    # quick: minutes on 2 CPU cores; full: about half an hour once the target is cached.
-    "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, steps=120, bench_prompts=6,
-                  bench_new_tokens=48),
-    "full": dict(target="full", prompts=600, prefix_tokens=64, new_tokens=96, steps=300, bench_prompts=10,
-                 bench_new_tokens=64),
+    # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B).
+    # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
+    "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, base_steps=60, steps=40,
+                  bench_prompts=6, bench_new_tokens=32),
+    "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=700, steps=300,
+                 bench_prompts=40, bench_new_tokens=48),
 }
+RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
 
 
 def log(msg: str) -> None:
     print(f"[lilicorr demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _temperature(value: str) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return number
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lilicorr demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small target and budget (about 5 minutes)")
-    p.add_argument("--workdir", default="runs/demo", help="where data, caches, runs and plots go")
+    p.add_argument("--workdir", default="runs/demo", help="where data, caches, runs, checkpoints and plots go")
     p.add_argument("--output", help="write the comparison JSON here (default: <workdir>/results.json)")
-    p.add_argument("--steps", type=int, help="training steps per arm (default by mode)")
-    p.add_argument("--baselines", action="store_true", help="also train and measure Domino and DSpark")
-    p.add_argument("--arms", help="comma list of arms to run (overrides --baselines)")
-    p.add_argument("--bench-prompts", type=int, help="prompts per benchmark (default by mode)")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--steps", type=_positive, help="training steps of each arm after the shared stage (default by mode)")
+    p.add_argument("--base-steps", type=_positive, help="steps of the shared DFlash stage (default by mode)")
+    p.add_argument("--arms", help=f"comma list of arms (default: all of {', '.join(ARMS)})")
+    p.add_argument("--bench-prompts", type=_positive, help="prompts per benchmark (default by mode)")
+    p.add_argument("--temperatures", type=_temperature, nargs="+", default=[0.0, 1.0])
     p.add_argument("--target-preset", choices=["test", "quick", "full"], help="override the mode's target build")
-    p.add_argument("--prompts", type=int, help="regeneration prompts (default by mode)")
-    p.add_argument("--regen-tokens", type=int, help="tokens regenerated per prompt (default by mode)")
-    p.add_argument("--prefix-tokens", type=int, help="prompt prefix length in tokens (default by mode)")
-    p.add_argument("--bench-new-tokens", type=int, help="tokens generated per benchmark prompt (default by mode)")
+    p.add_argument("--prompts", type=_positive, help="regeneration prompts (default by mode)")
+    p.add_argument("--regen-tokens", type=_positive, help="tokens regenerated per prompt (default by mode)")
+    p.add_argument("--prefix-tokens", type=_positive, help="prompt prefix length in tokens (default by mode)")
+    p.add_argument("--bench-new-tokens", type=_positive, help="tokens generated per benchmark prompt (default by mode)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def stage_key(**parts: Any) -> str:
+    """A short hash of everything a stage depends on; its artifacts live under this key."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    from lilicorr_pl.bench import jsonable, write_json_atomic
+
+    write_json_atomic(path, jsonable(payload))
+
+
+def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] | None:
+    """The stage's recorded metadata when its artifacts exist and were produced under ``key``; else None."""
+    if not meta_path.is_file() or not all(a.exists() for a in artifacts):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if meta.get("key") == key else None
 
 
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int) -> None:
@@ -78,66 +129,109 @@ def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed
 
 def target_overrides(target_dir: str) -> list[str]:
     """Config overrides for targets smaller than the demo config assumes (the seconds-long test preset):
-    explicit layer ids where the default rule would repeat a layer, and a max_length within RoPE range."""
+    feature layers within its depth, and a max_length within its RoPE range."""
     from transformers import AutoConfig
-
-    from lilicorr_pl.target import default_layer_ids
 
     config = AutoConfig.from_pretrained(target_dir)
     out = []
-    try:
-        default_layer_ids(config.num_hidden_layers, 3)
-    except ValueError:
-        ids = ", ".join(str(i) for i in range(1, max(2, config.num_hidden_layers - 1)))
-        out.append(f"--model.target.layer_ids=[{ids}]")
+    n = config.num_hidden_layers
+    if n < 16:
+        ids = sorted({1, n // 2, n - 1}) if n >= 3 else list(range(n))
+        out.append(f"--model.target.layer_ids=[{', '.join(str(i) for i in ids)}]")
     if config.max_position_embeddings < 256:
         out.append(f"--data.max_length={config.max_position_embeddings}")
+        # The in-loop AcceptanceEval (the last callback of configs/demo/base.yaml) within the short context.
+        out += ["--trainer.callbacks.init_args.prompt_tokens=24", "--trainer.callbacks.init_args.max_new_tokens=16"]
     return out
 
 
-def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, steps: int, seed: int) -> Path:
-    """``lilicorr fit`` for one arm, run from ``workdir`` so the configs' relative paths land there."""
+def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: int, seed: int,
+        target_dir: str, data_file: Path) -> Any:
+    """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir)."""
     from lilicorr_pl.cli import main as cli_main
 
-    config, overlays, _ = ARMS[arm]
-    ckpt = workdir / "checkpoints" / f"{arm}.ckpt"
-    if ckpt.is_file():
-        log(f"{arm}: reusing {ckpt}")
-        return ckpt
-    args = ["fit", "-c", str(CONFIG_DIR / config)]
-    for o in overlays:
-        args += ["-c", str(CONFIG_DIR / o)]
+    run_dir = workdir / "runs" / name
+    args = ["fit"]
+    for c in configs:
+        args += ["-c", str(CONFIG_DIR / c)]
     args += [
         f"--seed_everything={seed}",
         f"--model.target.name_or_path={target_dir}",
         f"--data.train_files=[{data_file}]",
+        f"--data.cache_dir={workdir / 'cache'}",
         f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={max(1, steps // 2)}",
-        f"--trainer.default_root_dir=runs/demo/{arm}",
-        f"--trainer.logger.init_args.save_dir=runs/demo/{arm}",
-        f"--trainer.logger.init_args.name={arm}",
-        "--data.cache_dir=runs/demo/cache",
+        f"--trainer.default_root_dir={run_dir}",
+        f"--trainer.logger.init_args.save_dir={run_dir}",
+        f"--trainer.logger.init_args.name={name}",
         *target_overrides(target_dir),
+        *extra,
     ]
-    log(f"{arm}: lilicorr {' '.join(args)}")
-    cwd = os.getcwd()
-    os.chdir(workdir)
+    log(f"   {name}: lilicorr {' '.join(args)}")
     try:
-        cli = cli_main(args)
-        produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
+        return cli_main(args)
     finally:
-        os.chdir(cwd)
         try:
             import wandb
 
             wandb.finish()
         except Exception:  # noqa: BLE001 - a logger teardown problem must not lose the results
             pass
+
+
+def _diagnostics(cli: Any) -> dict[str, float]:
+    """The run's final validation and in-loop acceptance numbers (why an arm leads or trails)."""
+    out = {}
+    for key, value in cli.trainer.callback_metrics.items():
+        if key.startswith(("val/", "eval/")) and hasattr(value, "numel") and value.numel() == 1:
+            out[key] = round(float(value), 5)
+    return out
+
+
+def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, steps: int, seed: int) -> tuple[Path, str]:
+    """Stage A, shared by every arm: DFlash from the target's top layers; exported for the arms' warm start."""
+    from lilicorr_pl.interop import export_drafter
+
+    key = stage_key(stage="base", target=Path(target_dir).name, data=data_key, steps=steps, seed=seed,
+                    config=file_digest(CONFIG_DIR / BASE_CONFIG), overrides=target_overrides(target_dir))
+    stage = workdir / "stages" / f"base-{key}"
+    drafter_dir, meta_path = stage / "drafter", stage / "stage.json"
+    if _stage_done(meta_path, key, drafter_dir / "model.safetensors"):
+        log(f"   shared DFlash stage: reusing {stage} (key {key})")
+        return drafter_dir, key
+    started = time.time()
+    cli = fit(f"base-{key}", [BASE_CONFIG], [], workdir, steps, seed, target_dir, data_file)
+    stage.mkdir(parents=True, exist_ok=True)
+    export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
+    _write_json(meta_path, {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
+                            "diagnostics": _diagnostics(cli)})
+    return drafter_dir, key
+
+
+def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, base_dir: Path, base_key: str,
+              steps: int, seed: int) -> tuple[Path, dict[str, Any]]:
+    """Stage B: the arm's own head and losses for ``steps`` more, warm-started from the shared stage."""
+    overlays, _ = ARMS[arm]
+    key = stage_key(stage="arm", arm=arm, base=base_key, steps=steps, seed=seed,
+                    configs=[file_digest(CONFIG_DIR / BASE_CONFIG), *(file_digest(CONFIG_DIR / o) for o in overlays)])
+    ckpt = workdir / "checkpoints" / f"{arm}-{key}.ckpt"
+    meta_path = ckpt.with_suffix(".json")
+    meta = _stage_done(meta_path, key, ckpt)
+    if meta is not None:
+        log(f"   {arm}: reusing {ckpt} (key {key})")
+        return ckpt, meta
+    started = time.time()
+    extra = [f"--model.init_drafter_from={base_dir}", "--model.init_drafter_layers_from_target=false"]
+    cli = fit(f"{arm}-{key}", [BASE_CONFIG, *overlays], extra, workdir, steps, seed, target_dir, data_file)
+    produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt.with_suffix(".tmp")
     shutil.copyfile(produced, tmp)
     os.replace(tmp, ckpt)  # atomic: a half-copied checkpoint is never reused
-    return ckpt
+    meta = {"key": key, "arm": arm, "base": base_key, "steps": steps, "seed": seed,
+            "seconds": round(time.time() - started, 1), "diagnostics": _diagnostics(cli)}
+    _write_json(meta_path, meta)
+    return ckpt, meta
 
 
 def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tokens: int, top_k: int) -> dict[str, Any]:
@@ -147,6 +241,7 @@ def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tok
     from lilicorr_pl.decoding.speculative import speculative_generate
 
     metric = AcceptanceMetrics(num_slots=system.drafter.num_slots)
+    per_prompt_tau, per_prompt_rounds = [], []
     for ids, ref in zip(prompts.input_ids, reference):
         tracker = AnchorTracker(system.drafter)
         selector = OracleSelector(top_k, ref.tokens, len(ids), tracker)
@@ -154,8 +249,11 @@ def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tok
         if r.tokens != ref.tokens:
             raise AssertionError("oracle decoding diverged from greedy decoding: speculative decoding is not lossless")
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens))
+        per_prompt_tau.append(r.tau if r.num_rounds else math.nan)
+        per_prompt_rounds.append(int(r.num_rounds))
     out = metric.compute()
-    return {"tau": float(out["tau"]), "per_position_acceptance": [float(x) for x in out["per_position_acceptance"]]}
+    return {"tau": float(out["tau"]), "per_position_acceptance": [float(x) for x in out["per_position_acceptance"]],
+            "per_prompt_tau": per_prompt_tau, "per_prompt_rounds": per_prompt_rounds}
 
 
 def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
@@ -191,86 +289,133 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6}"]
+    lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
+             f"{'speedup':>8} {'round/step':>10} {'head%':>6}"]
     for r in rows:
-        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
-        sp = "-" if r["speedup_vs_target"] is None else f"{r['speedup_vs_target']:.2f}x"
+        tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"
+        sp = "-" if r.get("speedup_vs_target") is None else f"{r['speedup_vs_target']:.2f}x"
         hf = "-" if r.get("head_time_fraction") is None else f"{100 * r['head_time_fraction']:.1f}"
-        lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {tps:>8} {sp:>8} {hf:>6}")
+        rc = "-" if r.get("round_cost_ratio") is None else f"{r['round_cost_ratio']:.2f}"
+        ci = "-" if r.get("ratio_to_dflash") is None else (
+            f"{r['ratio_to_dflash']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+        lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {ci:>22} {tps:>8} "
+                     f"{sp:>8} {rc:>10} {hf:>6}")
     return "\n".join(lines)
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The mode's settings with the command line's overrides applied; validated before any work."""
+    cfg = dict(SETTINGS["quick" if args.quick else "full"])
+    for key, value in (("target", args.target_preset), ("prompts", args.prompts), ("new_tokens", args.regen_tokens),
+                       ("prefix_tokens", args.prefix_tokens), ("bench_new_tokens", args.bench_new_tokens),
+                       ("steps", args.steps), ("base_steps", args.base_steps), ("bench_prompts", args.bench_prompts)):
+        if value is not None:
+            cfg[key] = value
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise SystemExit(f"lilicorr demo: unknown arm(s) {unknown or args.arms!r}; choose from {list(ARMS)}")
+    cfg["arms"] = arms
+    cfg["temperatures"] = sorted(set(args.temperatures))
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     mode = "quick" if args.quick else "full"
-    cfg = dict(SETTINGS[mode])
-    for key, value in (("target", args.target_preset), ("prompts", args.prompts), ("new_tokens", args.regen_tokens),
-                       ("prefix_tokens", args.prefix_tokens), ("bench_new_tokens", args.bench_new_tokens)):
-        if value is not None:
-            cfg[key] = value
-    steps = args.steps or cfg["steps"]
-    bench_prompts = args.bench_prompts or cfg["bench_prompts"]
-    arms = [a.strip() for a in args.arms.split(",")] if args.arms else (
-        list(ARMS) if args.baselines else ["dflash", "lilicorr", "lilicorr_no_distractor"]
-    )
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"lilicorr demo: unknown arm(s) {unknown}; choose from {list(ARMS)}")
-    if steps < 1 or bench_prompts < 1:
-        raise SystemExit("lilicorr demo: --steps and --bench-prompts must be >= 1")
+    cfg = resolve_settings(args)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir = Path(args.workdir).resolve()
+    out = Path(args.output).resolve() if args.output else workdir / "results.json"
+    from lilicorr_pl.bench import check_output_paths
+
+    try:
+        check_output_paths(str(out), str(workdir / "plots"))
+    except ValueError as err:
+        raise SystemExit(f"lilicorr demo: {err}") from None
     workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    timings: dict[str, float] = {}
 
     from transformers import AutoTokenizer
 
     from lilicorr_pl.data.regenerate import regenerate
+    from lilicorr_pl.demo.corpus import corpus_fingerprint
     from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
 
     log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")
+    t0 = time.time()
     target_dir = str(build_tiny_target(cfg["target"]))
+    timings["target"] = time.time() - t0
     report = load_build_report(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
 
-    log("2/4 regenerating training data with the target (resumable)")
-    data_dir = workdir / "data"
+    log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
+    t0 = time.time()
+    data_key = stage_key(stage="data", target=Path(target_dir).name, corpus=corpus_fingerprint(),
+                         prompts=cfg["prompts"], prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"],
+                         seed=args.seed)
+    data_dir = workdir / "data" / data_key
     prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
     if not prompts_file.exists():
         write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], args.seed)
     stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
                        batch_size=16, seed=args.seed)
-    log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed")
+    log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
+    timings["regenerate"] = time.time() - t0
 
-    log(f"3/4 training {len(arms)} arms x {steps} steps (same data, steps, seed)")
-    ckpts = {arm: train_arm(arm, workdir, target_dir, data_file, steps, args.seed) for arm in arms}
+    log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then {len(cfg['arms'])} arms x "
+        f"{cfg['steps']} steps (same data, seed and total budget)")
+    t0 = time.time()
+    base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], args.seed)
+    timings["train_base"] = time.time() - t0
+    trained = {arm: train_arm(arm, workdir, target_dir, data_file, base_dir, base_key, cfg["steps"], args.seed)
+               for arm in cfg["arms"]}
+    timings["train_arms"] = time.time() - t0 - timings["train_base"]
+    ckpts = {arm: path for arm, (path, _) in trained.items()}
 
-    log("4/4 benchmarking with real speculative decoding")
-    rows = run_comparison(ckpts, args.temperatures, bench_prompts, cfg["bench_new_tokens"], cfg["prefix_tokens"], args.seed)
+    log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
+    t0 = time.time()
+    bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
+                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=args.seed)
+    bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m) in trained.items()}, **bench_settings)
+    bench_file = workdir / "bench" / f"{bench_key}.json"
+    cached = _stage_done(bench_file, bench_key)
+    if cached is not None:
+        log(f"   reusing the measured comparison {bench_file} (key {bench_key})")
+        rows = cached["rows"]
+    else:
+        rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
+                              cfg["prefix_tokens"], args.seed)
+        _write_json(bench_file, {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    timings["benchmark"] = time.time() - t0
     result = {
         "mode": mode,
         "tau_includes_bonus_token": True,
-        "steps_per_arm": steps,
+        "settings": {k: v for k, v in cfg.items()},
+        "steps_per_arm": cfg["base_steps"] + cfg["steps"],
         "seed": args.seed,
+        "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
+                   "arms": {a: m["key"] for a, (_, m) in trained.items()}, "bench": bench_key},
+        "training": {a: {"seconds": m.get("seconds"), "diagnostics": m.get("diagnostics", {})}
+                     for a, (_, m) in trained.items()},
         "target": {
             "path_name": Path(target_dir).name,
             "num_params": report.get("num_params"),
+            "num_hidden_layers": report.get("config", {}).get("num_hidden_layers"),
             "heldout_loss": report.get("heldout_loss"),
             "heldout_top1": report.get("heldout_top1"),
             "repetition_rate_greedy": report.get("repetition_rate_greedy", report.get("repetition_rate_t0")),
             "repetition_rate_t1": report.get("repetition_rate_t1"),
         },
         "results": rows,
+        "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
         "wall_seconds": round(time.time() - t_start, 1),
     }
     plots = plot_curves(rows, workdir / "plots")
     result["plots"] = [str(p) for p in plots]
-    out = Path(args.output) if args.output else workdir / "results.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    _write_json(out, result)
     print(format_table(rows))
     print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
           f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
@@ -285,7 +430,23 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "tokens_per_s": r.tokens_per_s, "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
         "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
         "lossless": r.lossless, "target_tokens_per_s": target_tps,
+        "per_prompt_tau": r.per_prompt_tau, "per_prompt_rounds": r.per_prompt_rounds,
     }
+
+
+def add_ratio_intervals(rows: list[dict[str, Any]], seed: int = 0) -> None:
+    """``ratio_to_dflash`` with a paired bootstrap 95 % interval (``ci_low``/``ci_high``) on every row that has
+    per-prompt data and a dflash row on the same benchmark and temperature."""
+    from lilicorr_pl.decoding.stats import bootstrap_ratio
+
+    reference = {(r["benchmark"], r["temperature"]): r for r in rows if r["arm"] == "dflash"}
+    for r in rows:
+        ref = reference.get((r["benchmark"], r["temperature"]))
+        if ref is None or not r.get("per_prompt_rounds"):
+            continue
+        ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
+                                           ref["per_prompt_rounds"], num_resamples=RESAMPLES, seed=seed)
+        r.update(ratio_to_dflash=ratio, ci_low=low, ci_high=high)
 
 
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
@@ -293,42 +454,47 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0."""
     from lilicorr_pl.bench import selector_for
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
+    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
+    from lilicorr_pl.heads.top1 import Top1Selector
     from lilicorr_pl.system import DraftSystem
 
-    systems = {}
+    systems: dict[str, Any] = {}
+    shared = None
     for arm, path in ckpts.items():
         system = DraftSystem.from_checkpoint(path, map_location="cpu")
+        if shared is not None:
+            system.target = shared  # one frozen target for every arm (same build, checked by the stage keys)
         system.configure_model()
+        shared = system.target
         systems[arm] = system.eval()
-    any_system = next(iter(systems.values()))
-    tokenizer = any_system.target.tokenizer
+    tokenizer = shared.tokenizer
     rows: list[dict[str, Any]] = []
     for bench in ("humaneval", "stdlib-heldout"):
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
+        for arm, system in systems.items():
+            warmup(shared, system.drafter, [selector_for(ARMS[arm][1], system)], prompts)
         for temp in temperatures:
-            reference, target_tps = run_target_baseline(any_system.target, prompts, max_new_tokens, temp, seed=seed)
+            reference, target_tps = run_target_baseline(shared, prompts, max_new_tokens, temp, seed=seed)
+            log(f"   {bench} T={temp:g} plain target decoding: {target_tps:.1f} tok/s")
             for arm, system in systems.items():
-                selector = selector_for(ARMS[arm][2], system)
-                r = evaluate_arm(system.target, system.drafter, selector, prompts, max_new_tokens, temp,
+                selector = selector_for(ARMS[arm][1], system)
+                r = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
                                  seed=seed, reference=reference)
                 rows.append(arm_row(bench, temp, arm, r, target_tps))
                 log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s "
-                    f"(target {target_tps:.1f}), lossless={r.lossless}")
-            if "lilicorr" in systems:
-                # Same drafter, per-slot top-1: separates the head's effect from joint training's.
-                from lilicorr_pl.heads.top1 import Top1Selector
-
-                lil = systems["lilicorr"]
-                r = evaluate_arm(lil.target, lil.drafter, Top1Selector(), prompts, max_new_tokens, temp,
-                                 seed=seed, reference=reference)
-                rows.append(arm_row(bench, temp, "lilicorr_drafter_top1", r, target_tps))
+                    f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
             if temp == 0 and "lilicorr" in systems:
                 lil = systems["lilicorr"]
-                o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(getattr(lil.head, "top_k", 8)))
+                # Same drafter, per-slot top-1: separates the head's effect from joint training's.
+                r = evaluate_arm(shared, lil.drafter, Top1Selector(), prompts, max_new_tokens, temp,
+                                 seed=seed, reference=reference)
+                rows.append(arm_row(bench, temp, "lilicorr_drafter_top1", r, target_tps))
+                o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k))
                 rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
                              "tokens_per_s": None, "speedup_vs_target": None,
-                             "per_position_acceptance": o["per_position_acceptance"]})
+                             "per_position_acceptance": o["per_position_acceptance"],
+                             "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
                 log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, lilicorr drafter): tau {o['tau']:.2f}")
+    add_ratio_intervals(rows, seed=seed)
     return rows
