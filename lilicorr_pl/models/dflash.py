@@ -139,8 +139,9 @@ def _slot_logits(slots: torch.Tensor, lm_head: LMHeadFn) -> torch.Tensor:
     """The LM head over slot states ``[..., S, H]`` as one matrix product -> ``[..., S, V]``.
 
     Slots are a strided view of the blocks (slot 0 dropped). Handed to ``matmul`` as is, such a view
-    is not folded into a matrix, and the product runs as a batched matmul with the ``[V, H]`` weight
-    expanded per block (measured: 3-7x slower for one block of 8 at V = 4160 on CPU).
+    is not folded into a matrix and the product runs as a batched matmul with the ``[V, H]`` weight
+    expanded per block. Measured on CPU at H 160, V 4160: training-size input (4 x 32 blocks of 8)
+    forward + backward 94 -> 50 ms; one block at inference: no measurable difference, same values.
     """
     flat = slots.reshape(-1, slots.shape[-1])  # a view for one block; a small copy for many
     return lm_head(flat).view(*slots.shape[:-1], -1)
