@@ -56,7 +56,7 @@ class ArmResult:
     verify_ms: float = math.nan
     """Target verify pass over ``[anchor, d_1..d_S]`` per round (ms, mean)."""
     bookkeeping_ms: float = math.nan
-    """The rest of a round (ms, mean): block assembly, acceptance / sampling, cache crops, commits."""
+    """The rest of a round (ms, mean): acceptance / sampling, the host transfer, cache crops, commits."""
     plain_step_ms: float = math.nan
     """One plain decoding step of the same target, measured on the reference run (ms, mean over
     decode steps; NaN without a reference)."""

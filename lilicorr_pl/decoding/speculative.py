@@ -71,9 +71,10 @@ class GenerationResult:
     head: float = 0.0
     """Selector (top-1, LiLiCorr, …) time, measured separately from the drafter."""
     verify: float = 0.0
-    """Target forward passes after the prefill: verify passes (speculative) or decode steps (plain)."""
+    """Target forward passes after the prefill (with the block's assembly): verify passes
+    (speculative) or decode steps (plain)."""
     bookkeeping: float = 0.0
-    """Everything else in the decode loop: building the block, sampling / acceptance, cache crops,
+    """Everything else in the decode loop: sampling / acceptance, the host transfer, cache crops,
     committing tokens and stop checks. ``draft + head + verify + bookkeeping`` is the loop's time."""
     total: float = 0.0
     """End-to-end time of the call."""
