@@ -291,6 +291,21 @@ class FrozenTarget(nn.Module):
             out = out + head.bias[token_ids]
         return out
 
+    def block_mask(self, past: int, length: int) -> torch.Tensor | None:
+        """A ready causal mask for ``length`` new tokens after ``past`` cached ones: ``[1, 1, length, past+length]``.
+
+        Additive (0 / -inf) in the target's dtype, which SDPA and eager attention read as is; Hugging Face
+        would otherwise build a boolean mask per call that SDPA converts in every layer (measured ≈ 3 % of
+        an 8-token verify pass of the 16 x 160 demo target, identical logits). None for other attention
+        implementations (they build their own).
+        """
+        if getattr(self.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            return None
+        query = torch.arange(past, past + length, device=self.device).view(length, 1)
+        key = torch.arange(past + length, device=self.device).view(1, -1)
+        mask = torch.zeros(1, 1, length, past + length, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(key > query, float("-inf"))
+
     @torch.no_grad()
     def forward(
         self,

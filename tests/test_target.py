@@ -128,3 +128,21 @@ def test_feature_hooks_are_registered_once_not_per_call(tiny_target, monkeypatch
     # Outside a FrozenTarget call the hooks keep nothing (no activations pinned by other callers).
     tiny_target.model(x)
     assert tiny_target._tap.captured is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_ready_block_mask_equals_the_mask_hugging_face_builds(tmp_path, attn):
+    path = save_tiny_target(tmp_path / "t")
+    target = FrozenTarget.from_pretrained(path, load_tokenizer=False, num_features=3, attn_implementation=attn)
+    x = torch.randint(0, 90, (1, 13))
+    full = target(x, return_logits=True)
+    first = target(x[:, :7], use_cache=True)
+    mask = target.block_mask(7, 6)
+    assert mask.shape == (1, 1, 6, 13) and mask.dtype == target.dtype
+    with_mask = target(x[:, 7:], attention_mask=mask, position_ids=torch.arange(7, 13)[None],
+                       cache=first.cache, use_cache=True, return_logits=True)
+    FrozenTarget.crop_cache(first.cache, 7)
+    built = target(x[:, 7:], position_ids=torch.arange(7, 13)[None], cache=first.cache, use_cache=True,
+                   return_logits=True)
+    torch.testing.assert_close(with_mask.logits, built.logits, atol=0, rtol=0)
+    torch.testing.assert_close(with_mask.logits, full.logits[:, 7:], atol=1e-5, rtol=1e-5)

@@ -394,6 +394,7 @@ def speculative_generate(
             block = torch.cat([anchor.view(1, 1), drafts], dim=1)  # [1, S+1]
             ver = target(
                 block,
+                attention_mask=target.block_mask(committed, num_slots + 1),
                 position_ids=positions[:, committed : committed + num_slots + 1],
                 cache=cache,
                 use_cache=True,
