@@ -122,6 +122,13 @@ def run_bench(
                 "histogram": r.histogram,
                 "head_time_fraction": r.head_time_fraction,
                 "draft_time_fraction": r.draft_time_fraction,
+                "round_ms": r.round_ms,
+                "draft_ms": r.draft_ms,
+                "head_ms": r.head_ms,
+                "verify_ms": r.verify_ms,
+                "bookkeeping_ms": r.bookkeeping_ms,
+                "plain_step_ms": r.plain_step_ms,
+                "round_cost_ratio": r.round_cost_ratio,
                 "rounds": r.rounds,
                 "num_tokens": r.num_tokens,
             }

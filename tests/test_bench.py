@@ -46,6 +46,11 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         assert len(acc) == BLOCK - 1 and acc[0] is not None  # position 1 is reached every round
         assert all(a is None or 0.0 <= a <= 1.0 for a in acc)
         assert 0.0 <= r["head_time_fraction"] <= 1.0
+        # The measured round-cost split: positive, additive, and the ratio to a measured plain step.
+        split = [r[k] for k in ("draft_ms", "head_ms", "verify_ms", "bookkeeping_ms")]
+        assert all(isinstance(x, float) and x > 0 for x in split + [r["round_ms"], r["plain_step_ms"]]), name
+        assert sum(split) == pytest.approx(r["round_ms"], rel=1e-9)
+        assert r["round_cost_ratio"] == pytest.approx(r["round_ms"] / r["plain_step_ms"], rel=1e-9)
 
 
 def test_bench_humaneval_greedy_is_lossless_and_writes_json_and_plot(tiny_run, tmp_path):
@@ -167,5 +172,7 @@ def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_ru
     assert r.per_prompt_tau == pytest.approx([g.tau for g in gens])
     assert r.rounds == sum(g.num_rounds for g in gens)
     assert 0 < r.head_time_fraction + r.draft_time_fraction < 1  # the rest is the target's verify time
+    assert r.head_time_fraction == pytest.approx(r.head_ms / r.round_ms)
+    assert r.draft_time_fraction == pytest.approx(r.draft_ms / r.round_ms)
     reference[1].tokens[-1] += 1  # a reference that differs in one token is not reproduced
     assert evaluate_arm(target, system.drafter, system.head, prompts, 10, reference=reference).lossless is False

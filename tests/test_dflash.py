@@ -206,3 +206,56 @@ def test_mask_embedding_is_the_frozen_target_row(tiny_target):
     torch.testing.assert_close(emb[0, 1:], tiny_target.embed_tokens.weight[drafter.mask_token_id].expand(3, -1))
     torch.testing.assert_close(emb[0, 0], tiny_target.embed_tokens.weight[5])
     assert drafter.mask_token_id == tiny_target.config.mask_token_id
+
+
+def test_preallocated_draft_cache_equals_drafting_from_scratch_every_round(tiny_target):
+    """A real multi-round generation (rejections, crops, buffer growth past the first 64 positions):
+    every round's cached draft equals a draft of the whole context from scratch and the training path."""
+    from lilicorr_pl.decoding import speculative_generate
+    from lilicorr_pl.heads import Top1Selector
+
+    drafter = make_drafter(tiny_target, block_size=5)
+    target = tiny_target
+    seen: dict = {"features": [], "tokens": [], "rounds": 0}
+    real_draft = drafter.draft
+
+    def checked_draft(cache, new_features, anchor_ids, embed, lm_head):
+        out = real_draft(cache, new_features, anchor_ids, embed, lm_head)
+        seen["features"].append(new_features)
+        history = torch.cat(seen["features"], dim=1)  # [1, P, n*H] every committed position so far
+        p = history.shape[1]
+        assert cache.length == p and cache.capacity >= p + drafter.block_size
+        fresh = drafter.new_cache()
+        scratch = real_draft(fresh, history, anchor_ids, embed, lm_head)
+        torch.testing.assert_close(out.slot_logits, scratch.slot_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.anchor_feature, scratch.anchor_feature)
+        # The training path (concatenated keys, dense mask) on the same context is the reference too.
+        feats = torch.cat([history, history.new_zeros(1, 1, history.shape[-1])], dim=1)
+        ids = torch.zeros(1, p + 1, dtype=torch.long)
+        ids[0, p] = anchor_ids[0]
+        train = drafter(feats, ids, torch.tensor([[p]]), embed, lm_head)
+        torch.testing.assert_close(out.slot_logits, train.slot_logits[:, 0], atol=1e-5, rtol=1e-5)
+        seen["rounds"] += 1
+        return out
+
+    drafter.draft = checked_draft
+    prompt = torch.randint(2, 90, (40,)).tolist()
+    out = speculative_generate(target, drafter, Top1Selector(), prompt, 48, stop_token_ids=[])
+    assert seen["rounds"] == out.num_rounds > 1
+    assert sum(f.shape[1] for f in seen["features"]) > 64  # the buffers had to grow at least once
+
+
+def test_draft_cache_crop_keeps_context_and_drops_the_block(tiny_target):
+    drafter = make_drafter(tiny_target, block_size=4)
+    x = torch.randint(0, 90, (1, 20))
+    feats = tiny_target(x).features
+    e, h = tiny_target.embed, tiny_target.lm_head
+    cache = drafter.new_cache()
+    drafter.draft(cache, feats[:, :12], x[:, 12], e, h)
+    assert cache.length == 12  # the block was written after the context but never committed
+    cache.crop(7)  # roll back a rejected suffix, then append different context on top of it
+    again = drafter.draft(cache, feats[:, 7:15], x[:, 15], e, h)
+    scratch = drafter.draft(drafter.new_cache(), feats[:, :15], x[:, 15], e, h)
+    torch.testing.assert_close(again.slot_logits, scratch.slot_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(16)

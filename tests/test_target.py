@@ -103,3 +103,46 @@ def test_crop_cache_to_zero_really_empties_it(tiny_target):
     out = tiny_target(torch.randint(0, 90, (1, 5)), use_cache=True)
     FrozenTarget.crop_cache(out.cache, 0)
     assert out.cache.get_seq_length() == 0
+
+
+def test_feature_hooks_are_registered_once_not_per_call(tiny_target, monkeypatch):
+    layers = tiny_target.decoder.layers
+    before = [len(layer._forward_hooks) for layer in layers]
+    assert [before[i] for i in tiny_target.layer_ids] == [1] * tiny_target.num_features
+    registrations = []
+    real = torch.nn.Module.register_forward_hook
+
+    def counting(self, *args, **kwargs):
+        registrations.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "register_forward_hook", counting)
+    x = torch.randint(0, 90, (1, 6))
+    first = tiny_target(x, use_cache=True)
+    for _ in range(3):
+        out = tiny_target(x[:, -1:], position_ids=torch.tensor([[6]]), cache=first.cache, use_cache=True)
+        FrozenTarget.crop_cache(first.cache, 6)
+    assert registrations == []
+    assert [len(layer._forward_hooks) for layer in layers] == before
+    assert out.features.shape == (1, 1, tiny_target.num_features * tiny_target.hidden_size)
+    # Outside a FrozenTarget call the hooks keep nothing (no activations pinned by other callers).
+    tiny_target.model(x)
+    assert tiny_target._tap.captured is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_ready_block_mask_equals_the_mask_hugging_face_builds(tmp_path, attn):
+    path = save_tiny_target(tmp_path / "t")
+    target = FrozenTarget.from_pretrained(path, load_tokenizer=False, num_features=3, attn_implementation=attn)
+    x = torch.randint(0, 90, (1, 13))
+    full = target(x, return_logits=True)
+    first = target(x[:, :7], use_cache=True)
+    mask = target.block_mask(7, 6)
+    assert mask.shape == (1, 1, 6, 13) and mask.dtype == target.dtype
+    with_mask = target(x[:, 7:], attention_mask=mask, position_ids=torch.arange(7, 13)[None],
+                       cache=first.cache, use_cache=True, return_logits=True)
+    FrozenTarget.crop_cache(first.cache, 7)
+    built = target(x[:, 7:], position_ids=torch.arange(7, 13)[None], cache=first.cache, use_cache=True,
+                   return_logits=True)
+    torch.testing.assert_close(with_mask.logits, built.logits, atol=0, rtol=0)
+    torch.testing.assert_close(with_mask.logits, full.logits[:, 7:], atol=1e-5, rtol=1e-5)

@@ -19,7 +19,7 @@ from lilicorr_pl.decoding.benchmarks import PromptSet
 from lilicorr_pl.decoding.metrics import AcceptanceMetrics
 from lilicorr_pl.decoding.speculative import GenerationResult, speculative_generate, target_generate
 
-__all__ = ["ArmResult", "evaluate_arm", "run_target_baseline", "summarize", "warmup"]
+__all__ = ["ArmResult", "evaluate_arm", "plain_step_ms", "run_target_baseline", "summarize", "warmup"]
 
 
 @dataclass
@@ -37,9 +37,9 @@ class ArmResult:
     num_tokens: int
     seconds: float
     head_time_fraction: float
-    """Selector time / (draft + selector + verify) time."""
+    """Selector time / round time (draft + selector + verify + bookkeeping, i.e. the decode loop)."""
     draft_time_fraction: float
-    """Drafter forward time / (draft + selector + verify) time."""
+    """Drafter forward time / round time (draft + selector + verify + bookkeeping)."""
     lossless: bool | None = None
     """T = 0 with a reference only: every output equals plain greedy target decoding."""
     per_prompt_tau: list[float] = field(default_factory=list)
@@ -48,6 +48,23 @@ class ArmResult:
     examples: list[dict[str, Any]] = field(default_factory=list)
     """``{"prompt": text tail, "prompt_index": i, "rounds": [...]}`` for the first recorded prompts;
     each round as :attr:`GenerationResult.rounds` (token ids)."""
+    round_ms: float = math.nan
+    """Measured wall time of one speculative round, mean over all rounds of all prompts (ms).
+    Equals ``draft_ms + head_ms + verify_ms + bookkeeping_ms``."""
+    draft_ms: float = math.nan
+    """Drafter forward per round (ms, mean)."""
+    head_ms: float = math.nan
+    """Selector (top-1, LiLiCorr, …) per round (ms, mean)."""
+    verify_ms: float = math.nan
+    """Target verify pass over ``[anchor, d_1..d_S]`` per round (ms, mean)."""
+    bookkeeping_ms: float = math.nan
+    """The rest of a round (ms, mean): acceptance / sampling, the host transfer, cache crops, commits."""
+    plain_step_ms: float = math.nan
+    """One plain decoding step of the same target, measured on the reference run (ms, mean over
+    decode steps; NaN without a reference)."""
+    round_cost_ratio: float = math.nan
+    """``round_ms / plain_step_ms``: what a round costs in plain decoding steps. Speculative decoding
+    beats plain decoding when τ exceeds it."""
 
     @property
     def rounds(self) -> int:
@@ -85,14 +102,29 @@ def _generator(target: Any, seed: int) -> torch.Generator:
     return torch.Generator(device=target.device).manual_seed(seed)
 
 
+def plain_step_ms(results: Sequence[GenerationResult]) -> float:
+    """Measured milliseconds per decode step of plain decoding results (mean over all steps; NaN if none)."""
+    steps = sum(r.num_steps for r in results)
+    return 1e3 * sum(r.step_seconds for r in results) / steps if steps else math.nan
+
+
 def run_target_baseline(
-    target: Any, prompts: PromptSet, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    target: Any,
+    prompts: PromptSet,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    timing: bool = False,
 ) -> tuple[list[GenerationResult], float]:
-    """Plain target decoding on every prompt; returns the results and tokens/s (prefill included)."""
+    """Plain target decoding on every prompt; returns the results and tokens/s (prefill included).
+
+    :func:`plain_step_ms` of the results is the per-step cost that :func:`evaluate_arm` compares a
+    round with. ``timing``: see :func:`~lilicorr_pl.decoding.speculative.speculative_generate`.
+    """
     results, tokens, seconds = [], 0, 0.0
     for i, ids in enumerate(prompts.input_ids):
         g = _generator(target, seed + i)
-        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g)
+        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g, timing=timing)
         tokens += len(r.tokens)
         seconds += r.total
         results.append(r)
@@ -120,20 +152,24 @@ def evaluate_arm(
     reference: Sequence[GenerationResult] | None = None,
     record_examples: int = 0,
     record_rounds: int = 4,
+    timing: bool = False,
 ) -> ArmResult:
     """Speculative decoding over a prompt set with one selector.
 
     Args:
         reference: plain-decoding results of the same prompts (:func:`run_target_baseline`); at T = 0
-            ``lossless`` says whether every output matched them token for token.
+            ``lossless`` says whether every output matched them token for token, and their measured
+            step time gives ``plain_step_ms`` and ``round_cost_ratio``.
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
+        timing: on CUDA, synchronise at phase boundaries so the round split is exact (slower).
     """
     if reference is not None and len(reference) != len(prompts.input_ids):
         raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
     # Process-local: callers that shard prompts over ranks sum the histograms themselves.
     metric = AcceptanceMetrics(num_slots=drafter.num_slots, sync_on_compute=False)
     metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
-    draft = head = verify = 0.0
+    draft = head = verify = bookkeeping = 0.0
+    rounds = 0
     per_prompt: list[float] = []
     per_prompt_rounds: list[int] = []
     examples: list[dict[str, Any]] = []
@@ -143,9 +179,12 @@ def evaluate_arm(
         r = speculative_generate(
             target, drafter, selector, ids, max_new_tokens, temperature=temperature,
             generator=_generator(target, seed + i), record_rounds=record_rounds if recording else 0,
+            timing=timing,
         )
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
         draft, head, verify = draft + r.draft, head + r.head, verify + r.verify
+        bookkeeping += r.bookkeeping
+        rounds += r.num_rounds
         per_prompt.append(r.tau if r.num_rounds else math.nan)
         per_prompt_rounds.append(int(r.num_rounds))
         if lossless and r.tokens != reference[i].tokens:  # type: ignore[index]
@@ -153,7 +192,13 @@ def evaluate_arm(
         if recording:
             examples.append({"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds})
     out = metric.compute()
-    busy = draft + head + verify
+    busy = draft + head + verify + bookkeeping
+
+    def per_round_ms(seconds: float) -> float:
+        return 1e3 * seconds / rounds if rounds else math.nan
+
+    plain_ms = plain_step_ms(reference) if reference is not None else math.nan
+    round_ms = per_round_ms(busy)
     return ArmResult(
         tau=float(out["tau"]),
         per_position_acceptance=[float(x) for x in out["per_position_acceptance"]],
@@ -167,4 +212,11 @@ def evaluate_arm(
         per_prompt_tau=per_prompt,
         per_prompt_rounds=per_prompt_rounds,
         examples=examples,
+        round_ms=round_ms,
+        draft_ms=per_round_ms(draft),
+        head_ms=per_round_ms(head),
+        verify_ms=per_round_ms(verify),
+        bookkeeping_ms=per_round_ms(bookkeeping),
+        plain_step_ms=plain_ms,
+        round_cost_ratio=round_ms / plain_ms if plain_ms > 0 else math.nan,
     )

@@ -43,7 +43,11 @@ __all__ = [
 
 @dataclass
 class GenerationResult:
-    """What one generation returns. All timings are wall-clock seconds (CUDA-synchronised).
+    """What one generation returns. All timings are wall-clock seconds.
+
+    On CUDA the phase clocks synchronise the device only when the call asked for ``timing=True``;
+    otherwise kernels run asynchronously and the phase split says where launches were made, not where
+    the device spent its time (``total`` is always measured after the last token reached the host).
 
     τ counts committed tokens per verify round **including the target's bonus token**:
     ``τ_round = accepted + 1``. Stops truncate the last round's output, so ``len(tokens)`` can be
@@ -67,7 +71,11 @@ class GenerationResult:
     head: float = 0.0
     """Selector (top-1, LiLiCorr, …) time, measured separately from the drafter."""
     verify: float = 0.0
-    """Target verify passes, acceptance and cache cropping (plain decoding: all decode steps)."""
+    """Target forward passes after the prefill (with the block's assembly): verify passes
+    (speculative) or decode steps (plain)."""
+    bookkeeping: float = 0.0
+    """Everything else in the decode loop: sampling / acceptance, the host transfer, cache crops,
+    committing tokens and stop checks. ``draft + head + verify + bookkeeping`` is the loop's time."""
     total: float = 0.0
     """End-to-end time of the call."""
     stopped_on: str = "max_new_tokens"
@@ -85,6 +93,16 @@ class GenerationResult:
     def num_tokens(self) -> int:
         """Generated tokens (prompt excluded)."""
         return len(self.tokens)
+
+    @property
+    def num_steps(self) -> int:
+        """Timed decode steps: verify rounds (speculative) or single-token target steps (plain)."""
+        return self.num_rounds if self.num_rounds else max(self.target_calls - 1, 0)
+
+    @property
+    def step_seconds(self) -> float:
+        """Decode-loop time (``draft + head + verify + bookkeeping``): the sum over :attr:`num_steps`."""
+        return self.draft + self.head + self.verify + self.bookkeeping
 
     @property
     def tokens_per_s(self) -> float:
@@ -231,13 +249,17 @@ def _prompt_tensor(input_ids: torch.Tensor | Sequence[int], device: torch.device
 
 
 class _Clock:
-    """Wall-clock timer that synchronises CUDA so asynchronous kernels are counted where they run."""
+    """Wall-clock timer; synchronises CUDA only when asked, so timing does not slow normal runs.
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    ``sync=True`` (``timing=True`` in the public functions) counts asynchronous kernels in the phase
+    where they run, at the price of one device synchronisation per phase boundary.
+    """
+
+    def __init__(self, device: torch.device, sync: bool = False) -> None:
+        self.cuda_sync = sync and device.type == "cuda"
 
     def __call__(self) -> float:
-        if self.cuda:
+        if self.cuda_sync:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -285,11 +307,12 @@ def _prefill(
     return first, out.features, out.cache
 
 
-def _finish(result: GenerationResult, clock: _Clock, start: float) -> GenerationResult:
+def _finish(result: GenerationResult, start: float) -> GenerationResult:
     result.num_rounds = len(result.accepted_lengths)
     if result.accepted_lengths:
         result.tau = sum(result.accepted_lengths) / result.num_rounds + 1.0
-    result.total = clock() - start
+    # Every committed token already went through the host (``tolist``), so no device sync is needed.
+    result.total = time.perf_counter() - start
     return result
 
 
@@ -306,6 +329,7 @@ def speculative_generate(
     stop_token_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     record_rounds: int = 0,
+    timing: bool = False,
 ) -> GenerationResult:
     """Speculative decoding of one prompt (DESIGN §7); lossless with respect to the target.
 
@@ -325,18 +349,21 @@ def speculative_generate(
             None = :func:`default_stop_token_ids`, ``[]`` = never stop early.
         generator: RNG for sampling (on the target's device).
         record_rounds: keep drafted/accepted details of this many leading rounds in ``rounds``.
+        timing: on CUDA, synchronise at every phase boundary so the draft / head / verify /
+            bookkeeping split is exact (slower; CPU timings are exact either way).
 
     Returns:
         A :class:`GenerationResult`; ``tau`` is the mean acceptance length **including the bonus
-        token**.
+        token**. Per round it times the drafter (``draft``), the selector (``head``), the target's
+        verify pass (``verify``) and the rest of the round (``bookkeeping``).
     """
-    clock = _Clock(target.device)
+    clock = _Clock(target.device, sync=timing)
     start = clock()
     prompt = _prompt_tensor(input_ids, target.device)
     stops = _stop_set(target, stop_token_ids)
     result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
     if max_new_tokens <= 0:
-        return _finish(result, clock, start)
+        return _finish(result, start)
     num_slots = int(drafter.num_slots)
     device = prompt.device
 
@@ -349,12 +376,16 @@ def speculative_generate(
         result.prefill = t - start
         stopped = _commit(result.tokens, [int(anchor[0])], stops, max_new_tokens)
         draft_cache = drafter.new_cache()
+        needs_anchor = getattr(selector, "needs_anchor_token", False)
+        # Position ids of every possible verify block, built once: [1, P + max_new_tokens + B].
+        positions = _positions(0, committed + max_new_tokens + num_slots + 1, device)
+        t = clock()
 
         while stopped is None:
             # 2. Draft: one drafter pass over [anchor, MASK x S], then the selector.
             out = drafter.draft(draft_cache, pending_features, anchor, target.embed, target.lm_head)
             t_draft = clock()
-            extra = {"anchor_tokens": anchor.view(1)} if getattr(selector, "needs_anchor_token", False) else {}
+            extra = {"anchor_tokens": anchor.view(1)} if needs_anchor else {}
             selection = selector.select(out.slot_hidden, out.slot_logits, out.anchor_feature, target.embed, **extra)
             drafts = selection.tokens.to(device=device, dtype=torch.long).view(1, num_slots)  # [1, S]
             t_head = clock()
@@ -363,11 +394,13 @@ def speculative_generate(
             block = torch.cat([anchor.view(1, 1), drafts], dim=1)  # [1, S+1]
             ver = target(
                 block,
-                position_ids=_positions(committed, num_slots + 1, device),
+                attention_mask=target.block_mask(committed, num_slots + 1),
+                position_ids=positions[:, committed : committed + num_slots + 1],
                 cache=cache,
                 use_cache=True,
                 return_logits=True,
             )
+            t_verify = clock()
             cache = ver.cache if ver.cache is not None else cache
             q = getattr(selection, "q", None)
             if q is not None and temperature > 0:
@@ -377,34 +410,37 @@ def speculative_generate(
             else:
                 choices = sample_tokens(ver.logits, temperature, top_p, generator)  # [1, S+1]
                 acc_t, anchor = greedy_accept(drafts, choices)
-            acc = int(acc_t[0])
+            # The round's only device-to-host transfer: acc, the bonus token and the drafts.
+            host = torch.cat([acc_t.view(1), anchor.view(1), drafts[0]]).tolist()
+            acc, bonus = host[0], host[1]
             # Commit anchor + acc drafts: crop the rejected tail; their features feed the next draft.
             committed += acc + 1
             FrozenTarget.crop_cache(cache, committed)
             pending_features = ver.features[:, : acc + 1]
             result.target_calls += 1
-            t_verify = clock()
-
-            result.draft += t_draft - t
-            result.head += t_head - t_draft
-            result.verify += t_verify - t_head
-            t = t_verify
             result.accepted_lengths.append(acc)
-            new_tokens = drafts[0, :acc].tolist() + [int(anchor[0])]
+            new_tokens = host[2 : 2 + acc] + [bonus]
             if len(result.rounds) < record_rounds:
                 result.rounds.append(
                     {
                         "anchor": int(block[0, 0]),
-                        "drafted": drafts[0].tolist(),
+                        "drafted": host[2:],
                         "target": choices[0].tolist() if choices is not None else None,
                         "accepted": acc,
                         "committed": list(new_tokens),
                     }
                 )
             stopped = _commit(result.tokens, new_tokens, stops, max_new_tokens)
+            t_end = clock()
+
+            result.draft += t_draft - t
+            result.head += t_head - t_draft
+            result.verify += t_verify - t_head
+            result.bookkeeping += t_end - t_verify
+            t = t_end
 
     result.stopped_on = stopped
-    return _finish(result, clock, start)
+    return _finish(result, start)
 
 
 @torch.no_grad()
@@ -416,38 +452,46 @@ def target_generate(
     top_p: float = 1.0,
     stop_token_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    timing: bool = False,
 ) -> GenerationResult:
     """Plain autoregressive decoding with the same wrapper, KV cache and sampling code: the baseline.
 
-    Same arguments and stops as :func:`speculative_generate`. ``accepted_lengths`` is empty, ``tau``
-    is 1.0 and the decode steps are timed under ``verify``.
+    Same arguments and stops as :func:`speculative_generate`. ``accepted_lengths`` is empty and
+    ``tau`` is 1.0; the decode steps' target passes are timed under ``verify`` and their sampling and
+    commits under ``bookkeeping`` (a step costs ``step_seconds / num_steps``).
     """
-    clock = _Clock(target.device)
+    clock = _Clock(target.device, sync=timing)
     start = clock()
     prompt = _prompt_tensor(input_ids, target.device)
     stops = _stop_set(target, stop_token_ids)
     result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
     if max_new_tokens <= 0:
-        return _finish(result, clock, start)
+        return _finish(result, start)
     token, _, cache = _prefill(target, prompt, temperature, top_p, generator)
     position = prompt.shape[1]
     result.target_calls = 1
     t = clock()
     result.prefill = t - start
     stopped = _commit(result.tokens, [int(token[0])], stops, max_new_tokens)
+    positions = _positions(0, position + max_new_tokens, prompt.device)  # built once, sliced per step
+    t = clock()
     while stopped is None:
         out = target(
             token.view(1, 1),
-            position_ids=_positions(position, 1, prompt.device),
+            position_ids=positions[:, position : position + 1],
             cache=cache,
             use_cache=True,
             return_logits=True,
         )
+        t_forward = clock()
         cache = out.cache if out.cache is not None else cache
         position += 1
         token = sample_tokens(out.logits, temperature, top_p, generator)[:, -1]
         result.target_calls += 1
-        stopped = _commit(result.tokens, [int(token[0])], stops, max_new_tokens)
-    result.verify = clock() - t
+        stopped = _commit(result.tokens, token.tolist(), stops, max_new_tokens)
+        t_end = clock()
+        result.verify += t_forward - t
+        result.bookkeeping += t_end - t_forward
+        t = t_end
     result.stopped_on = stopped
-    return _finish(result, clock, start)
+    return _finish(result, start)

@@ -85,11 +85,18 @@ class DFlashAttention(nn.Module):
         ctx_k: torch.Tensor,  # [b, kv, Tc, d] keys of the context (already normed + roped)
         ctx_v: torch.Tensor,
         mask: Any = None,  # bool [b, 1, Tq, Tc+Tq] (SDPA) or a FlexAttention BlockMask or None
+        cache: tuple[DraftCache, int] | None = None,
     ) -> torch.Tensor:
+        """``cache = (draft_cache, layer)`` at inference: the context K/V are read from the cache and the
+        block's are written after it in place (``ctx_k``/``ctx_v`` are then ignored)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos_q, sin_q)
         k_blk, v_blk = self.project_kv(x, cos_q, sin_q)
-        k = torch.cat([ctx_k, k_blk], dim=2)
-        v = torch.cat([ctx_v, v_blk], dim=2)
+        if cache is not None:
+            draft_cache, layer = cache
+            k, v = draft_cache.write(layer, draft_cache.length, k_blk, v_blk)
+        else:
+            k = torch.cat([ctx_k, k_blk], dim=2)
+            v = torch.cat([ctx_v, v_blk], dim=2)
         if mask is not None and not isinstance(mask, torch.Tensor):
             out = _flex_attention(q, k, v, mask)
         else:
@@ -123,9 +130,21 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps)
         self.mlp = Qwen3MLP(mlp_config)
 
-    def forward(self, h, cos_q, sin_q, ctx_k, ctx_v, mask=None) -> torch.Tensor:  # noqa: ANN001
-        h = h + self.self_attn(self.input_layernorm(h), cos_q, sin_q, ctx_k, ctx_v, mask)
+    def forward(self, h, cos_q, sin_q, ctx_k, ctx_v, mask=None, cache=None) -> torch.Tensor:  # noqa: ANN001
+        h = h + self.self_attn(self.input_layernorm(h), cos_q, sin_q, ctx_k, ctx_v, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _slot_logits(slots: torch.Tensor, lm_head: LMHeadFn) -> torch.Tensor:
+    """The LM head over slot states ``[..., S, H]`` as one matrix product -> ``[..., S, V]``.
+
+    Slots are a strided view of the blocks (slot 0 dropped). Handed to ``matmul`` as is, such a view
+    is not folded into a matrix and the product runs as a batched matmul with the ``[V, H]`` weight
+    expanded per block. Measured on CPU at H 160, V 4160: training-size input (4 x 32 blocks of 8)
+    forward + backward 94 -> 50 ms; one block at inference: no measurable difference, same values.
+    """
+    flat = slots.reshape(-1, slots.shape[-1])  # a view for one block; a small copy for many
+    return lm_head(flat).view(*slots.shape[:-1], -1)
 
 
 @dataclass
@@ -141,8 +160,13 @@ class DraftOutput:
 class DraftCache:
     """Per-layer context keys/values of one drafting session (inference, DESIGN §3.3).
 
-    Only context persists between calls: each draft appends new context, runs the block, and the
-    block's keys/values are never stored (equivalent to cropping back to the context length).
+    Only context persists between calls: each draft appends the new context, runs the block, and the
+    block's keys/values are never committed (equivalent to cropping back to the context length).
+
+    Storage is preallocated per layer (``keys[i]``/``values[i]``: ``[b, kv_heads, capacity, d]``, valid
+    up to ``length``) and grows geometrically, so appending is an in-place write rather than a
+    concatenation of the whole context every round (quadratic over a generation). The block is written
+    as scratch right after the context and simply overwritten by the next append.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -151,15 +175,40 @@ class DraftCache:
         self.length = 0
         self.last_ctx: torch.Tensor | None = None  # [b, H] fused feature of the last context position
 
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold before they must grow (0 before the first write)."""
+        return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [b, kv, t, d]`` at positions ``start..start+t-1`` of ``layer``; views of ``< start+t``.
+
+        Does not move ``length``: the caller commits context by setting it (the block never is).
+        """
+        end = start + k.shape[2]
+        buf_k, buf_v = self.keys[layer], self.values[layer]
+        if buf_k is None or buf_k.shape[2] < end:
+            old = 0 if buf_k is None else buf_k.shape[2]
+            cap = max(end, 2 * old, 64)  # geometric growth: O(total length) copying over a generation
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            if buf_k is not None and start > 0:
+                new_k[:, :, :start] = buf_k[:, :, :start]
+                new_v[:, :, :start] = buf_v[:, :, :start]
+            self.keys[layer], self.values[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, :, start:end] = k
+        buf_v[:, :, start:end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
     def crop(self, length: int) -> None:
         """Drop context positions ``>= length`` (e.g. to roll back a rejected suffix)."""
         if length > self.length:
             raise ValueError(f"cannot crop a draft cache of length {self.length} to {length}")
         if length == self.length:
             return
-        self.keys = [k[:, :, :length] if k is not None else None for k in self.keys]
-        self.values = [v[:, :, :length] if v is not None else None for v in self.values]
-        self.length = length
+        self.length = length  # the buffers keep their storage; the next write overwrites the tail
         self.last_ctx = None  # unknown after a crop; the next append supplies it
 
 
@@ -296,14 +345,9 @@ class DFlashDrafter(nn.Module):
         ids[..., 1:] = self.mask_token_id
         return embed(ids).to(self.fc.weight.dtype)
 
-    def _run_layers(self, h, cos_q, sin_q, ctx, cos_c, sin_c, mask, cache: DraftCache | None = None):  # noqa: ANN001
-        for i, layer in enumerate(self.layers):
+    def _run_layers(self, h, cos_q, sin_q, ctx, cos_c, sin_c, mask):  # noqa: ANN001
+        for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, cos_c, sin_c)
-            if cache is not None:
-                if cache.keys[i] is not None:
-                    ctx_k = torch.cat([cache.keys[i], ctx_k], dim=2)
-                    ctx_v = torch.cat([cache.values[i], ctx_v], dim=2)
-                cache.keys[i], cache.values[i] = ctx_k, ctx_v
             h = layer(h, cos_q, sin_q, ctx_k, ctx_v, mask)
         return self.norm(h)
 
@@ -346,7 +390,7 @@ class DFlashDrafter(nn.Module):
         )
         h = self._run_layers(h, cos_q, sin_q, ctx, cos_c, sin_c, mask)
         slots = h.view(b, n, bs, -1)[:, :, 1:]  # slot 0 (the anchor) is discarded
-        logits = lm_head(slots)
+        logits = _slot_logits(slots, lm_head)
         prev = (anchors - 1).clamp(min=0)
         anchor_feature = ctx.gather(1, prev.unsqueeze(-1).expand(b, n, ctx.shape[-1]))
         valid = anchors > 0
@@ -394,27 +438,29 @@ class DFlashDrafter(nn.Module):
         self._require_built()
         b = anchor_ids.shape[0]
         start = cache.length
-        if new_features is not None and new_features.shape[1] > 0:
-            ctx = self.fuse(new_features)  # [b, t, H]
-        else:
-            ctx = self.fc.weight.new_zeros(b, 0, self.dims.hidden_size)
-        t_new = ctx.shape[1]
+        t_new = 0 if new_features is None else new_features.shape[1]
         anchor_pos = start + t_new
-        dev = anchor_ids.device
         h = self._block_embeddings(anchor_ids, embed)  # [b, B, H]
-        pos_blk = (anchor_pos + torch.arange(self.block_size, device=dev)).expand(b, -1)
-        pos_ctx = (start + torch.arange(t_new, device=dev)).expand(b, -1)
-        cos_q, sin_q = self._rope(h, pos_blk)
-        cos_c, sin_c = self._rope(h, pos_ctx)
-        # One block: bidirectional over itself and all cached context, so no mask is needed.
-        h = self._run_layers(h, cos_q, sin_q, ctx, cos_c, sin_c, None, cache=cache)
-        cache.length = anchor_pos
+        # One RoPE call for the new context and the block (positions start .. anchor_pos + B - 1).
+        positions = torch.arange(start, anchor_pos + self.block_size, device=anchor_ids.device).expand(b, -1)
+        cos, sin = self._rope(h, positions)
+        cos_q, sin_q = cos[:, t_new:], sin[:, t_new:]
         if t_new > 0:
+            ctx = self.fuse(new_features)  # [b, t, H]
+            cos_c, sin_c = cos[:, :t_new], sin[:, :t_new]
+            for i, layer in enumerate(self.layers):
+                ctx_k, ctx_v = layer.self_attn.project_kv(ctx, cos_c, sin_c)
+                cache.write(i, start, ctx_k, ctx_v)
             cache.last_ctx = ctx[:, -1]
+        cache.length = anchor_pos  # the context is committed; the block below is scratch only
+        # One block: bidirectional over itself and all cached context, so no mask is needed.
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_q, sin_q, None, None, None, (cache, i))
+        h = self.norm(h)
         slots = h[:, 1:]
-        valid = torch.full((b,), anchor_pos > 0 and cache.last_ctx is not None, device=dev)
+        valid = torch.full((b,), anchor_pos > 0 and cache.last_ctx is not None, device=anchor_ids.device)
         anchor_feature = cache.last_ctx if cache.last_ctx is not None else h.new_zeros(b, h.shape[-1])
-        return DraftOutput(slots, lm_head(slots), anchor_feature, valid)
+        return DraftOutput(slots, _slot_logits(slots, lm_head), anchor_feature, valid)
 
 
 # ---------------------------------------------------------------------- anchors and labels
