@@ -46,8 +46,8 @@ SETTINGS = {
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
     "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, base_steps=60, steps=40,
                   bench_prompts=6, bench_new_tokens=32),
-    "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=700, steps=300,
-                 bench_prompts=40, bench_new_tokens=48),
+    "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=600, steps=240,
+                 bench_prompts=40, bench_new_tokens=32),
 }
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
 
@@ -431,6 +431,9 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
         "lossless": r.lossless, "target_tokens_per_s": target_tps,
         "per_prompt_tau": r.per_prompt_tau, "per_prompt_rounds": r.per_prompt_rounds,
+        # Measured cost of one speculative round, split, and in plain decoding steps of the same run.
+        "round_cost_ratio": r.round_cost_ratio, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms,
+        "verify_ms": r.verify_ms, "bookkeeping_ms": r.bookkeeping_ms, "plain_step_ms": r.plain_step_ms,
     }
 
 
