@@ -192,3 +192,52 @@ def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--input", "x"])  # --target is required
     torch.manual_seed(0)  # keep global RNG use by other tests unaffected
+
+
+def test_resume_from_another_source_is_refused_before_any_generation(target_dir, input_file, tmp_path):
+    """Issue 11.4: appending to an output made from another input, target or temperature mixed sources."""
+    out = tmp_path / "out.jsonl"
+    run(target_dir, input_file, out)
+    before = out.read_text()
+    other_input = tmp_path / "other.jsonl"
+    other_input.write_text(json.dumps({"text": "import os\n"}) + "\n")
+    with pytest.raises(ValueError, match="other settings.*input_sha256"):
+        run(target_dir, other_input, out)
+    with pytest.raises(ValueError, match="temperature: 0.0 -> 0.7"):
+        run(target_dir, input_file, out, temperature=0.7)
+    other_target = make_tiny_target_dir(tmp_path, seed=3, name="other-target")
+    with pytest.raises(ValueError, match="target"):
+        run(other_target, input_file, out)
+    assert out.read_text() == before
+    # A file this command did not write (no provenance record) is never appended to.
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"mine": 1}\n')
+    with pytest.raises(ValueError, match="no .*provenance.json"):
+        run(target_dir, input_file, foreign)
+    assert foreign.read_text() == '{"mine": 1}\n'
+
+
+def test_non_utf8_line_is_a_failed_record_with_its_line_number(target_dir, tmp_path, capsys):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"text": "def f():\\n"}\n{"text": "caf\xe9"}\n{"text": "class A:\\n"}\n')
+    stats = run(target_dir, path, tmp_path / "out.jsonl")
+    assert (stats.succeeded, stats.failed) == (2, 1)
+    assert "line 2: not valid UTF-8" in stats.errors[0][1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "finite number >= 0"),
+    ({"limit": -1}, "limit must be >= 1"),
+    ({"max_new_tokens": 10_000}, "does not fit the target's context"),
+])
+def test_bad_settings_fail_before_the_model_loads(target_dir, input_file, tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run(target_dir, input_file, tmp_path / "out.jsonl", **kwargs)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_builtin_and_missing_targets_get_one_clear_line(input_file, tmp_path):
+    with pytest.raises(ValueError, match="lilicorr build-target"):
+        regenerate("builtin:full", input_file, tmp_path / "out.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        regenerate(str(tmp_path / "nope"), input_file, tmp_path / "out.jsonl")

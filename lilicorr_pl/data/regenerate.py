@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -82,8 +83,16 @@ def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
             yield i, row
         return
     index = 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                # One bad line is a failed record (counted, reported with its line number), not an abort.
+                yield index, DataFormatError(f"{path.name} line {line_no}: not valid UTF-8 (byte {err.start}); "
+                                             "re-encode the file as UTF-8")
+                index += 1
+                continue
             if not line.strip():
                 continue
             try:
@@ -96,6 +105,44 @@ def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
             except DataFormatError as err:
                 yield index, err
             index += 1
+
+
+PROVENANCE_SUFFIX = ".provenance.json"
+
+
+def provenance_path(output: Path) -> Path:
+    """The record of what produced ``output`` (input, target, sampling settings), written beside it."""
+    return output.with_name(output.name + PROVENANCE_SUFFIX)
+
+
+def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
+    """Refuse to append to an output produced from another input, target or sampling settings."""
+    if not output.exists() or output.stat().st_size == 0:
+        return
+    record = provenance_path(output)
+    if not record.is_file():
+        raise ValueError(
+            f"--output {output} exists but has no {record.name} saying what produced it; resuming onto it could "
+            "mix sources: choose a new --output (or move the file away)"
+        )
+    saved = json.loads(record.read_text())
+    differing = sorted(k for k in set(saved) | set(provenance) if saved.get(k) != provenance.get(k))
+    if differing:
+        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {provenance.get(k)!r}" for k in differing)
+        raise ValueError(
+            f"--output {output} was produced with other settings ({detail}); resuming would mix sources: "
+            "choose a new --output, or rerun with the original settings"
+        )
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _done_indices(output: Path) -> set[int]:
@@ -267,13 +314,39 @@ def regenerate(
         raise ValueError(f"--output must differ from --input ({input_path}); regeneration appends to the output")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (or unset for every record), got {limit}")
+    if str(target).startswith("builtin:"):
+        raise ValueError(f"--target {target}: regenerate needs a model directory or hub name; build the built-in "
+                         "target with `lilicorr build-target --preset full` and pass the directory it prints")
+    # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error).
+    if str(target).startswith((".", "/", "~")) and not Path(target).expanduser().is_dir():
+        raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
     template = resolve_chat_template(chat_template)
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(target)
+    provenance = {
+        "input_sha256": _file_sha256(input_path),
+        "target": str(target),
+        "target_config_sha256": _file_sha256(Path(target) / "config.json") if (Path(target) / "config.json").is_file() else None,
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+        "enable_thinking": bool(enable_thinking),
+        "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
+        "prefix_chars": prefix_chars,
+        "seed": int(seed) if temperature > 0 else None,
+    }
+    check_provenance(output_path, provenance)  # before the model is loaded
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+    if context is not None and max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} positions; "
+                         f"lower --max-new-tokens")
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -291,13 +364,17 @@ def regenerate(
     stats = RegenerationStats()
     done = _done_indices(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
+    if not provenance_path(output_path).is_file():
+        tmp = provenance_path(output_path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(provenance, indent=2))
+        os.replace(tmp, provenance_path(output_path))
 
     def fail(index: int, err: BaseException) -> None:
         stats.failed += 1
         msg = f"{type(err).__name__}: {err}"
         if len(stats.errors) < 50:
             stats.errors.append((index, msg))
-        print(f"[lilicorr] regenerate: record {index} failed: {msg}", file=sys.stderr)
+        print(f"[lilicorr] regenerate: input record {index + 1} failed: {msg}", file=sys.stderr)
 
     records = []
     for index, record in _iter_input(input_path):
