@@ -51,6 +51,17 @@ def evil(tmp_path, tiny_run) -> tuple[Path, Path]:
     return path, marker
 
 
+def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
+                         "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+                         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])
+    finally:
+        os.chdir(cwd)
+
+
 def test_reader_refuses_a_pickle_payload_with_one_line(evil):
     path, marker = evil
     with pytest.raises(CheckpointError, match="pickled objects that are not plain data") as err:
@@ -88,14 +99,8 @@ def test_perf_refuses_the_payload_before_building_anything(evil):
 
 def test_fit_resume_refuses_the_payload(evil, tmp_path, capsys):
     path, marker = evil
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={path}",
-                      "--trainer.max_steps=3", "--trainer.enable_progress_bar=false"])
-    finally:
-        os.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        _resume(tmp_path, path)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "pickled objects" in err and "Traceback" not in err
@@ -184,14 +189,8 @@ def test_flipped_bytes_are_refused_by_bench_export_and_resume(tiny_run, tmp_path
         bench(["--ckpt", str(bad), "--num-prompts", "1", "--max-new-tokens", "2"])
     with pytest.raises(SystemExit, match="corrupted|truncated"):
         export(["--ckpt", str(bad), "--output", str(tmp_path / "out")])
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={bad}",
-                      "--trainer.max_steps=3", "--trainer.enable_progress_bar=false"])
-    finally:
-        os.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        _resume(tmp_path, bad)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert ("corrupted" in err or "truncated" in err) and "Traceback" not in err
@@ -219,17 +218,6 @@ def test_the_recorded_checksum_covers_the_saved_weights(tiny_run):
     changed[key] = changed[key].clone()
     changed[key].view(-1)[0] += 1.0
     assert state_checksum(changed) != state["lilicorr"]["state_sha256"]
-
-
-def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
-                         "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
-                         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])
-    finally:
-        os.chdir(cwd)
 
 
 def test_resume_never_silently_takes_the_checkpoints_settings(tiny_run, tmp_path, capsys):
