@@ -57,6 +57,9 @@ def _target_identity(spec: Any) -> tuple[Any, ...]:
     return (spec.get("name_or_path"), spec.get("dtype"), spec.get("layer_ids"), spec.get("num_features"))
 
 
+# Decoder-only causal LMs with the Llama/Qwen layout (model.layers, model.norm, RoPE) that the drafter reads.
+SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral", "mixtral")
+
 # Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
@@ -177,7 +180,18 @@ class DraftSystem(L.LightningModule):
 
         path = resolve_target_path(target.name_or_path)
         self.target_path = path
-        config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"model.target.name_or_path {target.name_or_path!r} is neither a local model directory nor a reachable "
+                f"hub model ({type(err).__name__}); pass a directory saved with save_pretrained or a hub name"
+            ) from None
+        if getattr(config, "model_type", None) not in SUPPORTED_TARGET_TYPES:
+            raise ValueError(
+                f"model.target {target.name_or_path!r} is a {getattr(config, 'model_type', '?')!r} model; lilicorr_pl "
+                f"supports decoder-only Llama/Qwen-style targets ({', '.join(SUPPORTED_TARGET_TYPES)})"
+            )
         n_layers = config.num_hidden_layers
         layer_ids = target.layer_ids or default_layer_ids(n_layers, min(target.num_features, n_layers))
         if max_length is not None and max_length > getattr(config, "max_position_embeddings", max_length):

@@ -237,3 +237,30 @@ def test_resume_never_silently_takes_the_checkpoints_settings(tiny_run, tmp_path
     cli = _resume(tmp_path, good, "--model.num_anchors=16")
     assert cli.model.num_anchors == 16 and cli.trainer.global_step == 3
     assert "model.num_anchors: 32 -> 16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_target", "neither a local model directory nor a reachable hub model"),
+    ("gpt2_target", "supports decoder-only Llama/Qwen-style targets"),
+    ("block_over_length", "block_size 80 exceeds data.max_length 64"),
+])
+def test_bad_settings_get_one_line_before_any_cache_is_built(tmp_path, capsys, case, message):
+    """Issue 11.8: validation errors while objects are built print one line (rc 2), not a traceback."""
+    extra = {"missing_target": [f"--model.target.name_or_path={tmp_path / 'nope'}"],
+             "block_over_length": ["--model.drafter.init_args.block_size=80"]}.get(case, [])
+    if case == "gpt2_target":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+        extra = [f"--model.target.name_or_path={tmp_path / 'gpt2'}"]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra, "--trainer.max_steps=1"])
+    finally:
+        os.chdir(cwd)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "tiny" / "cache").exists()
