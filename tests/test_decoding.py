@@ -557,7 +557,7 @@ def test_round_cost_fields_are_present_positive_and_consistent(target, selector_
     selector = (
         Top1Selector()
         if selector_name == "top1"
-        else LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2).build(hidden, vocab)
+        else LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2).build(hidden, vocab, block_size=5)
     )
     ids = random_prompts(vocab, 2, seed=6)
     prompts = PromptSet("random", ids, [""] * len(ids), False, False)
