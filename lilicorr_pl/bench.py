@@ -16,6 +16,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
+
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")
 
 
@@ -136,17 +138,6 @@ def run_bench(
     return runs
 
 
-def jsonable(value: Any) -> Any:
-    """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
-
-
 def format_table(run: dict[str, Any]) -> str:
     lines = [
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
@@ -208,46 +199,6 @@ def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
             f"--max-new-tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
             f"max_position_embeddings {limit}; lower --max-new-tokens to at most {max(limit - longest, 0)}"
         )
-
-
-def check_output_paths(output: str | None, plot: str | None) -> None:
-    """Raise ``ValueError`` when results could not be written, before any benchmark work starts."""
-    if output:
-        out = Path(output)
-        if out.is_dir():
-            raise ValueError(f"--output {out} is a directory; pass a file name such as {out / 'results.json'}")
-        _check_writable_dir(out.parent, f"--output {out}")
-    if plot:
-        directory = Path(plot)
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(f"--plot {directory} is a file; pass a directory for the PNGs")
-        _check_writable_dir(directory, f"--plot {directory}")
-
-
-def _check_writable_dir(directory: Path, what: str) -> None:
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
-    if not os.access(probe, os.W_OK):
-        raise ValueError(f"{what}: {probe} is not writable; choose another path")
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON under a temporary name beside ``path`` and rename it into place; never leave the temp file."""
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _fail(message: str) -> NoReturn:

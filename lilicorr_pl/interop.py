@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lilicorr_pl.files import check_writable_dir
 from lilicorr_pl.models.dflash import DFlashDrafter
 
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
@@ -177,11 +178,10 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
             f"--output {output} is not empty; choose a new or empty directory, or pass --overwrite to replace "
             "only the files the export writes (config.json, model.safetensors) and keep everything else"
         )
-    probe = output
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise ExportError(f"--output {output}: {probe} is not writable")
+    try:
+        check_writable_dir(output, f"--output {output}")
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     return output
 
 

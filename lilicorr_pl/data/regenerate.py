@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from lilicorr_pl.data.cache import text_sha256
+from lilicorr_pl.data.cache import file_sha256, text_sha256
+from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.data.formats import (
     DataFormatError,
     _require_pyarrow,
@@ -133,16 +134,6 @@ def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
             f"--output {output} was produced with other settings ({detail}); resuming would mix sources: "
             "choose a new --output, or rerun with the original settings"
         )
-
-
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _done_indices(output: Path) -> set[int]:
@@ -330,9 +321,9 @@ def regenerate(
     torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(target)
     provenance = {
-        "input_sha256": _file_sha256(input_path),
+        "input_sha256": file_sha256(input_path),
         "target": str(target),
-        "target_config_sha256": _file_sha256(Path(target) / "config.json") if (Path(target) / "config.json").is_file() else None,
+        "target_config_sha256": file_sha256(Path(target) / "config.json") if (Path(target) / "config.json").is_file() else None,
         "temperature": float(temperature),
         "max_new_tokens": int(max_new_tokens),
         "enable_thinking": bool(enable_thinking),
@@ -365,9 +356,7 @@ def regenerate(
     done = _done_indices(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     if not provenance_path(output_path).is_file():
-        tmp = provenance_path(output_path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(provenance, indent=2))
-        os.replace(tmp, provenance_path(output_path))
+        write_json_atomic(provenance_path(output_path), provenance)
 
     def fail(index: int, err: BaseException) -> None:
         stats.failed += 1

@@ -20,7 +20,6 @@ changed setting is never answered with a stale artifact. Nothing a previous run 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -91,15 +90,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def stage_key(**parts: Any) -> str:
     """A short hash of everything a stage depends on; its artifacts live under this key."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    from lilicorr_pl.data.cache import fingerprint
+
+    return fingerprint(parts)[:12]
 
 
 def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    from lilicorr_pl.data.cache import file_sha256
+
+    return file_sha256(path)[:16]
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    from lilicorr_pl.bench import jsonable, write_json_atomic
+    from lilicorr_pl.files import jsonable, write_json_atomic
 
     write_json_atomic(path, jsonable(payload))
 
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir = Path(args.workdir).resolve()
     out = Path(args.output).resolve() if args.output else workdir / "results.json"
-    from lilicorr_pl.bench import check_output_paths
+    from lilicorr_pl.files import check_output_paths
 
     try:
         check_output_paths(str(out), str(workdir / "plots"))

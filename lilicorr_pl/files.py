@@ -1,0 +1,64 @@
+"""Writing results safely: output paths checked before any work, JSON written atomically.
+
+Shared by every command that writes results (``bench``, ``export``, ``demo``, ``regenerate``), so each
+refuses an unwritable destination the same way, before heavy work, and never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def jsonable(value: Any) -> Any:
+    """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def check_output_paths(output: str | None, plot: str | None) -> None:
+    """Raise ``ValueError`` when results could not be written, before any benchmark work starts."""
+    if output:
+        out = Path(output)
+        if out.is_dir():
+            raise ValueError(f"--output {out} is a directory; pass a file name such as {out / 'results.json'}")
+        check_writable_dir(out.parent, f"--output {out}")
+    if plot:
+        directory = Path(plot)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--plot {directory} is a file; pass a directory for the PNGs")
+        check_writable_dir(directory, f"--plot {directory}")
+
+
+def check_writable_dir(directory: Path, what: str) -> None:
+    """Raise ``ValueError`` unless ``directory`` exists or can be created, and is writable (``what`` names it)."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
+    if not os.access(probe, os.W_OK):
+        raise ValueError(f"{what}: {probe} is not writable; choose another path")
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON under a temporary name beside ``path`` and rename it into place; never leave the temp file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
