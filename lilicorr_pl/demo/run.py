@@ -119,7 +119,7 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
 
 
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int) -> None:
-    from lilicorr_pl.demo.corpus import code_prefixes
+    from lilicorr_pl.data.corpus import code_prefixes
 
     path.parent.mkdir(parents=True, exist_ok=True)
     prefixes = code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="train")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from lilicorr_pl.data.regenerate import regenerate
-    from lilicorr_pl.demo.corpus import corpus_fingerprint
+    from lilicorr_pl.data.corpus import corpus_fingerprint
     from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
 
     log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")

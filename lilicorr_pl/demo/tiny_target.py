@@ -3,7 +3,7 @@
 The embedded demo must run without a model hub, yet a drafter only learns something meaningful from a
 target that has learned something. :func:`build_tiny_target` trains one from scratch on CPU:
 
-1. a byte-level BPE (Qwen's pre-tokenizer regex) on the training split of :mod:`.corpus`, with
+1. a byte-level BPE (Qwen's pre-tokenizer regex) on the training split of :mod:`lilicorr_pl.data.corpus`, with
    ``<|endoftext|>`` (eos and pad), ``<|im_start|>`` and ``<|im_end|>`` appended after the learned
    vocabulary, as in Qwen;
 2. a ``Qwen3ForCausalLM`` whose embedding has more rows than the tokenizer has tokens (rounded up to
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lilicorr_pl.demo import corpus
+from lilicorr_pl.data import corpus
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
 BUILDER_VERSION = 1
