@@ -1,20 +1,26 @@
-"""Where a training step's time goes: ``python -m lilicorr_pl.perf -c configs/tiny.yaml [--steps N]``.
+"""Where a training step's time goes: ``lilicorr perf -c configs/tiny.yaml [--steps N]``.
 
 Builds the system and data exactly as ``lilicorr fit`` would (same config files), then times the
 pieces of ``steps`` real optimisation steps: target features, drafter, head, losses, backward and
-optimizer. Prints a table (and ``--json``); the first ``--warmup`` steps are not counted.
+optimizer. Prints a table (and ``--json``); the first ``--warmup`` steps are not counted. The command line
+is ``fit``'s (same ``-c`` files, same ``--model.*``/``--data.*`` overrides) plus :func:`perf_options`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+
+from lilicorr_pl.command import argparse_spellings, type_hints
+from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.lightning_cli import LilicorrCLI, run_lightning
 
 
 def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
@@ -75,64 +81,76 @@ def penalty_cache_error(system: Any, batches: list[dict[str, torch.Tensor]]) -> 
             "relative_error": (sum(abs_err) / len(abs_err)) / max(abs(mean_exact), 1e-12), "batches": len(batches)}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(prog="python -m lilicorr_pl.perf", description=__doc__)
-    p.add_argument("-c", "--config", action="append", required=True, help="config file(s), as for `lilicorr fit`")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--json", help="also write the numbers here")
-    p.add_argument("--ckpt", help="load trained drafter/head weights from this checkpoint first")
-    p.add_argument("--penalty-error", action="store_true",
-                   help="instead of timing, compare the distractor penalty from the cache with exact logits")
-    p.add_argument("overrides", nargs="*", help="extra `--key=value` overrides passed to the config parser")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    checkpoint = None
-    if args.ckpt:
+def perf_options(
+    steps: PositiveInt = 10,
+    warmup: NonNegativeInt = 2,
+    threads: PositiveInt | None = None,
+    json: str | None = None,  # noqa: A002 - the command line's --json
+    ckpt: str | None = None,
+    penalty_error: bool = False,
+) -> None:
+    """Where a training step's time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
+
+    Args:
+        steps: timed optimisation steps (batches for penalty_error).
+        warmup: untimed steps first.
+        threads: torch threads (default: torch's choice).
+        json: also write the numbers to this JSON file.
+        ckpt: load trained drafter/head weights from this checkpoint first (opened weights-only, checksum verified).
+        penalty_error: instead of timing, compare the distractor penalty from the cache with exact logits.
+    """
+
+
+class PerfCLI(LilicorrCLI):
+    """``fit``'s parser (model, data, trainer from the same config files) plus :func:`perf_options` at the top level."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
+
+    def before_instantiate_classes(self) -> None:
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
-        from lilicorr_pl.checkpoint import CheckpointError, check_class_paths, read_checkpoint
+        self.checkpoint = None
+        if self.config.get("ckpt"):
+            from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
 
-        try:
-            checkpoint = read_checkpoint(args.ckpt)
-            check_class_paths(checkpoint.get("hyper_parameters") or {}, args.ckpt)
-        except CheckpointError as err:
-            sys.exit(f"lilicorr perf: {err}")
-    from lilicorr_pl.cli import LilicorrCLI
-    from lilicorr_pl.data.datamodule import DraftDataModule
-    from lilicorr_pl.system import DraftSystem
+            self.checkpoint = read_checkpoint(self.config.ckpt)
+            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt)
+        if self.config.get("threads"):
+            torch.set_num_threads(self.config.threads)
 
-    cli_args = [x for c in args.config for x in ("-c", c)] + list(args.overrides)
-    cli = LilicorrCLI(DraftSystem, DraftDataModule, args=cli_args, run=False,
-                      parser_kwargs={"parser_mode": "omegaconf"}, save_config_callback=None)
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """``lilicorr perf -c CONFIG [-c OVERLAY] [--steps N] [--ckpt CKPT] [--penalty_error] [--model.x=...]``.
+
+    Builds the system and data exactly as ``lilicorr fit`` would from the same config files and overrides,
+    then times (or, with ``--penalty_error``, compares) real steps. Returns the numbers it prints.
+    """
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    args = argparse_spellings(sys.argv[1:] if argv is None else argv, type_hints(perf_options))
+    cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
+                        save_config_callback=None)
+    options = cli.config
     system, dm = cli.model, cli.datamodule
     dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
     dm.prepare_data()
     dm.setup("fit")
-    if checkpoint is not None:
-        system.load_state_dict(checkpoint["state_dict"])
-    batches = [b for _, b in zip(range(max(4, args.steps)), dm.train_dataloader())]
-    if args.penalty_error:
-        result = penalty_cache_error(system, batches[: args.steps])
+    if cli.checkpoint is not None:
+        system.load_state_dict(cli.checkpoint["state_dict"])
+    batches = [b for _, b in zip(range(max(4, options.steps)), dm.train_dataloader())]
+    if options.penalty_error:
+        result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=2)
+        if options.json:
+            write_json_atomic(Path(options.json), result)
         return result
-    result = profile_steps(system, batches, args.steps, args.warmup)
+    result = profile_steps(system, batches, options.steps, options.warmup)
     total = result["step_total"]
-    print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={args.steps})")
+    print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={options.steps})")
     for k in ("target", "drafter", "head", "losses", "other_forward", "backward", "optimizer", "step_total"):
         if k in result:
             print(f"{k:<16} {1000 * result[k]:>10.1f} {100 * result[k] / total:>6.1f}%")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    if options.json:
+        write_json_atomic(Path(options.json), result)
     return result
-
-
-if __name__ == "__main__":
-    main()

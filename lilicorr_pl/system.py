@@ -16,7 +16,6 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lilicorr_pl.builtin import resolve_target_path
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     CheckpointError,
@@ -34,7 +33,7 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
-from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids
+from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
 
 TARGET_PREFIX = "target."
 
@@ -178,7 +177,10 @@ class DraftSystem(L.LightningModule):
 
         from transformers import AutoConfig
 
-        path = resolve_target_path(target.name_or_path)
+        # `builtin:` names are resolved by the `lilicorr` command before anything is built: a constructor never
+        # starts the built-in target's build.
+        refuse_builtin_name(target.name_or_path, "model.target.name_or_path")
+        path = target.name_or_path
         self.target_path = path
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)

@@ -105,9 +105,8 @@ def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
 
     # `lilicorr export` of the trained run: one LiLiCorrDraftModel directory that loads back identically.
     from lilicorr_pl.interop import load_drafter, load_head
-    from lilicorr_pl.interop import main as export_main
 
-    out = export_main(["--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
+    out = main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LiLiCorrDraftModel"]
     head, drafter = load_head(out), load_drafter(out)
     for ours, theirs in ((loaded.head, head), (loaded.drafter, drafter)):

@@ -167,15 +167,15 @@ def test_ddp_two_processes_train_on_strides_resume_exactly_and_validate_like_one
 
 
 # ---------------------------------------------------------------------- sharded cache precompute
-TINY_TARGET = {"name_or_path": "builtin:tiny", "dtype": "float32", "layer_ids": [1, 2]}
-
-
 def _datamodule(cache_dir: Path):
+    from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
     from lilicorr_pl.data.datamodule import DraftDataModule
 
+    target = {"name_or_path": resolve_target_path("builtin:tiny"), "dtype": "float32", "layer_ids": [1, 2]}
     # 64 examples in batches of 6: 11 batches, the last one short, dealt 6 + 5 to two ranks.
-    return DraftDataModule(train_files=["builtin:stdlib-train:64"], max_length=64, logit_top_m=16, feature_cache=True,
-                           precompute_batch_size=6, cache_dir=str(cache_dir), target=TINY_TARGET, progress=False)
+    return DraftDataModule(train_files=[resolve_data_file("builtin:stdlib-train:64")], max_length=64, logit_top_m=16,
+                           feature_cache=True, precompute_batch_size=6, cache_dir=str(cache_dir), target=target,
+                           progress=False)
 
 
 def _sharded_worker(rank: int, world_size: int, rendezvous: str, cache_dir: str, errors: str) -> None:

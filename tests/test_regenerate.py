@@ -11,7 +11,8 @@ from helpers import make_tiny_target_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 from lilicorr_pl.data.formats import load_examples
-from lilicorr_pl.data.regenerate import main, regenerate
+from lilicorr_pl.cli import main as cli_main
+from lilicorr_pl.data.regenerate import regenerate
 
 @pytest.fixture(autouse=True)
 def _single_torch_thread():
@@ -182,15 +183,17 @@ def test_sampling_is_seeded(target_dir, input_file, tmp_path):
 
 def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     out = tmp_path / "cli.jsonl"
-    rc = main(["--target", target_dir, "--input", str(input_file), "--output", str(out), "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
+    rc = cli_main(["regenerate", "--target", target_dir, "--input", str(input_file), "--output", str(out),
+                   "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
     assert rc == 0 and len(read(out)) == 2
     assert "succeeded 2, failed 0, skipped 0" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*--input"):
         regenerate(target_dir, tmp_path / "missing.jsonl", out)
     with pytest.raises(ValueError, match="--output must differ"):
         regenerate(target_dir, input_file, input_file)
-    with pytest.raises(SystemExit):
-        main(["--input", "x"])  # --target is required
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["regenerate", "--input", "x"])  # --target is required: refused when parsed
+    assert exit_info.value.code == 2 and '"target" is required' in capsys.readouterr().err
     torch.manual_seed(0)  # keep global RNG use by other tests unaffected
 
 

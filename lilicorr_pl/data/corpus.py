@@ -2,10 +2,10 @@
 
 The built-in target, the ``stdlib-heldout`` benchmark and the ``builtin:stdlib-*`` data need real text
 that every machine already has, without a network: the ``.py`` files of the running interpreter's
-standard library (``sysconfig.get_paths()["stdlib"]``, about 8 MB after filtering). The corpus is split by whole top-level module (``asyncio``, ``json``,
-``argparse.py`` …) so that held-out code is genuinely unseen: a module lands in the held-out split
-when a stable (salted sha1) hash of its name falls in the lowest ~10 %, independent of which other
-modules exist.
+standard library (``sysconfig.get_paths()["stdlib"]``, about 8 MB after filtering). The corpus is split
+by whole top-level module (``asyncio``, ``json``, ``argparse.py`` …) so that held-out code is genuinely
+unseen: a module lands in the held-out split when a stable (salted sha1) hash of its name falls in the
+lowest ~10 %, independent of which other modules exist.
 
 Everything here is deterministic (sorted paths, hashlib rather than ``hash()``, seeded sampling), so
 two machines with the same Python version see the same splits and the same benchmark prefixes.

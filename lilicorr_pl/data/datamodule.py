@@ -45,7 +45,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
 from lilicorr_pl.data import cache as cache_mod
 from lilicorr_pl.data.cache import CacheError, CacheWriter, cache_path, open_cache
 from lilicorr_pl.data.formats import (
@@ -353,9 +352,9 @@ class DraftDataModule(L.LightningDataModule):
             raise ValueError(f"data.cache_verify must be 'full' or 'size', got {cache_verify!r}")
         if max_examples is not None and max_examples < 1:
             raise ValueError(f"data.max_examples must be >= 1 or None, got {max_examples}")
-        # ``builtin:stdlib-train[:N]`` names resolve to cached jsonl files cut from the stdlib.
-        self.train_files = [resolve_data_file(f) for f in train_files]
-        self.val_files = [resolve_data_file(f) for f in val_files] if val_files else None
+        # ``builtin:stdlib-train[:N]`` names are resolved to files by the `lilicorr` command (lilicorr_pl.builtin).
+        self.train_files = list(train_files)
+        self.val_files = list(val_files) if val_files else None
         self.val_fraction = float(val_fraction)
         self.max_length = int(max_length)
         self.batch_size = int(batch_size)
@@ -407,7 +406,7 @@ class DraftDataModule(L.LightningDataModule):
 
             spec = self._spec()
             self._tokenizer = AutoTokenizer.from_pretrained(
-                resolve_target_path(spec.name_or_path), trust_remote_code=spec.trust_remote_code
+                spec.name_or_path, trust_remote_code=spec.trust_remote_code
             )
         return self._tokenizer
 
