@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -139,7 +139,7 @@ class DraftSystem(L.LightningModule):
         num_anchors: int = 512,
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
-        target_logits: str = "auto",
+        target_logits: Literal["auto", "cache", "exact"] = "auto",
         max_length: int | None = None,
         disabled_losses: list[str] | None = None,
         loss_weights: dict[str, float] | None = None,

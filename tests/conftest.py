@@ -10,6 +10,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import lightning.pytorch  # noqa: F401 - its log handler binds to the session's stderr, not to one test's capsys
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -12,6 +12,8 @@ shape is the exported shape, so export is a renaming and never an approximation.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,7 +105,7 @@ class LiLiCorrHead(Selector):
         factor_dim: int = 1024,
         vector_eps: float = 1e-4,
         logit_scale: float = 8.0,
-        decode: str = "greedy",
+        decode: Literal["greedy", "viterbi"] = "greedy",
         block_size: int | None = None,
         rms_norm_eps: float | None = None,
         dropout: float = 0.0,
