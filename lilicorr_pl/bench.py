@@ -177,8 +177,8 @@ def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
     longest = max(len(ids) for ids in prompts.input_ids)
     if longest + max_new_tokens > limit:
         raise ValueError(
-            f"--max-new-tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
-            f"max_position_embeddings {limit}; lower --max-new-tokens to at most {max(limit - longest, 0)}"
+            f"--max_new_tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
+            f"max_position_embeddings {limit}; lower --max_new_tokens to at most {max(limit - longest, 0)}"
         )
 
 

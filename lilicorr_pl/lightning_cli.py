@@ -118,29 +118,34 @@ class LilicorrCLI(LightningCLI):
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
         config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
         try:
-            self._resolve_builtin_names(config)
+            self._resolve_builtin_data(config)
             self._check_data(config, self.config.get("subcommand"))
+            self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
 
     @staticmethod
-    def _resolve_builtin_names(config: Any) -> None:
-        """``builtin:`` targets and data become local paths: the core only ever sees directories and files."""
+    def _resolve_builtin_data(config: Any) -> None:
+        """``builtin:stdlib-*`` data become local jsonl files: the core only ever sees files."""
+        data = config.get("data")
+        for key in ("train_files", "val_files"):
+            files = data.get(key) if data is not None else None
+            if isinstance(files, str):
+                files = [files]
+            if files:
+                data[key] = [builtin.resolve_data_file(str(f)) for f in files]
+
+    @staticmethod
+    def _resolve_builtin_target(config: Any) -> None:
+        """A ``builtin:`` target becomes its built directory, built here (with progress) if missing."""
         model, data = config.get("model"), config.get("data")
         target = model.get("target") if model is not None else None
         name = target.get("name_or_path") if target is not None else None
         if name is not None and builtin.is_builtin(name):
-            path = builtin.resolve_target_path(name, progress=True)  # a missing build shows its progress
+            path = builtin.resolve_target_path(name, progress=True)
             target["name_or_path"] = path
             if data is not None and data.get("target") is not None:
                 data["target"]["name_or_path"] = path
-        if data is not None:
-            for key in ("train_files", "val_files"):
-                files = data.get(key)
-                if isinstance(files, str):
-                    files = [files]
-                if files:
-                    data[key] = [builtin.resolve_data_file(str(f)) for f in files]
 
     def _check_data(self, config: Any, subcommand: str | None) -> None:
         """Data files exist, and the subcommand has the data it reads: one line before any model or run starts."""
