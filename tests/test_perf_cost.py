@@ -170,7 +170,7 @@ def test_qwen3_8b_weight_bytes_match_the_published_parameter_count(qwen3_8b):
     assert head_weights == pytest.approx(2 * head_params, rel=1e-2)
 
 
-def test_batch_scales_flops_and_activations_but_not_weights(qwen3_8b):
+def test_batch_scales_flops_but_weights_are_read_once(qwen3_8b):
     config, drafter, head = qwen3_8b
     one, four = (round_cost(config, drafter, head, context=1024, tau=4.0, batch=b) for b in (1, 4))
     for part in ("target", "drafter", "head"):
