@@ -83,8 +83,14 @@ def run_bench(
     chat_template: bool | None = None,
     enable_thinking: bool = False,
     seed: int = 0,
+    timing: bool = False,
 ) -> list[dict[str, Any]]:
-    """Benchmark several selectors on one loaded system; one result dict per temperature."""
+    """Benchmark several selectors on one loaded system; one result dict per temperature.
+
+    ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
+    share) is device time rather than launch time; it adds the same few synchronisations per step to the
+    plain-decoding baseline and to every arm.
+    """
     from lilicorr_pl.decoding.benchmarks import load_prompts
     from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
 
@@ -97,7 +103,7 @@ def run_bench(
     warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
-        reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed)
+        reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed, timing=timing)
         out: dict[str, Any] = {
             "benchmark": benchmark,
             "temperature": temp,
@@ -109,12 +115,13 @@ def run_bench(
             "target": system.target_spec.name_or_path,
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
+            "synchronized_timing": timing,
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
         for name, selector in arms.items():
             r = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
-                             reference=reference)
+                             reference=reference, timing=timing)
             out["selectors"][name] = {
                 "tau": r.tau,
                 "tokens_per_s": r.tokens_per_s,
@@ -256,6 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         runs = run_bench(
             system, args.benchmark, selectors, args.temperature, args.num_prompts, args.max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=args.seed,
+            timing=torch.device(args.device).type == "cuda",  # without it, CUDA phase times are launch times
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         _fail(str(err))
