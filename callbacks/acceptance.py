@@ -81,7 +81,9 @@ class AcceptanceEval(L.Callback):
         if temperature < 0:
             raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
         if draft_sampling not in DRAFT_SAMPLING_RULES:
-            raise ValueError(f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}")
+            raise ValueError(
+                f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}"
+            )
         if not every_n_train_steps and not on_validation_end:
             raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
         self.every_n_train_steps = every_n_train_steps or 0

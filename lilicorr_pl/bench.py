@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parse_selectors(spec: str) -> list[str]:
-    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``; registry names or class paths, unknown or repeated ones are errors."""
+    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``: registry names or class paths; unknown or repeated
+    ones are errors."""
     from lilicorr_pl.heads.registry import selector_class
 
     names = [s.strip() for s in spec.split(",") if s.strip()]

@@ -322,7 +322,8 @@ def test_training_call_returns_the_teacher_forced_corrected_logits(name, gated):
     out = head(draft, TeacherForcing(prev[:, 0], labels, embedding))
     assert isinstance(out, HeadOutput) and out.lattice is None
     teacher = torch.cat([prev[:, :1], labels[:, :-1]], dim=1)  # the anchor, then the true tokens
-    torch.testing.assert_close(out.corrected_logits, head.corrected_logits(slot_hidden, slot_logits, teacher, embedding))
+    expected = head.corrected_logits(slot_hidden, slot_logits, teacher, embedding)
+    torch.testing.assert_close(out.corrected_logits, expected)
     assert torch.equal(out.selected, out.corrected_logits.argmax(-1)) and out.corrected_logits.requires_grad
 
 

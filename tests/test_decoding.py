@@ -445,7 +445,8 @@ def _randomised(module: torch.nn.Module, seed: int, std: float) -> torch.nn.Modu
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else std * torch.randn(p.shape, generator=g))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
     return module.eval()
 
 
@@ -569,6 +570,8 @@ def test_point_mass_rule_keeps_deterministic_drafts_and_rejects_bad_rules(small_
     r = speculative_generate(target, drafter, Recording(), prompt, 6, 1.0, 1.0, [], g, record_rounds=1)
     assert seen and all(sampling.temperature == 1.0 for sampling in seen)
     assert r.rounds[0]["target"] is None  # the proposal rule draws no row of target choices
+    with pytest.raises(ValueError, match="draft_sampling must be one of"):
+        speculative_generate(target, drafter, Top1Selector(), prompt, 4, draft_sampling="sampled")
 
 
 def test_oracle_selector_reads_the_anchor_position_from_the_context(target):

@@ -402,6 +402,7 @@ def speculative_generate(
     start = clock()
     prompt = _prompt_tensor(input_ids, target.device)
     stops = _stop_set(target, stop_token_ids)
+    sampling = draft_sampling_for(draft_sampling, temperature, top_p, generator)  # None: deterministic drafts
     result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
     if max_new_tokens <= 0:
         return _finish(result, start)
@@ -417,7 +418,6 @@ def speculative_generate(
         result.prefill = t - start
         stopped = _commit(result.tokens, [int(anchor[0])], stops, max_new_tokens)
         draft_cache = drafter.new_cache()
-        sampling = draft_sampling_for(draft_sampling, temperature, top_p, generator)
         # Position ids of every possible verify block, built once: [1, P + max_new_tokens + B].
         positions = _positions(0, committed + max_new_tokens + num_slots + 1, device)
         t = clock()

@@ -31,7 +31,9 @@ def selector_class(name: str) -> type[Selector]:
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"selector class path {name!r} does not import ({err}); check the module and class name") from None
+        raise ValueError(
+            f"selector class path {name!r} does not import ({err}); check the module and class name"
+        ) from None
     if not (isinstance(cls, type) and issubclass(cls, Selector)):
         raise ValueError(f"{name!r} is not a Selector subclass; name a class from lilicorr_pl.heads")
     return cls
