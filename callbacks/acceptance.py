@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lilicorr_pl.decoding.benchmarks import PromptSet, load_prompts
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
+from lilicorr_pl.decoding.speculative import DRAFT_SAMPLING_RULES, DraftSamplingRule
 from lilicorr_pl.heads.top1 import Top1Selector
 
 TABLE_COLUMNS = ["prompt", "round", "anchor", "drafted", "target", "accepted", "acc"]
@@ -43,6 +44,9 @@ class AcceptanceEval(L.Callback):
         num_prompts: prompts decoded per evaluation (split across ranks).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 = greedy (lossless against greedy decoding), > 0 samples.
+        draft_sampling: the T > 0 rule: ``"proposal"`` (selectors sample their drafts and return
+            ``q``; ``min(1, p/q)`` acceptance, as the serving engines do) or ``"point_mass"``
+            (deterministic drafts accepted iff equal to the target's sample).
         chat_template: wrap prompts in the tokenizer's chat template (None = by benchmark kind).
         enable_thinking: the chat template's thinking flag (match the training data).
         prompt_tokens: token budget of each ``stdlib-heldout`` prefix.
@@ -59,6 +63,7 @@ class AcceptanceEval(L.Callback):
         num_prompts: int = 16,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
+        draft_sampling: DraftSamplingRule = "proposal",
         chat_template: bool | None = None,
         enable_thinking: bool = False,
         prompt_tokens: int = 64,
@@ -75,6 +80,10 @@ class AcceptanceEval(L.Callback):
             raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
         if temperature < 0:
             raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
+        if draft_sampling not in DRAFT_SAMPLING_RULES:
+            raise ValueError(
+                f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}"
+            )
         if not every_n_train_steps and not on_validation_end:
             raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
         self.every_n_train_steps = every_n_train_steps or 0
@@ -83,6 +92,7 @@ class AcceptanceEval(L.Callback):
         self.num_prompts = num_prompts
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.draft_sampling = draft_sampling
         self.chat_template = chat_template
         self.enable_thinking = enable_thinking
         self.prompt_tokens = prompt_tokens
@@ -138,7 +148,7 @@ class AcceptanceEval(L.Callback):
         return {
             name: evaluate_arm(
                 target, pl_module.drafter, selector, mine, self.max_new_tokens, self.temperature, seed=self.seed,
-                record_examples=self.table_rows if rank == 0 else 0,
+                record_examples=self.table_rows if rank == 0 else 0, draft_sampling=self.draft_sampling,
             )
             for name, selector in arms.items()
         }

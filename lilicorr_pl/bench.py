@@ -18,7 +18,8 @@ import torch
 
 from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
 
-SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")
+SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
+DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,7 +30,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16, help="prompts decoded (the first N of the benchmark)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
-    p.add_argument("--selectors", default="top1,lilicorr", help=f"comma list from {SELECTOR_NAMES}")
+    p.add_argument("--selectors", default="top1,lilicorr",
+                   help=f"comma list of {SELECTOR_NAMES} or selector class paths")
+    p.add_argument("--draft-sampling", choices=DRAFT_SAMPLING_CHOICES, default="both",
+                   help="T > 0 rule: sampled drafts verified with min(1, p/q) ('proposal'), deterministic drafts "
+                        "accepted iff equal to the target's sample ('point_mass'), or both (tau reported both ways)")
     p.add_argument("--chat-template", choices=["auto", "yes", "no"], default="auto",
                    help="wrap prompts as one user message (auto: chat/math/code benchmarks when the tokenizer has one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -44,14 +49,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parse_selectors(spec: str) -> list[str]:
-    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``; unknown or repeated names are errors."""
-    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``: registry names or class paths; unknown or repeated
+    ones are errors."""
+    from lilicorr_pl.heads.registry import selector_class
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    names = [n if "." in n else n.lower() for n in names]
     if not names:
         raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
-    unknown = [s for s in names if s not in SELECTOR_NAMES]
+    unknown = []
+    for name in names:
+        try:
+            selector_class(name)
+        except ValueError:
+            unknown.append(name)
     if unknown:
         raise ValueError(
-            f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)}"
+            f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)} "
+            "or give a Selector class path"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"--selectors {spec!r} names a selector twice")
@@ -59,17 +74,19 @@ def parse_selectors(spec: str) -> list[str]:
 
 
 def selector_for(name: str, system: Any) -> Any:
-    """Map a selector name to a module: ``top1`` always; the others must be the checkpoint's head."""
-    from lilicorr_pl.heads.top1 import Top1Selector
+    """The selector registered as ``name`` (or at that class path): the checkpoint's own head when it is
+    one, a fresh instance of a parameter-free selector (``top1``), else an error."""
+    from lilicorr_pl.heads.registry import selector_class
 
-    if name == "top1":
-        return Top1Selector()
+    cls = selector_class(name)
     head = system.head
-    if name in type(head).__name__.lower():
+    if isinstance(head, cls):
         return head
+    if cls.parameter_free:
+        return cls()
     raise ValueError(
-        f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}); "
-        "use --selectors top1 or the name of the trained head"
+        f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}, "
+        f"registered as {head.name!r}); use --selectors top1 or {head.name or 'the trained head'}"
     )
 
 
@@ -84,13 +101,18 @@ def run_bench(
     enable_thinking: bool = False,
     seed: int = 0,
     timing: bool = False,
+    draft_sampling: str = "both",
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
     ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
     share) is device time rather than launch time; it adds the same few synchronisations per step to the
     plain-decoding baseline and to every arm.
+    ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
+    the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
     """
+    if draft_sampling not in DRAFT_SAMPLING_CHOICES:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_CHOICES}, got {draft_sampling!r}")
     from lilicorr_pl.decoding.benchmarks import load_prompts
     from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
 
@@ -119,9 +141,12 @@ def run_bench(
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
+        rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]
+        out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name, selector in arms.items():
             r = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
-                             reference=reference, timing=timing)
+                             reference=reference, timing=timing,
+                             draft_sampling=rules[0] if rules else "proposal")
             out["selectors"][name] = {
                 "tau": r.tau,
                 "tokens_per_s": r.tokens_per_s,
@@ -141,14 +166,27 @@ def run_bench(
                 "rounds": r.rounds,
                 "num_tokens": r.num_tokens,
             }
+            for rule in rules[1:]:  # the other rule, same prompts and seeds
+                o = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
+                                 reference=reference, timing=timing, draft_sampling=rule)
+                out["selectors"][name][rule] = {
+                    "tau": o.tau,
+                    "per_position_acceptance": o.per_position_acceptance,
+                    "histogram": o.histogram,
+                    "tokens_per_s": o.tokens_per_s,
+                    "speedup_vs_target": o.tokens_per_s / target_tps if target_tps > 0 else math.nan,
+                    "rounds": o.rounds,
+                }
         runs.append(out)
     return runs
 
 
 def format_table(run: dict[str, Any]) -> str:
+    rule = run.get("draft_sampling")
     lines = [
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
-        f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}",
+        f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}"
+        + (f" draft_sampling={rule}" if rule else ""),
         f"target: {run['target_tokens_per_s']:.1f} tok/s   (tau includes the bonus token)",
         f"{'selector':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6} {'lossless':>8}  acceptance by position",
     ]
@@ -158,6 +196,8 @@ def format_table(run: dict[str, Any]) -> str:
             f"{name:<10} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} {r['speedup_vs_target']:>7.2f}x "
             f"{100 * r['head_time_fraction']:>5.1f} {str(r['lossless']):>8}  {acc}"
         )
+        if "point_mass" in r:
+            lines.append(f"{'':<10} {r['point_mass']['tau']:>6.2f} (tau with the point-mass rule)")
     return "\n".join(lines)
 
 
@@ -264,6 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             system, args.benchmark, selectors, args.temperature, args.num_prompts, args.max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=args.seed,
             timing=torch.device(args.device).type == "cuda",  # without it, CUDA phase times are launch times
+            draft_sampling=args.draft_sampling,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         _fail(str(err))

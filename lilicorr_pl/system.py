@@ -26,7 +26,7 @@ from lilicorr_pl.checkpoint import (
     state_checksum,
     verify_checksum,
 )
-from lilicorr_pl.heads.base import Lattice, Selector
+from lilicorr_pl.heads.base import HeadOutput, Selector, TeacherForcing
 from lilicorr_pl.heads.top1 import Top1Selector
 from lilicorr_pl.losses.base import LossComponent, LossInputs
 from lilicorr_pl.losses.dflash import DFlashCE
@@ -282,7 +282,7 @@ class DraftSystem(L.LightningModule):
         self.head.load_state_dict({k: v.to(mine[k].dtype) for k, v in loaded.state_dict().items()})
 
     def _top_k(self) -> int:
-        return int(getattr(self.head, "top_k", 8)) if self.head is not None else 8
+        return int(self.head.top_k)
 
     def _check_losses(self, head: Selector | None) -> None:
         names = [loss.name for loss in self.losses]
@@ -299,8 +299,8 @@ class DraftSystem(L.LightningModule):
                 "or drop those losses (see configs/ablations/dflash_only.yaml)"
             )
 
-        corrector_needed = [l.name for l in self.losses if getattr(l, "requires_corrector", False)]
-        if corrector_needed and not getattr(head, "uses_corrector", False):
+        corrector_needed = [l.name for l in self.losses if l.requires_corrector]
+        if corrector_needed and (head is None or not head.uses_corrector):
             raise ValueError(
                 f"loss components {corrector_needed} need a corrector head, but model.head is "
                 f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.DominoHead or DSparkHead"
@@ -507,21 +507,16 @@ class DraftSystem(L.LightningModule):
         b_idx = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(keep)[keep]  # [M]
         slot_hidden, slot_logits = draft.slot_hidden[keep], draft.slot_logits[keep]  # [M, S, H], [M, S, V]
         labels, label_mask, label_pos = labels[keep], label_mask[keep], label_pos[keep]
-        lattice: Lattice | None = None
         with self._timed("head"):
-            if getattr(self.head, "uses_lattice", False):
-                lattice = self.head.score_lattice(
-                    slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep], target.embed
-                )
-            corrected = None
-            if getattr(self.head, "uses_corrector", False):
-                # Teacher forcing: slot k is conditioned on the true token of slot k-1 (the anchor for k=1).
-                anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
-                prev = torch.cat([anchor_ids.unsqueeze(1), labels[:, :-1]], dim=1)  # [M, S]
-                corrected = self.head.corrected_logits(slot_hidden, slot_logits, prev, target.embed)
+            # Training call of the head: teacher forcing, slot k conditioned on the true token of slot k-1.
+            anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
+            blocks = DraftOutput(slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep])
+            head_out: HeadOutput = self.head(blocks, TeacherForcing(anchor_ids, labels, target.embed))
+        lattice = head_out.lattice
         provider = self._target_logit_provider(batch, b_idx, label_pos, labels, normed)
         inputs = LossInputs(slot_logits, labels, label_mask, lattice, provider,
-                            corrected_logits=corrected, step=self.global_step if self._trainer is not None else 0)
+                            corrected_logits=head_out.corrected_logits,
+                            step=self.global_step if self._trainer is not None else 0)
         total = slot_logits.new_zeros(())
         logs: dict[str, torch.Tensor] = {}
         with self._timed("losses"):
@@ -531,8 +526,6 @@ class DraftSystem(L.LightningModule):
                 logs[component.name] = out.loss.detach()
                 for key, value in out.logs.items():
                     logs[f"{component.name}/{key}"] = value.detach()
-        with torch.no_grad():
-            selected = self._selected_tokens(lattice, corrected if corrected is not None else slot_logits)
         return {
             "loss": total,
             "logs": logs,
@@ -540,18 +533,9 @@ class DraftSystem(L.LightningModule):
             "labels": labels,
             "label_mask": label_mask,
             "lattice": lattice,
-            "selected": selected,
+            "selected": head_out.selected,
             "num_blocks": int(keep.sum()),
         }
-
-    def _selected_tokens(self, lattice: Lattice | None, slot_logits: torch.Tensor) -> torch.Tensor:
-        if lattice is None:
-            return slot_logits.argmax(-1)
-        from lilicorr_pl.heads.lattice import greedy_walk, viterbi
-
-        walk = viterbi if getattr(self.head, "decode", "greedy") == "viterbi" else greedy_walk
-        idx = walk(lattice.start.detach(), lattice.pair.detach())
-        return lattice.candidates.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
     def _target_logit_provider(
         self,

@@ -202,6 +202,20 @@ def test_top1_head_logs_tau_top1_without_a_second_decode():
     assert 1.0 <= scalars["eval/tau"] <= BLOCK
 
 
+@pytest.mark.parametrize("rule", ["proposal", "point_mass"])
+def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
+    """At T = 1 the head's drafts are sampled and verified with min(1, p/q), or kept deterministic and
+    accepted iff they equal the target's sample (the recorded rounds show the target's row only then)."""
+    system = make_system(LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4))
+    system.configure_model()
+    callback = make_callback(num_prompts=1, temperature=1.0, draft_sampling=rule)
+    results = callback.decode(system)
+    assert {r.draft_sampling for r in results.values()} == {rule}
+    rounds = results["head"].examples[0]["rounds"]
+    assert rounds and all((rnd["target"] is None) == (rule == "proposal") for rnd in rounds)
+    assert 1.0 <= results["head"].tau <= BLOCK
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -209,6 +223,7 @@ def test_top1_head_logs_tau_top1_without_a_second_decode():
         ({"max_new_tokens": 0}, "max_new_tokens >= 1"),
         ({"every_n_train_steps": None, "on_validation_end": False}, "never run"),
         ({"temperature": -1.0}, "temperature"),
+        ({"draft_sampling": "sampled"}, "draft_sampling must be one of"),
     ],
 )
 def test_rejects_bad_settings(kwargs, message):

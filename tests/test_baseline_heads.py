@@ -13,8 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-from lilicorr_pl.heads import CorrectorHead, DominoHead, DSparkHead, Top1Selector
+from lilicorr_pl.heads import (
+    CorrectorHead,
+    DominoHead,
+    DraftSampling,
+    DSparkHead,
+    HeadOutput,
+    SelectContext,
+    TeacherForcing,
+    Top1Selector,
+)
 from lilicorr_pl.losses import CorrectorCE, LossInputs
+from lilicorr_pl.models.dflash import DraftOutput
 
 H, V, S, M = 8, 11, 5, 4
 
@@ -47,6 +57,14 @@ def _trained_like(head: CorrectorHead, seed: int = 0) -> CorrectorHead:
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.7)
     return head
+
+
+def _select(head, slot_hidden, slot_logits, embedding, anchor_tokens, sampling=None):
+    """``head.select`` on raw tensors (the anchor feature is unused by corrector heads)."""
+    b, _, h = slot_hidden.shape
+    draft = DraftOutput(slot_hidden, slot_logits, torch.zeros(b, h), torch.ones(b, dtype=torch.bool))
+    context = SelectContext(anchor_tokens, torch.zeros(b, dtype=torch.long), embedding, sampling)
+    return head.select(draft, context)
 
 
 def _inputs(seed: int = 0, m: int = M):
@@ -94,7 +112,7 @@ def test_select_feeds_its_own_picks_back(name, gated):
     slot_hidden, slot_logits, _ = _inputs(seed=2, m=16)
     anchor = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        tokens = head.select(slot_hidden, slot_logits, torch.zeros(16, H), embedding, anchor_tokens=anchor).tokens
+        tokens = _select(head, slot_hidden, slot_logits, embedding, anchor).tokens
         # Independent reference through the parallel path: slot k only reads prev[:, :k+1], so fill the
         # previous-token row with the picks so far and read off slot k.
         prev = anchor.unsqueeze(1).repeat(1, S)
@@ -104,8 +122,8 @@ def test_select_feeds_its_own_picks_back(name, gated):
             picks.append(logits.argmax(-1))
             if k + 1 < S:
                 prev[:, k + 1] = picks[-1]
-        # Alias and [b, 1]-shaped anchors behave the same.
-        again = head(slot_hidden, slot_logits, torch.zeros(16, H), embedding, anchor_tokens=anchor.view(16, 1)).tokens
+        # [b, 1]-shaped anchors behave the same.
+        again = _select(head, slot_hidden, slot_logits, embedding, anchor.view(16, 1)).tokens
     assert tokens.shape == (16, S) and tokens.dtype == torch.long
     torch.testing.assert_close(tokens, torch.stack(picks, dim=1))
     torch.testing.assert_close(again, tokens)
@@ -120,8 +138,8 @@ def test_untrained_head_is_exactly_top1(name, gated):
     slot_hidden, slot_logits, prev = _inputs()
     torch.testing.assert_close(head.corrected_logits(slot_hidden, slot_logits, prev, embedding), slot_logits)
     with torch.no_grad():
-        tokens = head.select(slot_hidden, slot_logits, torch.zeros(M, H), embedding, anchor_tokens=prev[:, 0]).tokens
-    top1 = Top1Selector().select(slot_hidden, slot_logits, torch.zeros(M, H), embedding).tokens
+        tokens = _select(head, slot_hidden, slot_logits, embedding, prev[:, 0]).tokens
+    top1 = _select(Top1Selector(), slot_hidden, slot_logits, embedding, prev[:, 0]).tokens
     torch.testing.assert_close(tokens, top1)
 
 
@@ -219,7 +237,7 @@ def test_corrector_learns_coherent_pairs_that_top1_cannot_produce(name, gated):
     head.eval()
     slot_hidden, logits, anchor, labels = _collision(2000, torch.Generator().manual_seed(2))
     with torch.no_grad():
-        chosen = head.select(slot_hidden, logits, torch.zeros(2000, C_HIDDEN), embedding, anchor_tokens=anchor).tokens
+        chosen = _select(head, slot_hidden, logits, embedding, anchor).tokens
     top1_rate = _coherent(logits.argmax(-1)).float().mean().item()
     head_rate = _coherent(chosen).float().mean().item()
     assert 0.4 < top1_rate < 0.6, top1_rate
@@ -286,14 +304,44 @@ def test_curriculum_moves_the_gradient_from_drafter_to_head():
 # ---------------------------------------------------------------------------- errors
 
 
-def test_select_without_anchor_token_is_a_clear_error():
+def test_select_with_a_wrong_number_of_anchor_tokens_is_a_clear_error():
     head = DominoHead(gru_hidden=6, rank=4).build(H, V)
     slot_hidden, slot_logits, _ = _inputs()
-    assert head.needs_anchor_token and head.uses_corrector
-    with pytest.raises(ValueError, match="anchor_tokens"):
-        head.select(slot_hidden, slot_logits, torch.zeros(M, H), _embedding())
+    assert head.uses_corrector and not head.uses_lattice and not head.parameter_free
     with pytest.raises(ValueError, match="one anchor token per block"):
-        head.select(slot_hidden, slot_logits, torch.zeros(M, H), _embedding(), anchor_tokens=torch.zeros(M + 1))
+        _select(head, slot_hidden, slot_logits, _embedding(), torch.zeros(M + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name,gated", VARIANTS, ids=VARIANT_IDS)
+def test_training_call_returns_the_teacher_forced_corrected_logits(name, gated):
+    head = _trained_like(HEADS[name](gated).build(H, V))
+    embedding = _embedding()
+    slot_hidden, slot_logits, prev = _inputs()
+    labels = torch.randint(0, V, (M, S), generator=torch.Generator().manual_seed(9))
+    draft = DraftOutput(slot_hidden, slot_logits, torch.zeros(M, H), torch.ones(M, dtype=torch.bool))
+    out = head(draft, TeacherForcing(prev[:, 0], labels, embedding))
+    assert isinstance(out, HeadOutput) and out.lattice is None
+    teacher = torch.cat([prev[:, :1], labels[:, :-1]], dim=1)  # the anchor, then the true tokens
+    expected = head.corrected_logits(slot_hidden, slot_logits, teacher, embedding)
+    torch.testing.assert_close(out.corrected_logits, expected)
+    assert torch.equal(out.selected, out.corrected_logits.argmax(-1)) and out.corrected_logits.requires_grad
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_sampled_selection_draws_each_slot_from_its_corrected_distribution(name):
+    """At T > 0 slot k is drawn from warp(corrected logits of slot k given the tokens drawn before it)."""
+    head = _trained_like(HEADS[name]().build(H, V), seed=2).eval()
+    embedding = _embedding()
+    slot_hidden, slot_logits, _ = _inputs(seed=3, m=32)
+    anchor = torch.randint(0, V, (32,), generator=torch.Generator().manual_seed(4))
+    sampling = DraftSampling(0.9, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        sel = _select(head, slot_hidden, slot_logits, embedding, anchor, sampling)
+        teacher = torch.cat([anchor[:, None], sel.tokens[:, :-1]], dim=1)  # the drawn tokens, teacher-forced
+        corrected = head.corrected_logits(slot_hidden, slot_logits, teacher, embedding)
+    assert sel.q.shape == (32, S, V)
+    torch.testing.assert_close(sel.q, torch.softmax(corrected / 0.9, -1))
+    assert (sel.tokens != corrected.argmax(-1)).any()  # it samples, not argmax
 
 
 def test_corrector_ce_without_corrected_logits_is_a_clear_error():
@@ -377,12 +425,13 @@ def test_speculative_decoding_feeds_the_anchor_and_stays_lossless(name, tmp_path
     torch.manual_seed(0)
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(target.config, target.layer_ids)
     head = _trained_like(HEADS[name]().build(target.hidden_size, target.output_rows), seed=4)
-    anchors = []
+    anchors, positions = [], []
     original = head.select
 
-    def recording(*args, anchor_tokens=None, **kwargs):
-        anchors.append(int(anchor_tokens.reshape(-1)[0]))
-        return original(*args, anchor_tokens=anchor_tokens, **kwargs)
+    def recording(draft, context):
+        anchors.append(int(context.anchor_tokens.reshape(-1)[0]))
+        positions.append(int(context.anchor_positions.reshape(-1)[0]))
+        return original(draft, context)
 
     head.select = recording
     prompt = [5, 17, 9, 33, 2]
@@ -392,3 +441,4 @@ def test_speculative_decoding_feeds_the_anchor_and_stays_lossless(name, tmp_path
     assert got.num_rounds > 1
     starts = [sum(a + 1 for a in got.accepted_lengths[:r]) for r in range(got.num_rounds)]
     assert anchors == [got.tokens[i] for i in starts]
+    assert positions == [len(prompt) + i for i in starts]  # the anchor's absolute position in the sequence

@@ -51,6 +51,16 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         assert all(isinstance(x, float) and x > 0 for x in split + [r["round_ms"], r["plain_step_ms"]]), name
         assert sum(split) == pytest.approx(r["round_ms"], rel=1e-9)
         assert r["round_cost_ratio"] == pytest.approx(r["round_ms"] / r["plain_step_ms"], rel=1e-9)
+    if temperature == 0:
+        assert run["draft_sampling"] is None and all("point_mass" not in r for r in run["selectors"].values())
+        return
+    # T > 0: τ both ways, sampled drafts with min(1, p/q) (the main entry) and the point-mass rule.
+    assert run["draft_sampling"] == "proposal"
+    for name, r in run["selectors"].items():
+        pm = r["point_mass"]
+        assert 1.0 <= pm["tau"] <= BLOCK and sum(pm["histogram"]) == pm["rounds"] > 0, name
+        assert pm["tau"] == pytest.approx(1 + sum(k * c for k, c in enumerate(pm["histogram"])) / pm["rounds"])
+        assert len(pm["per_position_acceptance"]) == BLOCK - 1
 
 
 def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run, tmp_path):
@@ -158,6 +168,30 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, 
         evaluate.run_target_baseline = real
     assert not calls, "bad input must be refused before any decoding"
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
+
+
+def test_selectors_are_chosen_by_registered_name_never_by_substring():
+    from types import SimpleNamespace
+
+    from lilicorr_pl.bench import parse_selectors, selector_for
+    from lilicorr_pl.heads import DominoHead, LiLiCorrHead, Top1Selector
+
+    head = LiLiCorrHead(top_k=2, hidden_size=8, num_heads=2, factor_dim=4)
+    system = SimpleNamespace(head=head)
+    assert selector_for("lilicorr", system) is head
+    assert selector_for("lilicorr_pl.heads.LiLiCorrHead", system) is head  # a class path works too
+    assert isinstance(selector_for("top1", system), Top1Selector)  # parameter-free: a fresh instance
+    with pytest.raises(ValueError, match="not available in this checkpoint"):
+        selector_for("domino", system)
+    with pytest.raises(ValueError, match="unknown selector"):
+        selector_for("lili", system)  # a substring of the head's class name is not a name
+    domino = SimpleNamespace(head=DominoHead())
+    assert selector_for("domino", domino) is domino.head
+    with pytest.raises(ValueError, match="registered as 'domino'"):
+        selector_for("lilicorr", domino)
+    assert parse_selectors("Top1, lilicorr_pl.heads.DSparkHead") == ["top1", "lilicorr_pl.heads.DSparkHead"]
+    with pytest.raises(ValueError, match=r"unknown selector\(s\) \['corr'\]"):
+        parse_selectors("top1,corr")
 
 
 def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_run):

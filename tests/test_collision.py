@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from lilicorr_pl.heads import LiLiCorrHead, Top1Selector
+from lilicorr_pl.heads import LiLiCorrHead, SelectContext, Top1Selector
 from lilicorr_pl.losses import LossInputs, OraclePrefixCE
+from lilicorr_pl.models.dflash import DraftOutput
 
 GROUPS, HIDDEN, K = 4, 16, 3
 VOCAB = 4 * GROUPS + 4  # four tokens per group plus a few unrelated ones (distractors)
@@ -86,8 +87,10 @@ def test_lilicorr_learns_coherent_pairs_that_top1_cannot_produce(one_thread):
     head.eval()
     slot_hidden, logits, anchor, labels = _sample(2000, torch.Generator().manual_seed(2))
     with torch.no_grad():
-        lilicorr = head.select(slot_hidden, logits, anchor, embedding).tokens
-        top1 = Top1Selector().select(slot_hidden, logits, anchor, embedding).tokens
+        draft = DraftOutput(slot_hidden, logits, anchor, torch.ones(2000, dtype=torch.bool))
+        context = SelectContext(torch.zeros(2000, dtype=torch.long), torch.zeros(2000, dtype=torch.long), embedding)
+        lilicorr = head.select(draft, context).tokens
+        top1 = Top1Selector().select(draft, context).tokens
     top1_rate = _coherent(top1).float().mean().item()
     head_rate = _coherent(lilicorr).float().mean().item()
     assert 0.4 < top1_rate < 0.6, top1_rate  # the marginals cannot encode the coupling

@@ -22,6 +22,8 @@ class DSparkHead(CorrectorHead):
     created by :meth:`build` once the target's sizes are known.
     """
 
+    name = "dspark"
+
     def __init__(self, rank: int = 256, gated: bool = False) -> None:
         """
         Args:

@@ -59,6 +59,7 @@ class LossComponent(nn.Module):
     name: str = "loss"
     requires_lattice: bool = False
     requires_target_logits: bool = False
+    requires_corrector: bool = False  # reads LossInputs.corrected_logits (a head with uses_corrector)
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         """

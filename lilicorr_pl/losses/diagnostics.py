@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lilicorr_pl.heads.base import Lattice
-from lilicorr_pl.heads.lattice import greedy_walk, oracle_prefix, prefix_length
+from lilicorr_pl.heads.lattice import oracle_prefix, prefix_length
 
 
 def logfactor_spread(lattice: Lattice) -> torch.Tensor:
@@ -44,8 +44,9 @@ def lattice_diagnostics(
         drafter_logits: ``[M, S, V]`` drafter logits.
         labels: ``[M, S]`` true tokens (arbitrary where ``label_mask`` is False).
         label_mask: ``[M, S]`` bool, supervised slots.
-        selected_tokens: ``[M, S]`` tokens chosen by the selector. Default: the greedy walk over
-            ``lattice`` when given, else the drafter's top-1.
+        selected_tokens: ``[M, S]`` tokens chosen by the selector (the system passes
+            ``HeadOutput.selected``). Default: the greedy walk over ``lattice`` when given, else the
+            drafter's top-1.
         top_k: lattice width for the oracle when ``lattice`` is None (the drafter's own top-K).
 
     Returns:
@@ -65,8 +66,7 @@ def lattice_diagnostics(
         candidates = drafter_logits.topk(k, dim=-1).indices  # [M, S, K]
     if selected_tokens is None:
         if lattice is not None:
-            index = greedy_walk(lattice.start, lattice.pair)  # [M, S]
-            selected_tokens = candidates.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+            selected_tokens = lattice.tokens_at(lattice.walk("greedy"))  # [M, S]
         else:
             selected_tokens = top1
     if selected_tokens.shape != labels.shape:
