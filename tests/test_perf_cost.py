@@ -11,8 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import save_tiny_target
+from lilicorr_pl.heads.base import SelectContext
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
-from lilicorr_pl.models.dflash import DFlashDrafter
+from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput
 from lilicorr_pl.perf import (
     ROOFLINES,
     drafter_round_ops,
@@ -136,8 +137,9 @@ def test_head_select_flops_equal_torch_flop_counter(tiny, width, batch, top_k):
         H, VOCAB, block_size=BLOCK)
     assert isinstance(head.token_proj, torch.nn.Identity) == (width == H)
     hidden, logits = torch.randn(batch, SLOTS, H), torch.randn(batch, SLOTS, VOCAB)
-    anchor = torch.randn(batch, H)
-    n = counted(lambda: head.select(hidden, logits, anchor, target.embed, top_k=top_k))
+    draft = DraftOutput(hidden, logits, torch.randn(batch, H), torch.ones(batch, dtype=torch.bool))
+    context = SelectContext(torch.zeros(batch, dtype=torch.long), torch.full((batch,), 20), target.embed)
+    n = counted(lambda: head.select(draft, context, top_k=top_k))
     assert n == pytest.approx(flops(head_round_ops(head, SLOTS, top_k, batch)), rel=1e-3)
 
 
