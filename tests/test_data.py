@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
@@ -12,9 +13,10 @@ import torch
 from helpers import make_tiny_target_dir
 from transformers import AutoTokenizer
 
-from lilicorr_pl.data import formats
-from lilicorr_pl.data.cache import CacheError, cached_candidate_logits
-from lilicorr_pl.data.datamodule import DraftDataModule, ResumableShuffleSampler, precompute_throughput
+from lilicorr_pl.data import CacheError, cached_candidate_logits, formats
+from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.data.precompute import precompute_throughput
+from lilicorr_pl.data.sampling import epoch_order, train_sampler
 from lilicorr_pl.data.formats import DataFormatError, load_examples, pack_examples, tokenize_chat
 from lilicorr_pl.target import FrozenTarget, TargetSpec
 
@@ -303,6 +305,7 @@ def make_dm(train_file, target_dir, cache_dir, **kw) -> DraftDataModule:
         max_length=64,
         val_fraction=0.2,
         progress=False,
+        shard_tokens=200,  # several shards
     )
     args.update(kw)
     return DraftDataModule([train_file], **args)
@@ -364,16 +367,21 @@ def test_datamodule_batches_keys_shapes_and_logit_alignment(tmp_path, train_file
 
 def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train_file, target_dir, monkeypatch):
     cache_dir = tmp_path / "cache"
-    # 1. A crash mid-precompute leaves no cache in place (only the finished tokens cache).
-    crash = CountingForward(monkeypatch, fail_on=2)
+    # 1. A crash mid-precompute leaves no logit cache under its real name (only the finished tokens cache) ...
+    crash = CountingForward(monkeypatch, fail_on=4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         make_dm(train_file, target_dir, cache_dir).prepare_data()
-    assert sorted(p.name.split("-")[0] for p in cache_dir.iterdir()) == ["tokens"]
-    assert crash.calls == 2
-    # 2. The next run recomputes and succeeds.
+    assert [p.name.split("-")[0] for p in cache_dir.iterdir() if not p.name.startswith(".")] == ["tokens"]
+    assert crash.calls == 4
+    # ... but keeps the shards it finished: the next run computes only the others' batches.
+    tokens = make_dm(train_file, target_dir, cache_dir).precompute_job().splits[0].tokens
+    batches = [math.ceil((b - a) / 4) for a, b in tokens.shard_examples]  # precompute_batch_size 4, per shard
+    partial = next(cache_dir.glob(".logits-*.partial"))
+    finished = [int(p.name[6:11]) for p in partial.glob("shard-*.safetensors")]
+    assert len(batches) >= 3 and finished and sum(batches[s] for s in finished) < 4
     counter = CountingForward(monkeypatch)
     make_dm(train_file, target_dir, cache_dir).prepare_data()
-    assert counter.calls == 5  # 20 examples / precompute_batch_size 4
+    assert counter.calls == sum(batches) - sum(batches[s] for s in finished)
     first = sorted(p.name for p in cache_dir.iterdir())
     assert [n.split("-")[0] for n in first] == ["logits", "tokens"]
     # 3. Identical inputs reuse the cache: no forward pass, no model load, same directories.
@@ -398,11 +406,11 @@ def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train
     changed.write_text(Path(train_file).read_text() + json.dumps({"text": "one more line"}) + "\n")
     assert make_dm(str(changed), target_dir, cache_dir).cache_paths()["tokens"] != base["tokens"]
     # 5. A corrupt cache is refused by prepare_data and setup, never silently used or rebuilt.
-    npy = base["logits"] / "topm_logits.npy"
-    npy.write_bytes(npy.read_bytes()[:-10])
-    with pytest.raises(CacheError, match=r"topm_logits\.npy.*delete the directory"):
+    shard = base["logits"] / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors .*truncated.*delete"):
         make_dm(train_file, target_dir, cache_dir).prepare_data()
-    with pytest.raises(CacheError, match=r"topm_logits\.npy"):
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors"):
         make_dm(train_file, target_dir, cache_dir).setup("fit")
     assert counter.calls == 0
 
@@ -433,17 +441,14 @@ def test_val_files_and_no_validation(tmp_path, train_file, target_dir):
     assert dm.val_dataset is None and dm.val_dataloader() == []
 
 
-def test_sampler_is_seeded_per_epoch_and_resumes():
-    s = ResumableShuffleSampler(10, seed=3)
+def test_training_order_is_seeded_per_epoch():
+    s = train_sampler(10, seed=3)
     e0 = list(s)
     s.set_epoch(1)
     e1 = list(s)
     assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
-    assert ResumableShuffleSampler(10, seed=3).order(1) == e1
-    s2 = ResumableShuffleSampler(10, seed=3)
-    s2.epoch, s2.skip = 1, 4
-    assert list(s2) == e1[4:] and len(s2) == 10
-    assert list(s2) == e1  # the skip applies once
+    assert epoch_order(10, 3, 1) == e1 and epoch_order(10, 4, 1) != e1
+    assert list(train_sampler(10, seed=3)) == e0  # the same seed gives the same order in a new process
 
 
 def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_path, train_file, target_dir):
@@ -460,11 +465,19 @@ def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_pat
     it = iter(dm.train_dataloader())
     head = [i for _ in range(3) for i in next(it)["index"].tolist()]
     state = dm.state_dict()
-    assert state == {"epoch": 0, "consumed": 6, "seed": 0, "num_samples": 16}
+    assert state["order"] == {"seed": 0, "examples": 16, "replicas": 1, "batch_size": 2}
     other = fresh()
     other.load_state_dict(state)
     tail = [i for batch in other.train_dataloader() for i in batch["index"].tolist()]
     assert head + tail == order
+    # The state of another data order is refused with a warning: the epoch starts from its beginning.
+    changed = make_dm(train_file, target_dir, tmp_path / "cache", batch_size=2, seed=1)
+    changed.prepare_data()
+    changed.setup("fit")
+    changed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="does not match"):
+        loader = changed.train_dataloader()
+    assert len([i for batch in loader for i in batch["index"].tolist()]) == 16
     # Workers get paths, not copies of the memory-mapped caches.
     blob = pickle.dumps(dm.train_dataset)
     assert len(blob) < 4096
@@ -522,7 +535,7 @@ def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_
     dm = make_dm(train_file, target_dir, tmp_path / "cache", feature_cache=True)
     dm.prepare_data()
     before = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    res = precompute_throughput(dm)
+    res = precompute_throughput(dm.precompute_job(only_missing=False), dm.load_target())
     assert res["forward_s"] > 0 and res["precompute_s"] > 0 and res["tokens"] > 0
     assert res["ratio"] == pytest.approx(res["forward_s"] / res["precompute_s"])
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == before  # measured in a temp dir
