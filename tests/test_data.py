@@ -539,3 +539,58 @@ def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_
     assert res["forward_s"] > 0 and res["precompute_s"] > 0 and res["tokens"] > 0
     assert res["ratio"] == pytest.approx(res["forward_s"] / res["precompute_s"])
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == before  # measured in a temp dir
+
+
+def test_batches_pad_to_the_longest_or_to_fixed_lengths(tmp_path, train_file, target_dir):
+    from lilicorr_pl.data import pad_length
+
+    assert pad_length(13, None) == 13 and pad_length(13, [16, 32]) == 16 and pad_length(16, [16, 32]) == 16
+    with pytest.raises(ValueError, match="exceeds the largest length bucket 32"):
+        pad_length(33, [16, 32])
+    lengths = {}
+    for pad_to in ("longest", "buckets", "max_length"):
+        dm = make_dm(train_file, target_dir, tmp_path / "cache", pad_to=pad_to)
+        dm.prepare_data()
+        dm.setup("fit")
+        batches = list(dm.train_dataloader()) + list(dm.val_dataloader())
+        for b in batches:  # padding is never supervised and never has target-logit rows
+            pad = b["attention_mask"] == 0
+            assert not b["loss_mask"][pad].any() and not b["logit_valid"][pad].any()
+            assert b["topm_ids"].shape[1] == b["input_ids"].shape[1]
+            longest = int(b["attention_mask"].sum(1).max())
+            lengths.setdefault(pad_to, []).append((longest, b["input_ids"].shape[1]))
+    assert all(width == longest for longest, width in lengths["longest"])
+    assert all(width == min(n for n in (16, 32, 48, 64) if n >= longest) for longest, width in lengths["buckets"])
+    assert dm.buckets() == [64] and {width for _, width in lengths["max_length"]} == {64}
+    with pytest.raises(ValueError, match=r"length_buckets must be ascending .* >= data.max_length 64"):
+        make_dm(train_file, target_dir, tmp_path / "cache", pad_to="buckets", length_buckets=[16, 32])
+    with pytest.raises(ValueError, match="only read with data.pad_to: buckets"):
+        make_dm(train_file, target_dir, tmp_path / "cache", length_buckets=[64])
+
+
+def test_a_fit_loads_the_target_weights_once(tmp_path, train_file, target_dir, monkeypatch):
+    """The data module's precompute and the system's configure_model share one loaded target."""
+    import transformers
+
+    from lilicorr_pl.losses import DFlashCE, DistractorPenalty, OraclePrefixCE
+    from lilicorr_pl.heads import LiLiCorrHead
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    import lilicorr_pl.target
+
+    monkeypatch.setattr(lilicorr_pl.target, "_SHARED", {})  # a fresh process: nothing loaded yet
+    loads = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loads.append(a[0]) or original(*a, **k))
+    spec = TargetSpec(target_dir, layer_ids=[1, 4])
+    system = DraftSystem(spec, DFlashDrafter(num_layers=1, block_size=4), head=LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4),
+                         losses=[DFlashCE(), OraclePrefixCE(), DistractorPenalty()], num_anchors=8, target_logits="cache",
+                         lr_scheduler=None)
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", val_fraction=0.0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(system, datamodule=dm)
+    assert any(p.name.startswith("logits-") for p in (tmp_path / "cache").iterdir())  # the precompute ran the target
+    assert loads == [target_dir] and system.target is not None

@@ -363,7 +363,7 @@ class DraftDataModule(L.LightningDataModule):
             "formats": stats.formats, "pad_id": int(pad_id), "enable_thinking": self.enable_thinking,
             "chat_template": effective_chat_template(self.tokenizer, self.chat_template),
         }
-        writer.finalize(shards, meta, provenance(written_by="prepare_data"))
+        writer.finalize(shards, meta, provenance(written_by="tokenize", processes=1))
 
     # ------------------------------------------------------------------ setup: reads
     def setup(self, stage: str | None = None) -> None:

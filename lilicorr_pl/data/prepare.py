@@ -11,6 +11,7 @@ same ``data.cache_dir`` (one node, or a shared file system).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ def prepare(
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=datamodule.progress,
         use_distributed_sampler=False, callbacks=[_ShardWriter(data)],
     )
-    trainer.predict(_TargetPass(datamodule._spec(), data), datamodule=data, return_predictions=False)
+    with warnings.catch_warnings():  # the writer needs no batch indices: each batch names its shard and examples
+        warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")
+        trainer.predict(_TargetPass(datamodule._spec(), data), datamodule=data, return_predictions=False)
     trainer.strategy.barrier("lilicorr-prepare")  # every shard is on disk past this point
     if not trainer.is_global_zero:
         return {}

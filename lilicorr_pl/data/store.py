@@ -37,11 +37,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from lilicorr_pl.data.fingerprint import _json_default, file_sha256, fingerprint
+from lilicorr_pl.data.fingerprint import _json_default, canonical_json, file_sha256, fingerprint
 from lilicorr_pl.files import write_json_atomic
 
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+# One metadata entry holding canonical JSON: safetensors writes several entries in a per-process hash order,
+# which would make the same shard's bytes depend on the process that wrote it.
+METADATA_KEY = "lilicorr"
 Verify = Literal["full", "size"]
 
 #: The tensors every shard of a store kind holds (per-shard ``offsets`` are local, starting at 0).
@@ -70,7 +73,8 @@ def _fail(path: Path, problem: str) -> CacheError:
 def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
     """A shard's metadata and ``{tensor: (dtype, shape)}``, reading only its header."""
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {}), {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+        meta = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
+        return meta, {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def provenance(**extra: Any) -> dict[str, Any]:
@@ -116,7 +120,8 @@ class StoreWriter:
             raise ValueError(f"a {self.kind} shard needs tensors {sorted(missing)}")
         meta = {"fingerprint": self.fingerprint, "kind": self.kind, "shard": str(index),
                 "examples": f"{int(examples[0])}:{int(examples[1])}"}
-        data = safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=meta)
+        data = safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                                 metadata={METADATA_KEY: canonical_json(meta)})
         self.partial.mkdir(parents=True, exist_ok=True)
         path = self.partial / shard_name(index)
         tmp = self.partial / f".{path.name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
