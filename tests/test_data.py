@@ -594,3 +594,31 @@ def test_a_fit_loads_the_target_weights_once(tmp_path, train_file, target_dir, m
     trainer.fit(system, datamodule=dm)
     assert any(p.name.startswith("logits-") for p in (tmp_path / "cache").iterdir())  # the precompute ran the target
     assert loads == [target_dir] and system.target is not None
+
+
+def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, capsys):
+    """`lilicorr prepare -c CONFIG` builds the stores a `lilicorr fit` of the same config then only opens."""
+    import lilicorr_pl.data.datamodule as datamodule_module
+    from lilicorr_pl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["-c", str(root / "configs" / "tiny.yaml"), f"--data.cache_dir={tmp_path / 'cache'}",
+            "--trainer.accelerator=cpu", "--data.progress=false"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", "--help"])
+    assert exit_.value.code == 0 and "lilicorr prepare" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", *args, "--data.pad_to=sideways"])
+    assert exit_.value.code == 2  # rejected while parsing, before any work
+    paths = main(["prepare", *args])["train"]
+    assert sorted(paths) == ["logits", "tokens"] and all(p.is_dir() for p in paths.values())  # tiny.yaml reads the cache
+
+    def no_precompute(*a, **k):
+        raise AssertionError("fit recomputed a store that `lilicorr prepare` wrote")
+
+    monkeypatch.setattr(datamodule_module, "run_in_process", no_precompute)
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", *args, "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"])
+    assert cli.trainer.global_step == 1 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        p.name for p in paths.values())

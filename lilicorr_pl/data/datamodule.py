@@ -45,9 +45,6 @@ from lilicorr_pl.data.sampling import ResumableLoader, ShardedEvalSampler, train
 from lilicorr_pl.data.store import SCHEMA_VERSION, CacheError, Store, StoreWriter, open_store, provenance
 from lilicorr_pl.target import FrozenTarget, TargetSpec
 
-KINDS = ("tokens", "logits", "features")
-
-
 def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
     if target is None or isinstance(target, TargetSpec):
         return target

@@ -132,16 +132,14 @@ def compute_batch(target: Any, batch: Mapping[str, Any], top_m: int | None, feat
         rows, pos = batch["row_batch"], batch["row_pos"]  # [R] each: supervised (batch row, position t)
         true_ids = ids[rows, pos]
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for c in range(0, len(rows), head_chunk):
+        for c in range(0, max(1, len(rows)), head_chunk):
             sl = slice(c, c + head_chunk)
             # Row t holds the distribution predicting token t: the logits at t - 1.
             logits = target.lm_head(res.normed_hidden[rows[sl], pos[sl] - 1]).float()  # [rows, V]
             vals, top = logits.topk(top_m, dim=-1)
             parts.append((top.to(torch.int32), vals.to(torch.float16), logits.gather(-1, true_ids[sl, None])[:, 0]))
-        empty = ids.new_zeros((0, top_m))
-        out["topm_ids"] = torch.cat([p[0] for p in parts]).cpu() if parts else empty.to(torch.int32).cpu()
-        out["topm_logits"] = torch.cat([p[1] for p in parts]).cpu() if parts else empty.to(torch.float16).cpu()
-        out["true_logit"] = torch.cat([p[2] for p in parts]).cpu() if parts else ids.new_zeros(0).float().cpu()
+        for name, values in zip(("topm_ids", "topm_logits", "true_logit"), zip(*parts)):
+            out[name] = torch.cat(values).cpu()
     return out
 
 

@@ -214,9 +214,6 @@ class Store:
     def starts(self) -> np.ndarray:
         return np.array([a for a, _ in self.shard_examples], dtype=np.int64)
 
-    def nbytes(self) -> int:
-        return sum(int(s["bytes"]) for s in self.manifest["shards"])
-
     def locate(self, example: int) -> tuple[int, int]:
         """(shard, index inside the shard) of a global example index."""
         shard = int(np.searchsorted(self.starts, example, side="right")) - 1
