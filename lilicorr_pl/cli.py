@@ -131,6 +131,8 @@ def _run_tool(name: str, argv: list[str]) -> Any:
 def main(args: Sequence[str] | None = None) -> Any:
     """Entry point of ``lilicorr`` and ``python -m lilicorr_pl``; tests call it with an argument list."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] == "prepare":
+        return _prepare(argv[1:])
     if argv and argv[0] in TOOLS:
         result = _run_tool(argv[0], argv[1:])
         # From the console, a tool's return value is data, not an exit status.
@@ -147,6 +149,43 @@ def main(args: Sequence[str] | None = None) -> Any:
     return cli if args is not None else None
 
 
+def _prepare(argv: list[str]) -> Any:
+    """``lilicorr prepare -c config.yaml``: the training config's data module, precomputed with the devices of
+    its ``trainer`` section (``--trainer.devices=8`` overrides) by ``lilicorr_pl.data.prepare.prepare``."""
+    import torch
+    from jsonargparse import Namespace, namespace_to_dict
+
+    from lilicorr_pl.data.prepare import prepare
+
+    class PrepareCLI(LilicorrCLI):
+        def instantiate_classes(self) -> None:
+            # The data module, and the system on the meta device (no weights, no warm starts) only to ask which
+            # stores the fit will read, as `fit` does; no trainer or logger is built.
+            model = self.config["model"].clone()
+            model.init_drafter_from = model.init_head_from = None
+            model.init_drafter_layers_from_target = False
+            parser = LightningArgumentParser(parser_mode="omegaconf")
+            parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
+            try:
+                self.datamodule = DraftDataModule(**namespace_to_dict(self.config["data"]))
+                with torch.device("meta"):
+                    system = parser.instantiate_classes(Namespace(model=model)).model
+            except (ValueError, TypeError) as err:
+                raise UserInputError(str(err).strip().splitlines()[-1]) from None
+            self.datamodule.require_logit_cache(system.needs_logit_cache(offline_features=self.datamodule.feature_cache))
+
+    try:
+        cli = PrepareCLI(DraftSystem, DraftDataModule, args=argv, run=False, save_config_callback=None,
+                         auto_configure_optimizers=False,
+                         parser_kwargs={"parser_mode": "omegaconf", "description": _prepare.__doc__})
+        trainer = cli.config["trainer"]
+        return prepare(cli.datamodule, accelerator=trainer["accelerator"], devices=trainer["devices"],
+                       num_nodes=trainer["num_nodes"])
+    except UserInputError as err:
+        print(f"lilicorr: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _make_cli(args: list[str] | None) -> LilicorrCLI:
     return LilicorrCLI(
         DraftSystem,
@@ -154,7 +193,8 @@ def _make_cli(args: list[str] | None) -> LilicorrCLI:
         args=args,
         parser_kwargs={
             "parser_mode": "omegaconf",
-            "description": (__doc__ or "") + "\nTools: " + ", ".join(f"{k} ({v[1]})" for k, v in TOOLS.items()),
+            "description": (__doc__ or "") + "\nTools: prepare (precompute the data module's caches on every device), "
+            + ", ".join(f"{k} ({v[1]})" for k, v in TOOLS.items()),
         },
         save_config_callback=LoggerSaveConfigCallback,
         save_config_kwargs={"overwrite": True},

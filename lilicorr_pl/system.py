@@ -328,6 +328,7 @@ class DraftSystem(L.LightningModule):
             dtype=spec.dtype,
             layer_ids=self.drafter.target_layer_ids,
             trust_remote_code=spec.trust_remote_code,
+            shared=True,  # the data module's precompute in this process loaded the same weights: reuse them
             **spec.load_kwargs,
         )
         if target.tokenizer is not None:
@@ -555,7 +556,7 @@ class DraftSystem(L.LightningModule):
                     "model.target_logits='cache' but the batch has no target-logit cache; set "
                     "data.logit_cache: true or model.target_logits: exact"
                 )
-            from lilicorr_pl.data.cache import cached_candidate_logits
+            from lilicorr_pl.data import cached_candidate_logits
 
             rows = (b_idx.unsqueeze(1).expand_as(label_pos), label_pos)
             topm_ids, topm_logits = batch["topm_ids"][rows], batch["topm_logits"][rows]  # [M, S, Mtop]

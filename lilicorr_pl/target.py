@@ -149,7 +149,7 @@ class FrozenTarget(nn.Module):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_spec(cls, spec: TargetSpec, device: str | torch.device | None = None) -> FrozenTarget:
+    def from_spec(cls, spec: TargetSpec, device: str | torch.device | None = None, shared: bool = False) -> FrozenTarget:
         return cls.from_pretrained(
             spec.name_or_path,
             dtype=spec.dtype,
@@ -157,6 +157,7 @@ class FrozenTarget(nn.Module):
             num_features=spec.num_features,
             trust_remote_code=spec.trust_remote_code,
             device=device,
+            shared=shared,
             **spec.load_kwargs,
         )
 
@@ -170,14 +171,34 @@ class FrozenTarget(nn.Module):
         trust_remote_code: bool = False,
         device: str | torch.device | None = None,
         load_tokenizer: bool = True,
+        shared: bool = False,
         **load_kwargs: Any,
     ) -> FrozenTarget:
-        """Load a target by hub name or local path through ``AutoModelForCausalLM.from_pretrained``."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load a target by hub name or local path through ``AutoModelForCausalLM.from_pretrained``.
 
+        ``shared=True`` loads the weights once per process: later shared loads of the same files with the
+        same settings wrap the same model (the data module's precompute and the training system's
+        ``configure_model`` use it, so a fit reads the target once).
+        """
         from lilicorr_pl.builtin import resolve_target_path
 
         name_or_path = resolve_target_path(name_or_path)
+        key = _shared_key(name_or_path, resolve_dtype(dtype), trust_remote_code, load_tokenizer, load_kwargs) if shared else None
+        if key in _SHARED:
+            model, tokenizer = _SHARED[key]
+        else:
+            model, tokenizer = cls._load(name_or_path, dtype, trust_remote_code, load_tokenizer, load_kwargs)
+            if key is not None:
+                _SHARED[key] = (model, tokenizer)
+        if device is not None:
+            model.to(device)
+        return cls(model, layer_ids, num_features, tokenizer=tokenizer, name_or_path=str(name_or_path))
+
+    @staticmethod
+    def _load(name_or_path: str, dtype: str | torch.dtype, trust_remote_code: bool, load_tokenizer: bool,
+              load_kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         torch_dtype = resolve_dtype(dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -189,12 +210,10 @@ class FrozenTarget(nn.Module):
                 "Pass a local directory saved with save_pretrained, or a hub name on a machine with "
                 "network access (model.target.name_or_path)."
             ) from err
-        if device is not None:
-            model.to(device)
         tokenizer = None
         if load_tokenizer:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        return cls(model, layer_ids, num_features, tokenizer=tokenizer, name_or_path=str(name_or_path))
+        return model, tokenizer
 
     # ------------------------------------------------------------------ structure
     @property
@@ -353,6 +372,21 @@ class FrozenTarget(nn.Module):
         # A negative argument means "drop this many tokens" in every transformers version (4.x also
         # accepts a positive length; 5.x reads crop(0) as "drop nothing").
         cache.crop(length - current)
+
+
+#: Targets loaded with ``shared=True``: (model, tokenizer) by ``_shared_key``, for the life of the process.
+_SHARED: dict[str, tuple[nn.Module, Any]] = {}
+
+
+def _shared_key(path: str, dtype: Any, trust_remote_code: bool, load_tokenizer: bool, load_kwargs: dict[str, Any]) -> str:
+    """Same files (names, sizes, modification times) and same load settings -> same key."""
+    import json
+    from pathlib import Path
+
+    local = Path(path)
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in local.iterdir() if p.is_file()) \
+        if local.is_dir() else None
+    return json.dumps([path, files, str(dtype), trust_remote_code, load_tokenizer, load_kwargs], sort_keys=True, default=str)
 
 
 class _FeatureTap:

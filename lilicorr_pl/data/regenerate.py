@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lilicorr_pl.data.cache import file_sha256, text_sha256
+from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.data.formats import (
     DataFormatError,

@@ -92,13 +92,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def stage_key(**parts: Any) -> str:
     """A short hash of everything a stage depends on; its artifacts live under this key."""
-    from lilicorr_pl.data.cache import fingerprint
+    from lilicorr_pl.data.fingerprint import fingerprint
 
     return fingerprint(parts)[:12]
 
 
 def file_digest(path: Path) -> str:
-    from lilicorr_pl.data.cache import file_sha256
+    from lilicorr_pl.data.fingerprint import file_sha256
 
     return file_sha256(path)[:16]
 
