@@ -29,7 +29,8 @@ class CorrectorHead(Selector):
     """
 
     uses_corrector: bool = True
-    """Trained with :class:`~lilicorr_pl.losses.CorrectorCE` on :meth:`corrected_logits`."""
+    """Trained on :meth:`corrected_logits`: :class:`~lilicorr_pl.losses.CorrectorCE` (Domino),
+    :class:`~lilicorr_pl.losses.DSparkLoss` (DSpark)."""
     needs_anchor_token: bool = True
     """:meth:`select` needs ``anchor_tokens=`` (the token ``x_0`` the block starts from)."""
 
