@@ -379,6 +379,7 @@ class DraftSystem(L.LightningModule):
             "mask_token_id": self.drafter.mask_token_id,
             "enable_thinking": getattr(dm, "enable_thinking", None),
             "chat_template": getattr(dm, "chat_template", None),
+            "stop_token_ids": self.target.stop_token_ids() if self.target is not None else None,
             "version": __import__("lilicorr_pl").__version__,
             "total_steps": self._run_total_steps,  # the run length curricula anneal over
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
