@@ -493,3 +493,35 @@ def test_speculative_decoding_feeds_the_anchor_and_stays_lossless(name, tmp_path
     assert got.num_rounds > 1
     starts = [sum(a + 1 for a in got.accepted_lengths[:r]) for r in range(got.num_rounds)]
     assert anchors == [got.tokens[i] for i in starts]
+
+
+def test_domino_curriculum_spans_the_whole_run_of_a_trainer(tmp_path):
+    """λ falls from 1 to 0 over trainer.estimated_stepping_batches (here: 2 epochs of 3 batches), not a fixed count."""
+    import lightning as L
+    from helpers import make_tiny_target_dir
+    from torch.utils.data import DataLoader
+
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    system = DraftSystem(
+        target={"name_or_path": make_tiny_target_dir(tmp_path, layers=4, hidden=32), "layer_ids": [0, 2]},
+        drafter=DFlashDrafter(num_layers=1, block_size=4), head=DominoHead(gru_hidden=8, rank=4),
+        losses=[CorrectorCE()], num_anchors=4, lr_scheduler=None,
+    )
+    ids = torch.randint(3, 300, (6, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "attention_mask": torch.ones_like(x), "loss_mask": torch.ones_like(x)} for x in ids]
+
+    class Lambdas(L.Callback):
+        seen: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(trainer.callback_metrics["train/corrector_ce/lambda"].item())
+
+    recorder = Lambdas()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+                        log_every_n_steps=1, limit_val_batches=0)
+    trainer.fit(system, DataLoader(data, batch_size=2))
+    assert trainer.estimated_stepping_batches == 6
+    assert recorder.seen == pytest.approx([1 - t / 6 for t in range(6)])
