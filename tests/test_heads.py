@@ -343,7 +343,8 @@ def test_viterbi_option_decodes_the_best_path(embedding):
         sel = _head(decode="viterbi").select(sh, sl, a, embedding)
     lat = sel.lattice
     for b in range(8):
-        best = max(itertools.product(range(lat.top_k), repeat=4), key=lambda p: _manual_score(lat.start[b], lat.pair[b], p))
+        paths = itertools.product(range(lat.top_k), repeat=4)
+        best = max(paths, key=lambda p: _manual_score(lat.start[b], lat.pair[b], p))
         assert tuple(sel.lattice_index[b].tolist()) == best
     assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
 

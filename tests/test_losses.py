@@ -152,8 +152,9 @@ def _two_blocks(second_mask=(True, True, False)) -> LossInputs:
     skipping the whole block, as the reference does, removes it from the losses.
     """
     lattice, labels = _hand_lattice()
-    lattice = Lattice(lattice.candidates.repeat(2, 1, 1), lattice.start.detach().repeat(2, 1) * torch.tensor([[1.0], [3.0]]),
-                      lattice.pair.detach().repeat(2, 1, 1, 1), torch.zeros(2, 3, 2))
+    start = lattice.start.detach().repeat(2, 1) * torch.tensor([[1.0], [3.0]])  # block 1 scores differently
+    lattice = Lattice(lattice.candidates.repeat(2, 1, 1), start, lattice.pair.detach().repeat(2, 1, 1, 1),
+                      torch.zeros(2, 3, 2))
     mask = torch.tensor([[True, True, True], list(second_mask)])
     return LossInputs(torch.zeros(2, 3, 12), labels.repeat(2, 1), mask, lattice, lambda ids: ids.float())
 

@@ -70,7 +70,9 @@ class CorrectorCE(LossComponent):
         super().__init__(weight=weight, name=name)
         self.gamma = check_gamma(type(self).__name__, gamma)
         if not (isinstance(anneal_fraction, (int, float)) and 0 < anneal_fraction <= 1):
-            raise ValueError(f"CorrectorCE anneal_fraction must be in (0, 1] (1 = the whole run), got {anneal_fraction!r}")
+            raise ValueError(
+                f"CorrectorCE anneal_fraction must be in (0, 1] (1 = the whole run), got {anneal_fraction!r}"
+            )
         if anneal_steps is not None and (
             isinstance(anneal_steps, bool) or int(anneal_steps) != anneal_steps or anneal_steps < 0
         ):
