@@ -121,6 +121,7 @@ class LilicorrCLI(LightningCLI):
         if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
             # The logit cache is only worth computing when an active loss reads target logits.
             dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
+            self.model.check_offline_features(dm.feature_cache)
 
 
 def _run_tool(name: str, argv: list[str]) -> Any:

@@ -310,6 +310,116 @@ def test_training_and_decoding_walk_the_same_path(embedding, decode):
         assert torch.equal(sel.lattice_index[:, 0], first)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference_scores(head: LiLiCorrHead, slot_hidden, slot_logits, anchor, valid, embedding):
+    """DESIGN §4.2 written out by hand from the head's parameters (by their served names), block by block.
+
+    Shares no code with the head: node vector = token_proj(E[c]) + pass_hidden_proj(h_s) +
+    feature MLP (LayerNorm(5) -> Linear -> SiLU -> Linear) of the five confidence features + slot and
+    rank embeddings; pre-RMSNorm transformer layers with per-head softmax(QKᵀ/√d + b_h[s_i - s_j] +
+    same_slot_h·[s_i = s_j]) attention over all S·K nodes; output RMSNorm; anchor a = RMSNorm(valid ·
+    context_proj(anchor)); z = SiLU(W [h, a, h ⊙ a] + b); start_j = σ·cos(W_anchor a, W_in z_{1,j}),
+    pair_{s,i,j} = σ·cos(W_out z_{s,i}, W_in z_{s+1,j}).
+    """
+    w = {k: v.double() for k, v in head.state_dict().items()}
+    eps, sigma, heads, k = head.rms_norm_eps, head.logit_scale, head.num_heads, head.top_k
+    m, s, _ = slot_hidden.shape
+    lin = lambda x, name: x @ w[f"{name}.weight"].T + w[f"{name}.bias"]  # noqa: E731
+    starts, pairs = [], []
+    for b in range(m):
+        logp = slot_logits[b].double().log_softmax(-1)  # [S, V]
+        cand = slot_logits[b].topk(k, dim=-1).indices  # [S, K]
+        nodes, slot_of = [], []
+        for t in range(s):
+            lp = logp[t, cand[t]]  # [K]
+            for r in range(k):
+                feats = torch.tensor([lp[r], lp[r].exp(), lp[r] - lp[0], r / (k - 1), float(r == 0)],
+                                     dtype=torch.float64)
+                feats = torch.nn.functional.layer_norm(feats, (5,), w["feature_norm.weight"], w["feature_norm.bias"])
+                f = lin(torch.nn.functional.silu(lin(feats, "feature_mlp.up_proj")), "feature_mlp.down_proj")
+                e = embedding.weight[cand[t, r]].detach().double()
+                e = lin(e, "token_proj") if "token_proj.weight" in w else e
+                node = (e + lin(slot_hidden[b, t].double(), "pass_hidden_proj") + f
+                        + w["slot_embedding"][0, 0, t, 0] + w["rank_embedding"][0, 0, 0, r])
+                nodes.append(node)
+                slot_of.append(t)
+        x = torch.stack(nodes)  # [N, D]
+        n, d = x.shape
+        bias = torch.zeros(heads, n, n, dtype=torch.float64)
+        for i in range(n):
+            for j in range(n):
+                off = slot_of[i] - slot_of[j]
+                bias[:, i, j] = w["relative_slot_bias"][:, off + head.block_size - 1] + (
+                    w["same_slot_bias"] if off == 0 else 0.0)
+        for layer in range(head.num_layers):
+            p = f"layers.{layer}."
+            y = _rms(x, w[p + "attn_norm.weight"], eps)
+            q, kk, v = (y @ w[p + "attn.in_proj_weight"].T + w[p + "attn.in_proj_bias"]).chunk(3, dim=-1)
+            dh = d // heads
+            out = []
+            for h in range(heads):
+                qs, ks, vs = (t[:, h * dh:(h + 1) * dh] for t in (q, kk, v))
+                att = (qs @ ks.T / math.sqrt(dh) + bias[h]).softmax(-1)
+                out.append(att @ vs)
+            x = x + lin(torch.cat(out, dim=-1), p + "attn.out_proj")
+            y = _rms(x, w[p + "mlp_norm.weight"], eps)
+            x = x + lin(torch.nn.functional.silu(lin(y, p + "mlp.up_proj")), p + "mlp.down_proj")
+        x = _rms(x, w["output_norm.weight"], eps)
+        a = lin(anchor[b].double(), "context_proj") * float(valid[b])
+        a = _rms(a, w["anchor_norm.weight"], eps)
+        z = torch.nn.functional.silu(lin(torch.cat([x, a.expand_as(x), x * a], dim=-1), "factor_input_proj"))
+        unit = lambda t: t / t.norm(dim=-1, keepdim=True).clamp_min(head.vector_eps)  # noqa: E731
+        o, i_, u = unit(lin(z, "out_head")), unit(lin(z, "in_head")), unit(lin(a, "anchor_out_head"))
+        o, i_ = o.view(s, k, -1), i_.view(s, k, -1)
+        starts.append(sigma * (i_[0] @ u))
+        pairs.append(torch.stack([sigma * o[t] @ i_[t + 1].T for t in range(s - 1)]) if s > 1
+                     else torch.zeros(0, k, k, dtype=torch.float64))
+    return torch.stack(starts), torch.stack(pairs)
+
+
+def test_factor_and_start_scores_equal_a_hand_written_reference(embedding):
+    """Every score of the lattice against DESIGN §4.2 written out by hand, on random weights (not just bounds)."""
+    for kwargs in ({}, {"hidden_size": H, "num_layers": 1, "top_k": 3}):  # with and without token_proj
+        head = _head(**kwargs).double()
+        sh, sl, a, _ = _inputs(m=4, s=4, seed=21)
+        valid = torch.tensor([True, False, True, True])
+        with torch.no_grad():
+            lat = head.score_lattice(sh.double(), sl.double(), a.double(), valid, embedding.double())
+            start, pair = _reference_scores(head, sh, sl, a, valid, embedding.double())
+        torch.testing.assert_close(lat.start, start.to(lat.start.dtype), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lat.pair, pair.to(lat.pair.dtype), atol=1e-5, rtol=1e-5)
+        assert start.abs().max() > 0.5 and pair.abs().max() > 0.5  # real scores, not a collapsed lattice
+    # select(): the greedy rule of DESIGN §4.2 step 7 applied by hand to the reference scores.
+    head = _head()
+    sh, sl, a, _ = _inputs(m=6, s=5, seed=22)
+    with torch.no_grad():
+        sel = _select(head, sh, sl, a, embedding)
+        start, pair = _reference_scores(head.double(), sh, sl, a, torch.ones(6, dtype=torch.bool), embedding.double())
+    cand = sl.topk(head.top_k, dim=-1).indices
+    for b in range(6):
+        j = int(start[b].argmax())
+        expected = [int(cand[b, 0, j])]
+        for t in range(4):
+            j = int(pair[b, t, j].argmax())
+            expected.append(int(cand[b, t + 1, j]))
+        assert sel.tokens[b].tolist() == expected
+
+
+def test_viterbi_option_decodes_the_best_path(embedding):
+    sh, sl, a, _ = _inputs(m=8, s=4, seed=9)
+    with torch.no_grad():
+        sel = _select(_head(decode="viterbi"), sh, sl, a, embedding)
+    lat = sel.lattice
+    for b in range(8):
+        paths = itertools.product(range(lat.top_k), repeat=4)
+        best = max(paths, key=lambda p: _manual_score(lat.start[b], lat.pair[b], p))
+        assert tuple(sel.lattice_index[b].tolist()) == best
+    assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
+
+
 def test_serving_with_smaller_top_k(embedding):
     head = _head(top_k=4)
     sh, sl, a, valid = _inputs()

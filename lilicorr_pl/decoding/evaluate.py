@@ -161,6 +161,7 @@ def evaluate_arm(
     record_rounds: int = 4,
     timing: bool = False,
     draft_sampling: DraftSamplingRule = "proposal",
+    stop_token_ids: Sequence[int] | None = None,
 ) -> ArmResult:
     """Speculative decoding over a prompt set with one selector.
 
@@ -173,6 +174,7 @@ def evaluate_arm(
             step time gives ``plain_step_ms`` and ``round_cost_ratio``.
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
         timing: on CUDA, synchronise at phase boundaries so the round split is exact (slower).
+        stop_token_ids: where generation stops; None = the target's own (``default_stop_token_ids``).
     """
     if reference is not None and len(reference) != len(prompts.input_ids):
         raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
@@ -190,7 +192,7 @@ def evaluate_arm(
         r = speculative_generate(
             target, drafter, selector, ids, max_new_tokens, temperature=temperature,
             generator=_generator(target, seed + i), record_rounds=record_rounds if recording else 0,
-            timing=timing, draft_sampling=draft_sampling,
+            timing=timing, draft_sampling=draft_sampling, stop_token_ids=stop_token_ids,
         )
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
         draft, head, verify = draft + r.draft, head + r.head, verify + r.verify

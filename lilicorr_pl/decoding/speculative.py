@@ -251,18 +251,8 @@ def verify_block(
 
 # ---------------------------------------------------------------------------------------- helpers
 def default_stop_token_ids(target: FrozenTarget) -> list[int]:
-    """EOS ids from the tokenizer, the model config and its generation config (union, sorted)."""
-    ids: set[int] = set()
-    sources = [
-        getattr(target.tokenizer, "eos_token_id", None),
-        getattr(target.config, "eos_token_id", None),
-        getattr(getattr(target.model, "generation_config", None), "eos_token_id", None),
-    ]
-    for value in sources:
-        if value is None:
-            continue
-        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return sorted(ids)
+    """The target's stop ids: :func:`lilicorr_pl.target.stop_token_ids`, the one place regeneration uses too."""
+    return target.stop_token_ids()
 
 
 def _stop_set(target: FrozenTarget, stop_token_ids: Sequence[int] | None) -> set[int]:

@@ -29,7 +29,9 @@ class CorrectorHead(Selector):
     call and the sequential decode (greedy, or sampled from the corrected distributions).
     """
 
-    uses_corrector = True  # trained with CorrectorCE on corrected_logits
+    uses_corrector: bool = True
+    """Trained on :meth:`corrected_logits`: :class:`~lilicorr_pl.losses.CorrectorCE` (Domino),
+    :class:`~lilicorr_pl.losses.DSparkLoss` (DSpark)."""
 
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _build_layers()")
