@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lilicorr_pl.decoding.benchmarks import PromptSet, load_prompts
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
+from lilicorr_pl.decoding.speculative import DRAFT_SAMPLING_RULES, DraftSamplingRule
 from lilicorr_pl.heads.top1 import Top1Selector
 
 TABLE_COLUMNS = ["prompt", "round", "anchor", "drafted", "target", "accepted", "acc"]
@@ -32,6 +33,10 @@ class AcceptanceEval(L.Callback):
     Every rank decodes its own slice of the prompts; the accepted-length histograms are summed across
     ranks, so every rank logs the same pooled values.
 
+    Generation stops where the training data's did: at the stop ids recorded in the checkpoint the
+    model was loaded from, else at the target's (:func:`lilicorr_pl.target.stop_token_ids`, the one
+    place regeneration takes them from too), never at a list of its own.
+
     Scalars go straight to ``trainer.loggers`` at ``global_step`` and into ``trainer.callback_metrics``
     (for monitors) rather than through ``LightningModule.log``: they come from both a train-batch hook
     and a validation hook, at steps unrelated to ``log_every_n_steps``, and must not be averaged.
@@ -43,8 +48,13 @@ class AcceptanceEval(L.Callback):
         num_prompts: prompts decoded per evaluation (split across ranks).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 = greedy (lossless against greedy decoding), > 0 samples.
+        draft_sampling: the T > 0 rule: ``"proposal"`` (selectors sample their drafts and return
+            ``q``; ``min(1, p/q)`` acceptance, as the serving engines do) or ``"point_mass"``
+            (deterministic drafts accepted iff equal to the target's sample).
         chat_template: wrap prompts in the tokenizer's chat template (None = by benchmark kind).
-        enable_thinking: the chat template's thinking flag (match the training data).
+        enable_thinking: the chat template's thinking flag. None (the default): the training data's, read
+            from the data module (``data.enable_thinking``) or, outside a fit, from the checkpoint the
+            model was loaded from; a value that contradicts the data module's is an error (DESIGN §9.7).
         prompt_tokens: token budget of each ``stdlib-heldout`` prefix.
         compare_top1: also decode with per-slot top-1 and log ``eval/tau_top1``.
         table_rows: prompts shown in the W&B table of drafted/accepted tokens.
@@ -59,8 +69,9 @@ class AcceptanceEval(L.Callback):
         num_prompts: int = 16,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
+        draft_sampling: DraftSamplingRule = "proposal",
         chat_template: bool | None = None,
-        enable_thinking: bool = False,
+        enable_thinking: bool | None = None,
         prompt_tokens: int = 64,
         compare_top1: bool = True,
         table_rows: int = 3,
@@ -75,6 +86,10 @@ class AcceptanceEval(L.Callback):
             raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
         if temperature < 0:
             raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
+        if draft_sampling not in DRAFT_SAMPLING_RULES:
+            raise ValueError(
+                f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}"
+            )
         if not every_n_train_steps and not on_validation_end:
             raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
         self.every_n_train_steps = every_n_train_steps or 0
@@ -83,6 +98,7 @@ class AcceptanceEval(L.Callback):
         self.num_prompts = num_prompts
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.draft_sampling = draft_sampling
         self.chat_template = chat_template
         self.enable_thinking = enable_thinking
         self.prompt_tokens = prompt_tokens
@@ -91,6 +107,7 @@ class AcceptanceEval(L.Callback):
         self.seed = seed
         self._prompts: PromptSet | None = None
         self._tokenizer: Any = None
+        self._stop_token_ids: list[int] | None = None
         self._last_step = -1
         self.last_results: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -112,23 +129,55 @@ class AcceptanceEval(L.Callback):
         """The benchmark's short name in metric keys: a prompts file by its stem."""
         return self.benchmark.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".jsonl")
 
-    def prompt_set(self, pl_module: Any) -> PromptSet:
-        """The fixed prompts (loaded and tokenized once)."""
+    def thinking_flag(self, trainer: Any, pl_module: Any) -> bool:
+        """The chat template's thinking flag of the training data: the data module's, else the checkpoint's."""
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        data_flag = getattr(datamodule, "enable_thinking", None)
+        saved = (getattr(pl_module, "checkpoint_meta", None) or {}).get("enable_thinking")
+        trained = data_flag if data_flag is not None else saved
+        if trained is None:
+            if self.enable_thinking is None:
+                raise ValueError(
+                    "AcceptanceEval cannot tell the training data's thinking flag: there is no data module with "
+                    "enable_thinking and the model was not loaded from a checkpoint that records it; set "
+                    "AcceptanceEval(enable_thinking=...) to the flag the data was rendered with"
+                )
+            return bool(self.enable_thinking)
+        if self.enable_thinking is not None and bool(self.enable_thinking) != bool(trained):
+            source = "data.enable_thinking" if data_flag is not None else "the checkpoint's enable_thinking"
+            raise ValueError(
+                f"AcceptanceEval enable_thinking={self.enable_thinking} contradicts {source}={trained}: the drafter "
+                "would be measured on prompts rendered unlike its training data; leave enable_thinking unset"
+            )
+        return bool(trained)
+
+    def stop_token_ids(self, pl_module: Any) -> list[int]:
+        """Where generation stops: the checkpoint's recorded stop ids, else the target's (one place for both)."""
+        if self._stop_token_ids is None:
+            saved = (getattr(pl_module, "checkpoint_meta", None) or {}).get("stop_token_ids")
+            stops = saved if saved is not None else pl_module._require_target().stop_token_ids()
+            self._stop_token_ids = [int(t) for t in stops]
+        return self._stop_token_ids
+
+    def prompt_set(self, pl_module: Any, trainer: Any = None) -> PromptSet:
+        """The fixed prompts (loaded and tokenized once, with the training data's thinking flag)."""
         if self._prompts is None:
             tokenizer = pl_module._require_target().tokenizer
             if tokenizer is None:
                 raise RuntimeError("AcceptanceEval needs the target's tokenizer; load the target with its tokenizer")
+            thinking = self.thinking_flag(trainer if trainer is not None else pl_module._trainer, pl_module)
             self._tokenizer = tokenizer
             self._prompts = load_prompts(
                 self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
-                enable_thinking=self.enable_thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
+                enable_thinking=thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
             )
         return self._prompts
 
-    def decode(self, pl_module: Any, rank: int = 0, world_size: int = 1) -> dict[str, ArmResult]:
+    def decode(self, pl_module: Any, rank: int = 0, world_size: int = 1, trainer: Any = None) -> dict[str, ArmResult]:
         """Speculative decoding of this rank's prompt slice with the head (``"head"``) and top-1."""
         target = pl_module._require_target()
-        prompts = self.prompt_set(pl_module)
+        prompts = self.prompt_set(pl_module, trainer)
+        stops = self.stop_token_ids(pl_module)
         mine = PromptSet(prompts.name, prompts.input_ids[rank::world_size], prompts.texts[rank::world_size],
                          prompts.chat_template, prompts.enable_thinking, prompts.meta)
         arms: dict[str, Any] = {"head": pl_module.head}
@@ -138,7 +187,8 @@ class AcceptanceEval(L.Callback):
         return {
             name: evaluate_arm(
                 target, pl_module.drafter, selector, mine, self.max_new_tokens, self.temperature, seed=self.seed,
-                record_examples=self.table_rows if rank == 0 else 0,
+                record_examples=self.table_rows if rank == 0 else 0, draft_sampling=self.draft_sampling,
+                stop_token_ids=stops,
             )
             for name, selector in arms.items()
         }
@@ -149,7 +199,7 @@ class AcceptanceEval(L.Callback):
             return self.last_results
         self._last_step = trainer.global_step
         with _full_parameters(trainer), torch.no_grad():
-            results = self.decode(pl_module, trainer.global_rank, trainer.world_size)
+            results = self.decode(pl_module, trainer.global_rank, trainer.world_size, trainer)
         pooled = {name: self._reduce(trainer, pl_module, r) for name, r in results.items()}
         if "top1" not in pooled and isinstance(pl_module.head, Top1Selector) and self.compare_top1:
             pooled["top1"] = pooled["head"]  # the head is top-1: same numbers, keeps dashboards comparable

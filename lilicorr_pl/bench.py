@@ -19,20 +19,30 @@ from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
 from lilicorr_pl.target import DeviceName
 
-SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")
-SelectorName = Literal[SELECTOR_NAMES]  # type: ignore[valid-type]
+SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
+DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
 
 
 def parse_selectors(spec: str | Sequence[str]) -> list[str]:
-    """``"top1,lilicorr"`` or ``["top1", "lilicorr"]`` -> ``["top1", "lilicorr"]``; unknown or repeats are errors."""
+    """``"top1,lilicorr"`` or ``["top1", "lilicorr"]`` -> ``["top1", "lilicorr"]``: registry names or class paths;
+    unknown or repeated ones are errors."""
+    from lilicorr_pl.heads.registry import selector_class
+
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = [s.strip().lower() for s in items if s.strip()]
+    names = [s.strip() for s in items if s.strip()]
+    names = [n if "." in n else n.lower() for n in names]
     if not names:
         raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
-    unknown = [s for s in names if s not in SELECTOR_NAMES]
+    unknown = []
+    for name in names:
+        try:
+            selector_class(name)
+        except ValueError:
+            unknown.append(name)
     if unknown:
         raise ValueError(
-            f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)}"
+            f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)} "
+            "or give a Selector class path"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"--selectors {spec!r} names a selector twice")
@@ -40,17 +50,19 @@ def parse_selectors(spec: str | Sequence[str]) -> list[str]:
 
 
 def selector_for(name: str, system: Any) -> Any:
-    """Map a selector name to a module: ``top1`` always; the others must be the checkpoint's head."""
-    from lilicorr_pl.heads.top1 import Top1Selector
+    """The selector registered as ``name`` (or at that class path): the checkpoint's own head when it is
+    one, a fresh instance of a parameter-free selector (``top1``), else an error."""
+    from lilicorr_pl.heads.registry import selector_class
 
-    if name == "top1":
-        return Top1Selector()
+    cls = selector_class(name)
     head = system.head
-    if name in type(head).__name__.lower():
+    if isinstance(head, cls):
         return head
+    if cls.parameter_free:
+        return cls()
     raise ValueError(
-        f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}); "
-        "use --selectors top1 or the name of the trained head"
+        f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}, "
+        f"registered as {head.name!r}); use --selectors top1 or {head.name or 'the trained head'}"
     )
 
 
@@ -64,8 +76,19 @@ def run_bench(
     chat_template: bool | None = None,
     enable_thinking: bool = False,
     seed: int = 0,
+    timing: bool = False,
+    draft_sampling: str = "both",
 ) -> list[dict[str, Any]]:
-    """Benchmark several selectors on one loaded system; one result dict per temperature."""
+    """Benchmark several selectors on one loaded system; one result dict per temperature.
+
+    ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
+    share) is device time rather than launch time; it adds the same few synchronisations per step to the
+    plain-decoding baseline and to every arm.
+    ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
+    the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
+    """
+    if draft_sampling not in DRAFT_SAMPLING_CHOICES:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_CHOICES}, got {draft_sampling!r}")
     from lilicorr_pl.decoding.benchmarks import load_prompts
     from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
 
@@ -78,7 +101,7 @@ def run_bench(
     warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
-        reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed)
+        reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed, timing=timing)
         out: dict[str, Any] = {
             "benchmark": benchmark,
             "temperature": temp,
@@ -90,12 +113,16 @@ def run_bench(
             "target": system.target_spec.name_or_path,
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
+            "synchronized_timing": timing,
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
+        rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]
+        out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name, selector in arms.items():
             r = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
-                             reference=reference)
+                             reference=reference, timing=timing,
+                             draft_sampling=rules[0] if rules else "proposal")
             out["selectors"][name] = {
                 "tau": r.tau,
                 "tokens_per_s": r.tokens_per_s,
@@ -115,14 +142,27 @@ def run_bench(
                 "rounds": r.rounds,
                 "num_tokens": r.num_tokens,
             }
+            for rule in rules[1:]:  # the other rule, same prompts and seeds
+                o = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
+                                 reference=reference, timing=timing, draft_sampling=rule)
+                out["selectors"][name][rule] = {
+                    "tau": o.tau,
+                    "per_position_acceptance": o.per_position_acceptance,
+                    "histogram": o.histogram,
+                    "tokens_per_s": o.tokens_per_s,
+                    "speedup_vs_target": o.tokens_per_s / target_tps if target_tps > 0 else math.nan,
+                    "rounds": o.rounds,
+                }
         runs.append(out)
     return runs
 
 
 def format_table(run: dict[str, Any]) -> str:
+    rule = run.get("draft_sampling")
     lines = [
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
-        f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}",
+        f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}"
+        + (f" draft_sampling={rule}" if rule else ""),
         f"target: {run['target_tokens_per_s']:.1f} tok/s   (tau includes the bonus token)",
         f"{'selector':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6} {'lossless':>8}  acceptance by position",
     ]
@@ -132,6 +172,8 @@ def format_table(run: dict[str, Any]) -> str:
             f"{name:<10} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} {r['speedup_vs_target']:>7.2f}x "
             f"{100 * r['head_time_fraction']:>5.1f} {str(r['lossless']):>8}  {acc}"
         )
+        if "point_mass" in r:
+            lines.append(f"{'':<10} {r['point_mass']['tau']:>6.2f} (tau with the point-mass rule)")
     return "\n".join(lines)
 
 
@@ -188,7 +230,8 @@ def bench(
     num_prompts: PositiveInt = 16,
     max_new_tokens: PositiveInt = 128,
     temperature: Sequence[NonNegativeFloat] = (0.0,),
-    selectors: Sequence[SelectorName] = ("top1", "lilicorr"),
+    selectors: Sequence[str] = ("top1", "lilicorr"),
+    draft_sampling: Literal["both", "proposal", "point_mass"] = "both",
     chat_template: Literal["auto", "yes", "no"] = "auto",
     device: DeviceName | None = None,
     trust_remote_code: bool = False,
@@ -201,8 +244,8 @@ def bench(
 
     Every selector runs on the same drafter, prompts and temperature, and is compared with plain target
     decoding measured in the same process; tau always includes the target's bonus token. Everything that
-    can be checked (checkpoint, benchmark, output paths, device, temperatures) is checked before the target
-    is loaded. Returns one result dict per temperature.
+    can be checked (checkpoint, selectors, benchmark, output paths, device, temperatures) is checked before
+    the target is loaded. Returns one result dict per temperature.
 
     Args:
         ckpt: checkpoint written by `lilicorr fit`.
@@ -210,8 +253,10 @@ def bench(
         num_prompts: prompts decoded (the first N of the benchmark).
         max_new_tokens: generation budget per prompt.
         temperature: one or more sampling temperatures (0 = greedy), e.g. 0,1.
-        selectors: selectors from top1, lilicorr, domino, dspark (top1 or the trained head's name), e.g.
-            top1,lilicorr.
+        selectors: registered selector names (top1, lilicorr, domino, dspark; top1 or the trained head's) or
+            Selector class paths, e.g. top1,lilicorr.
+        draft_sampling: T > 0 rule: sampled drafts verified with min(1, p/q) (proposal), deterministic drafts
+            accepted iff equal to the target's sample (point_mass), or both (tau reported both ways).
         chat_template: wrap prompts as one user message; auto = chat/math/code benchmarks when the tokenizer
             has a template.
         device: cpu, cuda, cuda:N or mps; default CUDA when available.
@@ -263,6 +308,8 @@ def bench(
         runs = run_bench(
             system, benchmark, names, temperatures, num_prompts, max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
+            timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
+            draft_sampling=draft_sampling,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None

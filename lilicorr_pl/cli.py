@@ -1,8 +1,8 @@
 """The ``lilicorr`` command: one typed command line (jsonargparse) for every subcommand.
 
-``fit``/``validate``/``test``/``predict`` are LightningCLI (:mod:`lilicorr_pl.lightning_cli`); ``perf`` is the same
-parser plus its own options; the tools are typed functions whose signatures and docstrings are their command
-lines (:mod:`lilicorr_pl.command`). Every subcommand has ``--help``, accepts ``-c/--config``, and rejects a
+``fit``/``validate``/``test``/``predict`` are LightningCLI (:mod:`lilicorr_pl.lightning_cli`); ``prepare`` and
+``perf`` use the same parser (``perf`` adds its own options); the other tools are typed functions whose
+signatures and docstrings are their command lines (:mod:`lilicorr_pl.command`). Every subcommand has ``--help``, accepts ``-c/--config``, and rejects a
 malformed value when it is parsed. A mistake in what the user gave (a setting, a file, a checkpoint) is one
 line on stderr and exit status 2, never a traceback.
 """
@@ -27,7 +27,9 @@ LIGHTNING = {
 # subcommand -> (module, function, one line for `lilicorr --help`). The function's signature and docstring are the
 # subcommand's command line. To add one (e.g. `prepare`), add a line here: nothing else needs to change.
 TOOLS: dict[str, tuple[str, str, str]] = {
-    "perf": ("lilicorr_pl.perf", "main", "where a training step's time goes (fit's parser plus --steps, --ckpt ...)"),
+    "prepare": ("lilicorr_pl.lightning_cli", "prepare_command",
+                "precompute the data module's stores on every device (fit's parser)"),
+    "perf": ("lilicorr_pl.perf", "main", "where the time goes: a training step, or the cost model of one round"),
     "bench": ("lilicorr_pl.bench", "bench", "real speculative-decoding benchmark of a trained checkpoint"),
     "export": ("lilicorr_pl.export", "export", "export a drafter (and LiLiCorr head) in the serving layout"),
     "regenerate": ("lilicorr_pl.data.regenerate", "regenerate_command",
@@ -36,7 +38,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "build-target": ("lilicorr_pl.demo.tiny_target", "build_target", "build (or reuse) the built-in stdlib target"),
 }
 # Tools whose function parses its own argv (a LightningCLI parser extended with its options) instead of run_function.
-OWN_PARSER = ("perf",)
+OWN_PARSER = ("prepare", "perf")
 CONFIG_FLAGS = ("-c", "--config")
 DESCRIPTION = (
     "Train and evaluate DFlash drafters with the LiLiCorr lattice-correction head. Every subcommand has its own "

@@ -116,10 +116,14 @@ class LilicorrCLI(LightningCLI):
         # `lilicorr` hands over the argv it has already checked (config files found, YAML readable), so LightningCLI's
         # warning about passing args while sys.argv also has some does not apply.
         self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
-        config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
+        subcommand = self.config.get("subcommand")
+        self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
+
+    def check_before_building(self, config: Any, subcommand: str | None) -> None:
+        """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
         try:
             self._resolve_builtin_data(config)
-            self._check_data(config, self.config.get("subcommand"))
+            self._check_data(config, subcommand)
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
@@ -233,6 +237,44 @@ class LilicorrCLI(LightningCLI):
         if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
             # The logit cache is only worth computing when an active loss reads target logits.
             dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
+            self.model.check_offline_features(dm.feature_cache)
+
+
+class PrepareCLI(LilicorrCLI):
+    """``fit``'s parser; builds the data module, and the system on the meta device only to ask which stores a fit
+    will read (no weights, no warm starts, no trainer or logger)."""
+
+    def instantiate_classes(self) -> None:
+        import torch
+        from jsonargparse import namespace_to_dict
+
+        model = self.config["model"].clone()
+        model.init_drafter_from = model.init_head_from = None
+        model.init_drafter_layers_from_target = False
+        parser = LightningArgumentParser(parser_mode="omegaconf")
+        parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
+        try:
+            self.datamodule = DraftDataModule(**namespace_to_dict(self.config["data"]))
+            with torch.device("meta"):
+                system = parser.instantiate_classes(Namespace(model=model)).model
+        except (ValueError, TypeError) as err:
+            raise UserInputError(str(err).strip().splitlines()[-1]) from None
+        self.datamodule.require_logit_cache(system.needs_logit_cache(offline_features=self.datamodule.feature_cache))
+
+
+def prepare_command(argv: Sequence[str]) -> Any:
+    """``lilicorr prepare -c CONFIG [--trainer.devices=N]``: the config's data stores on every device.
+
+    The training config's data module, precomputed with the devices of its ``trainer`` section by
+    :func:`lilicorr_pl.data.prepare.prepare`: the files ``fit``'s ``prepare_data`` would write.
+    """
+    from lilicorr_pl.data.prepare import prepare
+
+    cli = run_lightning(argv, description=prepare_command.__doc__ or "", cli_class=PrepareCLI, prog="lilicorr prepare",
+                        run=False, save_config_callback=None)
+    trainer = cli.config["trainer"]
+    return prepare(cli.datamodule, accelerator=trainer["accelerator"], devices=trainer["devices"],
+                   num_nodes=trainer["num_nodes"])
 
 
 CLI_KWARGS: dict[str, Any] = {

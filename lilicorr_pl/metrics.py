@@ -21,11 +21,12 @@ _SLOT_SUMS = ("slot_supervised", "slot_covered", "slot_correct_top1", "slot_corr
 class LatticeMetrics(Metric):
     """Teacher-forced prefix, coverage and accuracy statistics of a drafter and its selector.
 
-    ``compute()`` returns the means over all blocks seen of ``top1_prefix``, ``selected_prefix``,
-    ``oracle_prefix``, ``oracle_gap``, ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``
-    (τ = 1 + prefix, bonus token included); ``exact_block_rate`` (over fully supervised blocks);
-    per-slot ``slot_coverage``, ``slot_accuracy`` (selected) and ``slot_accuracy_top1`` ``[S]`` (over
-    supervised slots); and ``logfactor_spread`` when any update carried a lattice.
+    Only valid blocks count (every slot supervised; a block that runs off the sequence or the loss
+    mask is skipped whole, as the lattice losses skip it). ``compute()`` returns the means over the
+    valid blocks seen of ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``,
+    ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle`` (τ = 1 + prefix, bonus token
+    included) and ``exact_block_rate``; per-slot ``slot_coverage``, ``slot_accuracy`` (selected) and
+    ``slot_accuracy_top1`` ``[S]``; and ``logfactor_spread`` when any update carried a lattice.
     """
 
     full_state_update = False
@@ -47,7 +48,6 @@ class LatticeMetrics(Metric):
         self.add_state("blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         for key in _BLOCK_SUMS:
             self.add_state(key, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("full_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("exact_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         for key in _SLOT_SUMS:
             self.add_state(key, torch.zeros(num_slots, dtype=torch.float64), dist_reduce_fx="sum")
@@ -70,10 +70,10 @@ class LatticeMetrics(Metric):
             )
         d = lattice_diagnostics(lattice, drafter_logits, labels, label_mask, selected_tokens, top_k=self.top_k)
         f64 = torch.float64
-        self.blocks += labels.shape[0]
+        valid = d["valid_block"]  # [M]; invalid blocks carry zeros everywhere below
+        self.blocks += valid.sum().to(f64)
         for key in _BLOCK_SUMS:
             setattr(self, key, getattr(self, key) + d[key].sum().to(f64))
-        self.full_blocks += d["full_block"].sum().to(f64)
         self.exact_blocks += d["exact_block"].sum().to(f64)
         self.slot_supervised += d["supervised"].sum(dim=0).to(f64)
         self.slot_covered += (d["covered"] & d["supervised"]).sum(dim=0).to(f64)
@@ -81,7 +81,7 @@ class LatticeMetrics(Metric):
         self.slot_correct_selected += d["selected_correct"].sum(dim=0).to(f64)
         if "logfactor_spread" in d:
             self.spread_sum += d["logfactor_spread"].sum().to(f64)
-            self.spread_blocks += labels.shape[0]
+            self.spread_blocks += valid.sum().to(f64)
 
     def compute(self) -> dict[str, torch.Tensor]:
         blocks = self.blocks.clamp_min(1)
@@ -95,7 +95,7 @@ class LatticeMetrics(Metric):
             "sim_tau_top1": 1 + top1,
             "sim_tau_selected": 1 + selected,
             "sim_tau_oracle": 1 + oracle,
-            "exact_block_rate": self.exact_blocks / self.full_blocks.clamp_min(1),
+            "exact_block_rate": self.exact_blocks / blocks,
             "slot_coverage": self.slot_covered / supervised,
             "slot_accuracy": self.slot_correct_selected / supervised,
             "slot_accuracy_top1": self.slot_correct_top1 / supervised,

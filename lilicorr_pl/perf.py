@@ -1,26 +1,36 @@
-"""Where a training step's time goes: ``lilicorr perf -c configs/tiny.yaml [--steps N]``.
+"""Where the time goes: ``lilicorr perf -c configs/tiny.yaml [--steps N]``.
 
 Builds the system and data exactly as ``lilicorr fit`` would (same config files), then times the
 pieces of ``steps`` real optimisation steps: target features, drafter, head, losses, backward and
 optimizer. Prints a table (and ``--json``); the first ``--warmup`` steps are not counted. The command line
 is ``fit``'s (same ``-c`` files, same ``--model.*``/``--data.*`` overrides) plus :func:`perf_options`.
+
+``--cost_model`` instead prints the analytical cost of one speculative-decoding round (FLOPs and bytes
+moved by the target's verify pass, the drafter and the LiLiCorr head, and a roofline time for a given
+device) at the shapes of a config, without loading any weights: :func:`cost_report`.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from jsonargparse.typing import NonNegativeInt, PositiveInt
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
+from torch import nn
 
 from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.lightning_cli import LilicorrCLI, run_lightning
+from lilicorr_pl.models.dflash import DFlashDrafter
 
 
 def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
@@ -81,6 +91,424 @@ def penalty_cache_error(system: Any, batches: list[dict[str, torch.Tensor]]) -> 
             "relative_error": (sum(abs_err) / len(abs_err)) / max(abs(mean_exact), 1e-12), "batches": len(batches)}
 
 
+# ------------------------------------------------------------------------------------------ cost model
+# One speculative round (DESIGN §7): the drafter appends the features of the tokens committed by the last round
+# and drafts one block, the selector picks the block's tokens, the target verifies the block over its KV cache.
+#
+# FLOPs are those of matrix products and attention, 2 per multiply-add: what torch's FlopCounterMode counts
+# (tests/test_perf_cost.py checks every formula against it on real forward passes). Element-wise work (norms,
+# RoPE angles and rotation, softmax, SiLU, the head's start-score dot product) is left out: far below 1 % here.
+# Bytes follow the usual per-kernel roofline accounting: a matmul reads its input and its weights once and
+# writes its output once; attention reads Q and the K/V of every key and writes O and the new K/V into the
+# cache in place (flash-style: scores never reach memory); a gather reads and writes its rows; a pass over
+# logits (top-K, log-softmax) reads them once. Serving dtypes: ``bytes_per_element`` (2 = bf16) everywhere
+# except the head's pair scores, which the code computes in fp32.
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A device as a roofline: dense bf16 tensor-core throughput and memory bandwidth."""
+
+    name: str
+    peak_flops: float
+    """FLOP/s (dense, no sparsity)."""
+    bandwidth: float
+    """Memory bandwidth in byte/s."""
+
+
+ROOFLINES: dict[str, Roofline] = {
+    "h100": Roofline("H100 SXM", 989e12, 3.35e12),
+    "h200": Roofline("H200 SXM", 989e12, 4.8e12),
+}
+"""Data-sheet numbers (dense BF16 tensor FLOP/s, HBM bandwidth)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel of a round, executed ``count`` times (e.g. once per decoder layer)."""
+
+    name: str
+    flops: float
+    """Matmul / attention FLOPs of one execution."""
+    weight_bytes: float
+    """Parameter bytes one execution reads (embedding rows included)."""
+    other_bytes: float
+    """Activation, logit and KV-cache bytes one execution reads and writes."""
+    count: int = 1
+
+    @property
+    def bytes(self) -> float:
+        """Bytes moved by one execution."""
+        return self.weight_bytes + self.other_bytes
+
+    def seconds(self, device: Roofline) -> float:
+        """Roofline time of all executions: each bound by compute or by memory, whichever is slower."""
+        return self.count * max(self.flops / device.peak_flops, self.bytes / device.bandwidth)
+
+
+def _linear(name: str, rows: float, d_in: int, d_out: int, bias: bool, e: int, count: int = 1) -> Op:
+    """``[rows, d_in] @ [d_in, d_out]`` (+ bias)."""
+    return Op(name, 2.0 * rows * d_in * d_out, e * (d_in * d_out + (d_out if bias else 0)), e * rows * (d_in + d_out),
+              count)
+
+
+def _module_linear(name: str, module: nn.Linear, rows: float, e: int, count: int = 1) -> Op:
+    return _linear(name, rows, module.in_features, module.out_features, module.bias is not None, e, count)
+
+
+def _attention(name: str, batch: int, heads: int, kv_heads: int, head_dim: int, queries: int, keys: float,
+               new_keys: float, e: int, count: int = 1) -> Op:
+    """``queries`` attending to ``keys`` per sequence over all heads (Q·Kᵀ and P·V); ``new_keys`` K/V rows written."""
+    flops = 4.0 * batch * heads * queries * keys * head_dim
+    moved = e * batch * head_dim * (2 * heads * queries + 2 * kv_heads * keys + 2 * kv_heads * new_keys)
+    return Op(name, flops, 0.0, moved, count)
+
+
+def _gather(name: str, rows: float, width: int, e: int) -> Op:
+    """Embedding rows looked up: read from the table (weights) and written out."""
+    return Op(name, 0.0, e * rows * width, e * rows * width)
+
+
+def _attention_shape(config: Any) -> tuple[int, int, int]:
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+def _target_modules(config: Any) -> tuple[nn.Module, nn.Module]:
+    """One decoder layer and the LM head of the target, built on the meta device (shapes only, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        raise ValueError(
+            f"the cost model covers dense targets; {getattr(config, 'model_type', '?')} routes tokens to experts, "
+            "so its per-token weights differ from its parameter count"
+        )
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1  # dense decoder layers are identical: build one, count it L times
+    if isinstance(getattr(one, "layer_types", None), list):
+        one.layer_types = one.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    return model.get_decoder().layers[0], model.get_output_embeddings()
+
+
+def target_round_ops(
+    config: Any, block_size: int, context: int, batch: int = 1, bytes_per_element: int = 2
+) -> list[Op]:
+    """The target's verify pass of one round, as :func:`~lilicorr_pl.decoding.speculative.speculative_generate` runs it.
+
+    Args:
+        config: the target's Hugging Face config (a dense Llama/Qwen-style causal LM).
+        block_size: tokens verified per sequence, ``B`` (the anchor and ``B - 1`` drafts).
+        context: tokens already in the KV cache, ``L``; the block attends to ``L + B`` keys.
+        batch: sequences verified together (weights are read once for all of them).
+        bytes_per_element: 2 for bf16 weights, activations and cache.
+
+    Every linear layer of every decoder layer sees the ``batch · B`` block tokens; the LM head produces
+    logits at every block position (they pick the target's choices ``y_0..y_S``).
+    """
+    layer, lm_head = _target_modules(config)
+    heads, kv_heads, head_dim = _attention_shape(config)
+    n_layers, e, rows = int(config.num_hidden_layers), bytes_per_element, batch * block_size
+    ops = [_gather("embedding gather", rows, int(config.hidden_size), e)]
+    ops += [_module_linear(f"layer.{name}", m, rows, e, n_layers) for name, m in layer.named_modules()
+            if isinstance(m, nn.Linear)]
+    ops.append(_attention("layer.attention (KV cache)", batch, heads, kv_heads, head_dim, block_size, context + block_size,
+                          block_size, e, n_layers))
+    ops.append(_module_linear("lm_head (B positions)", lm_head, rows, e))
+    return ops
+
+
+def drafter_round_ops(
+    drafter: DFlashDrafter, context: int, new_tokens: float, batch: int = 1, bytes_per_element: int = 2
+) -> list[Op]:
+    """The drafter's part of one round, as :meth:`~lilicorr_pl.models.dflash.DFlashDrafter.draft` computes it.
+
+    Args:
+        drafter: a built drafter (``build`` on the meta device is enough: only shapes are read).
+        context: context positions in the draft cache once the new ones are appended, ``L``.
+        new_tokens: context positions appended this round (the tokens the last round committed, τ on average).
+        batch: sequences drafted together.
+        bytes_per_element: 2 for bf16.
+
+    The new context goes through ``fc`` once and through every layer's ``k_proj``/``v_proj``; the block
+    ``[anchor, MASK × S]`` through every layer, attending to ``L + B`` keys; the target's LM head then gives
+    logits for the ``S = B - 1`` slots (its weights are read again: a separate matmul from the target's).
+    """
+    dims = drafter._require_built()
+    e, b, bs, n = bytes_per_element, batch, drafter.block_size, drafter.num_layers
+    attn = drafter.layers[0].self_attn
+    ctx_rows, rows = batch * new_tokens, batch * bs
+    ops = [
+        _gather("block embedding gather", rows, dims.hidden_size, e),
+        _module_linear("fc (context fusion)", drafter.fc, ctx_rows, e),
+        _module_linear("layer.self_attn.k_proj (new context)", attn.k_proj, ctx_rows, e, n),
+        _module_linear("layer.self_attn.v_proj (new context)", attn.v_proj, ctx_rows, e, n),
+    ]
+    ops += [_module_linear(f"layer.{name}", m, rows, e, n) for name, m in drafter.layers[0].named_modules()
+            if isinstance(m, nn.Linear)]
+    ops.append(_attention("layer.attention (KV cache)", b, dims.num_attention_heads, dims.num_key_value_heads,
+                          dims.head_dim, bs, context + bs, new_tokens + bs, e, n))
+    ops.append(_linear("lm_head (S slots, target's weights)", b * (bs - 1), dims.hidden_size,
+                       int(drafter.target_config.vocab_size), False, e))
+    return ops
+
+
+def head_round_ops(
+    head: LiLiCorrHead, num_slots: int | None = None, top_k: int | None = None, batch: int = 1,
+    bytes_per_element: int = 2,
+) -> list[Op]:
+    """The LiLiCorr head's part of one round, as :meth:`~lilicorr_pl.heads.lilicorr.LiLiCorrHead.select` computes it.
+
+    Args:
+        head: a built head (``build`` on the meta device is enough).
+        num_slots: drafted slots ``S`` (default ``block_size - 1``).
+        top_k: lattice width ``K`` (default the head's).
+        batch: blocks scored together.
+        bytes_per_element: 2 for bf16.
+
+    Top-K and the log-softmax read the slot logits; the ``S·K`` candidates' embeddings are gathered; node
+    vectors, the lattice transformer over ``N = S·K`` nodes, the factor heads, and the pair scores
+    ``out[s] @ in[s+1]ᵀ`` (``S - 1`` products of ``K × F`` by ``F × K``, fp32) follow.
+    """
+    if not head.is_built:
+        raise ValueError("head_round_ops needs a built head: call head.build(hidden_size, vocab_size, block_size=B)")
+    e, m = bytes_per_element, batch
+    s = head.block_size - 1 if num_slots is None else num_slots
+    k = head.top_k if top_k is None else top_k
+    nodes, hidden, vocab, d = s * k, int(head.target_hidden_size), int(head.vocab_size), head.hidden_size
+    heads, n_layers, layer = head.num_heads, head.num_layers, head.layers[0]
+    ops = [
+        Op("top-K of slot logits", 0.0, 0.0, e * m * s * vocab),
+        Op("log-softmax normaliser of slot logits", 0.0, 0.0, e * m * s * vocab),
+        _gather("candidate embedding gather", m * nodes, hidden, e),
+    ]
+    if isinstance(head.token_proj, nn.Linear):
+        ops.append(_module_linear("token_proj", head.token_proj, m * nodes, e))
+    ops += [
+        _module_linear("pass_hidden_proj", head.pass_hidden_proj, m * s, e),
+        _module_linear("feature_mlp.up_proj", head.feature_mlp.up_proj, m * nodes, e),
+        _module_linear("feature_mlp.down_proj", head.feature_mlp.down_proj, m * nodes, e),
+        Op("attention bias (built once, read per layer)", 0.0, 0.0, e * heads * nodes * nodes * (1 + n_layers)),
+        _linear("layer.attn.in_proj (q, k, v)", m * nodes, d, 3 * d, True, e, n_layers),
+        _attention("layer.attention", m, heads, heads, d // heads, nodes, nodes, 0, e, n_layers),
+        _module_linear("layer.attn.out_proj", layer.attn.out_proj, m * nodes, e, n_layers),
+        _module_linear("layer.mlp.up_proj", layer.mlp.up_proj, m * nodes, e, n_layers),
+        _module_linear("layer.mlp.down_proj", layer.mlp.down_proj, m * nodes, e, n_layers),
+        _module_linear("context_proj", head.context_proj, m, e),
+        # factor_input_proj over [h, a, h ⊙ a], run as three products (the anchor's once per block).
+        _linear("factor_input_proj (node)", m * nodes, d, d, True, e),
+        _linear("factor_input_proj (anchor)", m, d, d, False, e),
+        _linear("factor_input_proj (node ⊙ anchor)", m * nodes, d, d, False, e),
+        _module_linear("out_head", head.out_head, m * nodes, e),
+        _module_linear("in_head", head.in_head, m * nodes, e),
+        _module_linear("anchor_out_head", head.anchor_out_head, m, e),
+        Op("pair scores out[s] @ in[s+1]ᵀ (fp32)", 2.0 * m * (s - 1) * k * k * head.factor_dim, 0.0,
+           4.0 * m * (s - 1) * (2 * k * head.factor_dim + k * k)),
+    ]
+    return ops
+
+
+@dataclass
+class RoundCost:
+    """The kernels of one speculative round, by part."""
+
+    target: list[Op]
+    drafter: list[Op]
+    head: list[Op]
+
+    def parts(self) -> dict[str, list[Op]]:
+        return {"target": self.target, "drafter": self.drafter, "head": self.head}
+
+    def summary(self, device: Roofline) -> dict[str, Any]:
+        """FLOPs, bytes and roofline seconds per part and for the round; ``head_share`` of the round's time."""
+        out: dict[str, Any] = {}
+        for name, ops in [*self.parts().items(), ("round", self.target + self.drafter + self.head)]:
+            out[name] = {
+                "flops": sum(op.count * op.flops for op in ops),
+                "weight_bytes": sum(op.count * op.weight_bytes for op in ops),
+                "other_bytes": sum(op.count * op.other_bytes for op in ops),
+                "bytes": sum(op.count * op.bytes for op in ops),
+                "seconds": sum(op.seconds(device) for op in ops),
+            }
+        out["head_share"] = out["head"]["seconds"] / out["round"]["seconds"]
+        out["head_share_of_drafting"] = out["head"]["seconds"] / (out["head"]["seconds"] + out["drafter"]["seconds"])
+        return out
+
+
+def round_cost(
+    target_config: Any,
+    drafter: DFlashDrafter,
+    head: LiLiCorrHead,
+    context: int = 2048,
+    tau: float = 6.0,
+    batch: int = 1,
+    bytes_per_element: int = 2,
+) -> RoundCost:
+    """All kernels of one round at these shapes; see :func:`target_round_ops` and its siblings."""
+    if context < 0 or tau < 1 or batch < 1 or bytes_per_element < 1:
+        raise ValueError(
+            f"need context >= 0, tau >= 1 (tokens committed per round), batch >= 1 and bytes_per_element >= 1; got "
+            f"{context}, {tau}, {batch}, {bytes_per_element}"
+        )
+    bs = drafter.block_size
+    return RoundCost(
+        target=target_round_ops(target_config, bs, context, batch, bytes_per_element),
+        drafter=drafter_round_ops(drafter, context, tau, batch, bytes_per_element),
+        head=head_round_ops(head, bs - 1, None, batch, bytes_per_element),
+    )
+
+
+def _merged_yaml(paths: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    merged: dict[str, Any] = {}
+    for path in paths:
+        with open(path) as fh:
+            merged = merge(merged, yaml.safe_load(fh) or {})
+    return merged
+
+
+def _component(spec: Any, expected: type, key: str) -> Any:
+    if not isinstance(spec, dict) or str(spec.get("class_path", "")).rsplit(".", 1)[-1] != expected.__name__:
+        found = spec.get("class_path") if isinstance(spec, dict) else spec
+        raise ValueError(f"the cost model needs {key} = {expected.__name__}, the config gives {found!r}")
+    return expected(**(spec.get("init_args") or {}))
+
+
+def load_round_modules(
+    configs: Sequence[str], target_config: str | None = None
+) -> tuple[Any, DFlashDrafter, LiLiCorrHead]:
+    """Target config, drafter and LiLiCorr head of ``lilicorr fit`` config files, built on the meta device.
+
+    ``target_config``: a ``config.json`` (or a directory holding one) to read the target's shapes from;
+    default: ``model.target.name_or_path`` (a local directory, or a hub name already in the local cache).
+    """
+    from transformers import AutoConfig
+
+    from lilicorr_pl.builtin import resolve_target_path
+    from lilicorr_pl.target import default_layer_ids
+
+    model = _merged_yaml(configs).get("model") or {}
+    target = model.get("target") or {}
+    source = target_config or target.get("name_or_path")
+    if not source:
+        raise ValueError("no target to read shapes from: set model.target.name_or_path or pass --target-config")
+    try:
+        config = AutoConfig.from_pretrained(resolve_target_path(str(source)))
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"could not read the target config {source!r} ({type(err).__name__}); pass --target-config with a "
+            "config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
+        ) from None
+    layer_ids = target.get("layer_ids") or default_layer_ids(
+        config.num_hidden_layers, min(int(target.get("num_features", 5)), config.num_hidden_layers))
+    drafter = _component(model.get("drafter"), DFlashDrafter, "model.drafter")
+    head = _component(model.get("head"), LiLiCorrHead, "model.head")
+    with torch.device("meta"):
+        drafter.build(config, layer_ids)
+        head.build(config.hidden_size, config.vocab_size, block_size=drafter.block_size,
+                   rms_norm_eps=drafter.dims.rms_norm_eps)
+    return config, drafter, head
+
+
+def cost_report(
+    config: Sequence[str],
+    target_config: str | None = None,
+    context: int = 2048,
+    tau: float = 6.0,
+    batch: int = 1,
+    gpu: str = "h100",
+    peak_tflops: float | None = None,
+    bandwidth_tbs: float | None = None,
+    bytes_per_element: int = 2,
+    json_path: str | None = None,
+) -> dict[str, Any]:
+    """Print FLOPs, bytes and roofline time of one speculative round of target, drafter and LiLiCorr head.
+
+    Args:
+        config: ``lilicorr fit`` config file(s), later ones overriding earlier ones; the drafter and the head
+            are built from ``model.drafter`` and ``model.head`` on the meta device (no weights, no memory).
+        target_config: the target's ``config.json`` (file or directory); default ``model.target.name_or_path``.
+        context: tokens in the KV caches when the round starts (prompt + generated so far).
+        tau: tokens committed per round (the drafter appends their features next round).
+        batch: sequences decoded together.
+        gpu: roofline preset, ``h100`` or ``h200``.
+        peak_tflops: override the preset's dense bf16 TFLOP/s.
+        bandwidth_tbs: override the preset's memory bandwidth in TB/s.
+        bytes_per_element: 2 = bf16 serving.
+        json_path: also write the numbers (and every kernel) here.
+
+    Returns:
+        ``{"settings", "device", "target"/"drafter"/"head"/"round": totals, "head_share", "ops"}``.
+    """
+    if gpu not in ROOFLINES:
+        raise ValueError(f"unknown gpu {gpu!r}; choose from {sorted(ROOFLINES)} or set peak_tflops and bandwidth_tbs")
+    preset = ROOFLINES[gpu]
+    device = Roofline(
+        preset.name if peak_tflops is None and bandwidth_tbs is None else f"{preset.name} (overridden)",
+        preset.peak_flops if peak_tflops is None else peak_tflops * 1e12,
+        preset.bandwidth if bandwidth_tbs is None else bandwidth_tbs * 1e12,
+    )
+    target_cfg, drafter, head = load_round_modules(config, target_config)
+    cost = round_cost(target_cfg, drafter, head, context, tau, batch, bytes_per_element)
+    summary = cost.summary(device)
+    s, k = drafter.block_size - 1, head.top_k
+    result: dict[str, Any] = {
+        "settings": {
+            "target": f"{type(target_cfg).__name__.removesuffix('Config')} ({target_cfg.num_hidden_layers} layers, "
+                      f"hidden {target_cfg.hidden_size}, vocab {target_cfg.vocab_size})",
+            "drafter_layers": drafter.num_layers, "block_size": drafter.block_size,
+            "head": {"top_k": k, "slots": s, "nodes": s * k, "hidden_size": head.hidden_size,
+                     "num_layers": head.num_layers, "factor_dim": head.factor_dim},
+            "context": context, "tau": tau, "batch": batch, "bytes_per_element": bytes_per_element,
+        },
+        "device": {"name": device.name, "peak_flops": device.peak_flops, "bandwidth": device.bandwidth},
+        **summary,
+        "ops": {part: [{"name": op.name, "count": op.count, "flops": op.flops, "bytes": op.bytes,
+                        "seconds": op.seconds(device)} for op in ops] for part, ops in cost.parts().items()},
+    }
+    print(format_cost(result))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+def format_cost(result: dict[str, Any]) -> str:
+    """The table :func:`cost_report` prints."""
+    st, dev = result["settings"], result["device"]
+    head = st["head"]
+    lines = [
+        f"one speculative round: target {st['target']}, DFlash drafter {st['drafter_layers']} layers, block "
+        f"{st['block_size']}, LiLiCorr head K {head['top_k']} x S {head['slots']} = {head['nodes']} nodes, "
+        f"{head['num_layers']} layers of width {head['hidden_size']}",
+        f"context {st['context']} tokens, tau {st['tau']:g}, batch {st['batch']}, {st['bytes_per_element']} bytes/element; "
+        f"roofline {dev['name']}: {dev['peak_flops'] / 1e12:g} TFLOP/s, {dev['bandwidth'] / 1e12:g} TB/s",
+        f"{'part':<10} {'GFLOP':>9} {'MB moved':>10} {'of which weights':>16} {'FLOP/byte':>10} {'roofline us':>12} {'share':>7}",
+    ]
+    total = result["round"]["seconds"]
+    for part in ("target", "drafter", "head", "round"):
+        r = result[part]
+        lines.append(
+            f"{part:<10} {r['flops'] / 1e9:>9.2f} {r['bytes'] / 1e6:>10.1f} {r['weight_bytes'] / 1e6:>16.1f} "
+            f"{r['flops'] / max(r['bytes'], 1.0):>10.1f} {r['seconds'] * 1e6:>12.1f} {100 * r['seconds'] / total:>6.2f}%"
+        )
+    lines.append(
+        f"head share of the round: {100 * result['head_share']:.2f} % (of drafter + head: "
+        f"{100 * result['head_share_of_drafting']:.2f} %); the paper measured ~2.8 % of block latency"
+    )
+    return "\n".join(lines)
+
+
 def perf_options(
     steps: PositiveInt = 10,
     warmup: NonNegativeInt = 2,
@@ -88,8 +516,16 @@ def perf_options(
     json: str | None = None,  # noqa: A002 - the command line's --json
     ckpt: str | None = None,
     penalty_error: bool = False,
+    cost_model: bool = False,
+    target_config: str | None = None,
+    context: PositiveInt = 2048,
+    tau: PositiveFloat = 6.0,
+    batch: PositiveInt = 1,
+    gpu: Literal["h100", "h200"] = "h100",
+    peak_tflops: PositiveFloat | None = None,
+    bandwidth_tbs: PositiveFloat | None = None,
 ) -> None:
-    """Where a training step's time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
+    """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
 
     Args:
         steps: timed optimisation steps (batches for penalty_error).
@@ -98,6 +534,15 @@ def perf_options(
         json: also write the numbers to this JSON file.
         ckpt: load trained drafter/head weights from this checkpoint first (opened weights-only, checksum verified).
         penalty_error: instead of timing, compare the distractor penalty from the cache with exact logits.
+        cost_model: instead of timing, print FLOPs, bytes and roofline time of one speculative round (no weights are
+            loaded; the shapes come from the -c files, see cost_report).
+        target_config: cost model: the target's config.json (default: model.target.name_or_path).
+        context: cost model: tokens in the KV caches.
+        tau: cost model: tokens committed per round.
+        batch: cost model: sequences decoded together.
+        gpu: cost model: roofline preset.
+        peak_tflops: cost model: override the preset's dense bf16 TFLOP/s.
+        bandwidth_tbs: cost model: override the preset's memory bandwidth (TB/s).
     """
 
 
@@ -108,10 +553,14 @@ class PerfCLI(LilicorrCLI):
         super().add_arguments_to_parser(parser)
         parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
 
+    def check_before_building(self, config: Any, subcommand: str | None) -> None:
+        if not config.get("cost_model"):  # the cost model reads shapes only: no data, no built-in target build
+            super().check_before_building(config, subcommand)
+
     def before_instantiate_classes(self) -> None:
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
-        if self.config.get("ckpt"):
+        if self.config.get("ckpt") and not self.config.get("cost_model"):
             from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
 
             self.checkpoint = read_checkpoint(self.config.ckpt)
@@ -119,18 +568,34 @@ class PerfCLI(LilicorrCLI):
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
 
+    def instantiate_classes(self) -> None:
+        if not self.config.get("cost_model"):  # built on the meta device by cost_report instead
+            super().instantiate_classes()
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``lilicorr perf -c CONFIG [-c OVERLAY] [--steps N] [--ckpt CKPT] [--penalty_error] [--model.x=...]``.
 
     Builds the system and data exactly as ``lilicorr fit`` would from the same config files and overrides,
-    then times (or, with ``--penalty_error``, compares) real steps. Returns the numbers it prints.
+    then times (or, with ``--penalty_error``, compares) real steps; ``--cost_model`` prints the analytical cost
+    of one round instead. Returns the numbers it prints.
     """
+    from lilicorr_pl.checkpoint import UserInputError
+
     os.environ.setdefault("WANDB_MODE", "disabled")
     args = argparse_spellings(sys.argv[1:] if argv is None else argv, type_hints(perf_options))
+    if not any(a in ("-c", "--config") or a.startswith("--config=") for a in args) and "--help" not in args:
+        raise UserInputError("-c/--config is required: the config file(s) of the run to measure, as for `lilicorr fit`")
     cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
                         save_config_callback=None)
     options = cli.config
+    if options.cost_model:
+        try:
+            return cost_report([str(c) for c in options.config], options.target_config, options.context, options.tau,
+                               options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
+                               json_path=options.json)
+        except (ValueError, OSError) as err:
+            raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
     dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
     dm.prepare_data()

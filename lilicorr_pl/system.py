@@ -7,6 +7,7 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,11 +26,11 @@ from lilicorr_pl.checkpoint import (
     state_checksum,
     verify_checksum,
 )
-from lilicorr_pl.heads.base import Lattice, Selector
+from lilicorr_pl.heads.base import HeadOutput, Selector, TeacherForcing
 from lilicorr_pl.heads.top1 import Top1Selector
 from lilicorr_pl.losses.base import LossComponent, LossInputs
 from lilicorr_pl.losses.dflash import DFlashCE
-from lilicorr_pl.losses.diagnostics import lattice_diagnostics
+from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
@@ -224,6 +225,7 @@ class DraftSystem(L.LightningModule):
         self._timings: dict[str, float] = {}
         self.record_timings = False
         self.checkpoint_meta: dict[str, Any] = {}
+        self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
 
     @staticmethod
     def _apply_loss_flags(
@@ -284,7 +286,7 @@ class DraftSystem(L.LightningModule):
         self.head.load_state_dict({k: v.to(mine[k].dtype) for k, v in loaded.state_dict().items()})
 
     def _top_k(self) -> int:
-        return int(getattr(self.head, "top_k", 8)) if self.head is not None else 8
+        return int(self.head.top_k)
 
     def _check_losses(self, head: Selector | None) -> None:
         names = [loss.name for loss in self.losses]
@@ -301,8 +303,8 @@ class DraftSystem(L.LightningModule):
                 "or drop those losses (see configs/ablations/dflash_only.yaml)"
             )
 
-        corrector_needed = [l.name for l in self.losses if getattr(l, "requires_corrector", False)]
-        if corrector_needed and not getattr(head, "uses_corrector", False):
+        corrector_needed = [l.name for l in self.losses if l.requires_corrector]
+        if corrector_needed and (head is None or not head.uses_corrector):
             raise ValueError(
                 f"loss components {corrector_needed} need a corrector head, but model.head is "
                 f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.DominoHead or DSparkHead"
@@ -312,6 +314,15 @@ class DraftSystem(L.LightningModule):
     def needs_target_logits(self) -> bool:
         """True when some active loss reads the target's logits."""
         return any(l.requires_target_logits and l.weight > 0 for l in self.losses)
+
+    def check_offline_features(self, offline_features: bool) -> None:
+        """Refuse offline features (no target in training) when an active loss reads the target's full distribution."""
+        needing = [l.name for l in self.losses if l.requires_target_distribution and l.weight > 0]
+        if offline_features and needing:
+            raise ValueError(
+                f"loss components {needing} read the target's full distribution at every slot, which only the "
+                "online target gives; set data.feature_cache: false"
+            )
 
     def needs_logit_cache(self, offline_features: bool) -> bool:
         """Whether the data module must precompute the top-M target-logit cache."""
@@ -330,6 +341,7 @@ class DraftSystem(L.LightningModule):
             dtype=spec.dtype,
             layer_ids=self.drafter.target_layer_ids,
             trust_remote_code=spec.trust_remote_code,
+            shared=True,  # the data module's precompute in this process loaded the same weights: reuse them
             **spec.load_kwargs,
         )
         if target.tokenizer is not None:
@@ -370,7 +382,9 @@ class DraftSystem(L.LightningModule):
             "mask_token_id": self.drafter.mask_token_id,
             "enable_thinking": getattr(dm, "enable_thinking", None),
             "chat_template": getattr(dm, "chat_template", None),
+            "stop_token_ids": self.target.stop_token_ids() if self.target is not None else None,
             "version": __import__("lilicorr_pl").__version__,
+            "total_steps": self._run_total_steps,  # the run length curricula anneal over
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
@@ -404,6 +418,8 @@ class DraftSystem(L.LightningModule):
         verify_checksum(checkpoint)
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
+        elif self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
+            self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
         states = checkpoint.get("rng_states")
         # Only a resumed fit takes over the random streams; load_from_checkpoint or validate leave the caller's alone.
         if not states or self._trainer is None or self.trainer.state.fn != "fit":
@@ -509,21 +525,18 @@ class DraftSystem(L.LightningModule):
         b_idx = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(keep)[keep]  # [M]
         slot_hidden, slot_logits = draft.slot_hidden[keep], draft.slot_logits[keep]  # [M, S, H], [M, S, V]
         labels, label_mask, label_pos = labels[keep], label_mask[keep], label_pos[keep]
-        lattice: Lattice | None = None
         with self._timed("head"):
-            if getattr(self.head, "uses_lattice", False):
-                lattice = self.head.score_lattice(
-                    slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep], target.embed
-                )
-            corrected = None
-            if getattr(self.head, "uses_corrector", False):
-                # Teacher forcing: slot k is conditioned on the true token of slot k-1 (the anchor for k=1).
-                anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
-                prev = torch.cat([anchor_ids.unsqueeze(1), labels[:, :-1]], dim=1)  # [M, S]
-                corrected = self.head.corrected_logits(slot_hidden, slot_logits, prev, target.embed)
+            # Training call of the head: teacher forcing, slot k conditioned on the true token of slot k-1.
+            anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
+            blocks = DraftOutput(slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep])
+            head_out: HeadOutput = self.head(blocks, TeacherForcing(anchor_ids, labels, target.embed))
+        lattice = head_out.lattice
         provider = self._target_logit_provider(batch, b_idx, label_pos, labels, normed)
         inputs = LossInputs(slot_logits, labels, label_mask, lattice, provider,
-                            corrected_logits=corrected, step=self.global_step if self._trainer is not None else 0)
+                            corrected_logits=head_out.corrected_logits,
+                            target_distribution=self._target_distribution(b_idx, label_pos, normed),
+                            step=self.global_step if self._trainer is not None else 0,
+                            total_steps=self._total_steps())
         total = slot_logits.new_zeros(())
         logs: dict[str, torch.Tensor] = {}
         with self._timed("losses"):
@@ -533,27 +546,18 @@ class DraftSystem(L.LightningModule):
                 logs[component.name] = out.loss.detach()
                 for key, value in out.logs.items():
                     logs[f"{component.name}/{key}"] = value.detach()
-        with torch.no_grad():
-            selected = self._selected_tokens(lattice, corrected if corrected is not None else slot_logits)
         return {
             "loss": total,
             "logs": logs,
             "slot_logits": slot_logits.detach(),
             "labels": labels,
             "label_mask": label_mask,
+            "label_pos": label_pos,  # [M, S] position of each slot's token in its sequence
+            "block_seq": b_idx,  # [M] sequence of each block
             "lattice": lattice,
-            "selected": selected,
+            "selected": head_out.selected,
             "num_blocks": int(keep.sum()),
         }
-
-    def _selected_tokens(self, lattice: Lattice | None, slot_logits: torch.Tensor) -> torch.Tensor:
-        if lattice is None:
-            return slot_logits.argmax(-1)
-        from lilicorr_pl.heads.lattice import greedy_walk, viterbi
-
-        walk = viterbi if getattr(self.head, "decode", "greedy") == "viterbi" else greedy_walk
-        idx = walk(lattice.start.detach(), lattice.pair.detach())
-        return lattice.candidates.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
     def _target_logit_provider(
         self,
@@ -573,7 +577,7 @@ class DraftSystem(L.LightningModule):
                     "model.target_logits='cache' but the batch has no target-logit cache; set "
                     "data.logit_cache: true or model.target_logits: exact"
                 )
-            from lilicorr_pl.data.cache import cached_candidate_logits
+            from lilicorr_pl.data import cached_candidate_logits
 
             rows = (b_idx.unsqueeze(1).expand_as(label_pos), label_pos)
             topm_ids, topm_logits = batch["topm_ids"][rows], batch["topm_logits"][rows]  # [M, S, Mtop]
@@ -597,6 +601,29 @@ class DraftSystem(L.LightningModule):
             return target.candidate_logits(hidden, token_ids).float()
 
         return exact
+
+    def _total_steps(self) -> int | None:
+        """The run's optimizer steps, for curricula: set when a fit starts, restored from a checkpoint otherwise."""
+        return self._run_total_steps if self._trainer is not None else None
+
+    def _target_distribution(
+        self,
+        b_idx: torch.Tensor,  # [M] sequence of each block
+        label_pos: torch.Tensor,  # [M, S] position of each slot's token
+        normed: torch.Tensor | None,  # [b, T, H] final-normed target hidden (online mode)
+    ) -> Callable[[slice], torch.Tensor] | None:
+        """Full teacher-forced target logits per block chunk, for losses that read the whole distribution."""
+        if normed is None or not any(l.requires_target_distribution and l.weight > 0 for l in self.losses):
+            return None
+        target = self._require_target()
+        # The logits predicting the token at position t come from the hidden state at t - 1.
+        hidden = normed[b_idx.unsqueeze(1), (label_pos - 1).clamp(min=0)]  # [M, S, H]
+
+        @torch.no_grad()
+        def distribution(rows: slice) -> torch.Tensor:
+            return target.lm_head(hidden[rows]).float()  # [m, S, V]
+
+        return distribution
 
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -639,11 +666,13 @@ class DraftSystem(L.LightningModule):
         if on_step:
             diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"],
                                        step["label_mask"], step["selected"])
+            valid = diag["valid_block"]  # means over valid blocks only, as the lattice losses read them
             for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
                 if key in diag:
-                    self.log(f"{stage}/{key}", diag[key].float().mean(), on_step=True, batch_size=batch_size)
+                    self.log(f"{stage}/{key}", valid_block_mean(diag[key], valid), on_step=True, batch_size=batch_size)
             for key, prefix in (("sim_tau_top1", "top1_prefix"), ("sim_tau_selected", "selected_prefix")):
-                self.log(f"{stage}/{key}", 1 + diag[prefix].float().mean(), on_step=True, batch_size=batch_size)
+                self.log(f"{stage}/{key}", 1 + valid_block_mean(diag[prefix], valid), on_step=True,
+                         batch_size=batch_size)
 
     def _epoch_mean(self, name: str) -> Any:
         """The batch-size-weighted epoch mean of one logged scalar (created on first use, never checkpointed)."""
@@ -690,6 +719,8 @@ class DraftSystem(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_start(self) -> None:
+        total = self.trainer.estimated_stepping_batches  # before the sanity check, so validation sees it too
+        self._run_total_steps = int(total) if math.isfinite(total) else None
         n = sum(p.numel() for p in self.trainable_parameters())
         for logger in self.loggers:
             logger.log_hyperparams({"trainable_parameters": n})

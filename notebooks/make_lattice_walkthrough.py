@@ -64,7 +64,7 @@ CELLS: list[tuple[str, str, list[str], str]] = [
 
         from lilicorr_pl.decoding.benchmarks import load_prompts
         from lilicorr_pl.decoding.speculative import greedy_accept, speculative_generate
-        from lilicorr_pl.heads import LiLiCorrHead, Top1Selector
+        from lilicorr_pl.heads import LiLiCorrHead, SelectContext, Top1Selector
         from lilicorr_pl.system import DraftSystem
         from lilicorr_pl.target import FrozenTarget
 
@@ -155,7 +155,8 @@ CELLS: list[tuple[str, str, list[str], str]] = [
             top1 = draft.slot_logits.argmax(-1)[0]  # [S]: vanilla DFlash's block
             top1_prob = draft.slot_logits.float().softmax(-1).amax(-1)[0]  # [S]
             if has_lattice:
-                selection = head.select(draft.slot_hidden, draft.slot_logits, draft.anchor_feature, target.embed)
+                # The selector sees the drafter's outputs and where the block starts: anchor token and position.
+                selection = head.select(draft, SelectContext(anchor, torch.tensor([P]), target.embed))
                 lattice = selection.lattice  # candidates [1, S, K], start [1, K], pair [1, S-1, K, K]
                 walk_rank = selection.lattice_index[0]  # [S]: chosen candidate rank per slot (0 = top-1)
                 walk = selection.tokens[0]  # [S]: LiLiCorr's block

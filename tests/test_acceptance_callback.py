@@ -74,7 +74,6 @@ def test_logs_eval_tau_to_callback_metrics_and_loggers(run):
     for key in ("eval/tau", "eval/tau_top1", "eval/stdlib-heldout/tau", "eval/acceptance/pos01"):
         assert key in metrics, key
     tau = metrics["eval/tau"].item()
-    assert 1.0 <= tau <= BLOCK
     assert tau == pytest.approx(run.callback.history[-1][1]["eval/tau"])
     # Steps and validation ends coincide: one evaluation per step, logged at that step.
     assert [step for step, _ in run.callback.history] == [2, 4]
@@ -95,6 +94,10 @@ def test_model_checkpoint_monitoring_eval_tau_keeps_the_best(run):
     assert run.checkpoint.best_model_score.item() == pytest.approx(max(taus))
     state = torch.load(best, map_location="cpu", weights_only=False)
     assert state["global_step"] in [step for step, s in run.callback.history if s["eval/tau"] == max(taus)]
+    # What evaluation of this checkpoint must agree with: the data's thinking flag and stop ids, the run length.
+    meta = state["lilicorr"]
+    assert meta["enable_thinking"] is False and meta["total_steps"] == 4
+    assert meta["stop_token_ids"] == run.system.target.stop_token_ids()
 
 
 def test_tau_equals_direct_speculative_decoding_and_slices_sum_exactly(run):
@@ -143,11 +146,12 @@ def test_ddp_ranks_decode_slices_and_log_the_pooled_tau(tmp_path, monkeypatch):
     assert metrics["eval/tau_top1"].item() == pytest.approx(whole["top1"].tau)
 
 
-def fake_trainer(step: int, loggers: list) -> SimpleNamespace:
+def fake_trainer(step: int, loggers: list, enable_thinking: bool = False) -> SimpleNamespace:
     """The parts of a Trainer the callback touches, for a single process."""
     return SimpleNamespace(
         sanity_checking=False, global_step=step, global_rank=0, world_size=1, loggers=loggers,
         callback_metrics={}, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t),
+        datamodule=SimpleNamespace(enable_thinking=enable_thinking),
     )
 
 
@@ -202,7 +206,102 @@ def test_top1_head_logs_tau_top1_without_a_second_decode():
     scalars = callback.evaluate(fake_trainer(2, []), system)
     assert isinstance(system.head, Top1Selector)
     assert scalars["eval/tau_top1"] == scalars["eval/tau"]
-    assert 1.0 <= scalars["eval/tau"] <= BLOCK
+    ids = callback.prompt_set(system).input_ids[0]
+    direct = speculative_generate(system.target, system.drafter, system.head, ids, callback.max_new_tokens,
+                                  stop_token_ids=system.target.stop_token_ids())
+    assert scalars["eval/tau"] == pytest.approx(direct.tau) and scalars["eval/rounds"] == direct.num_rounds
+
+
+# ---------------------------------------------------------------------------- train/serve agreement
+
+
+@pytest.fixture(scope="module")
+def chat_system(tmp_path_factory):
+    """A target whose chat template renders the thinking flag (an empty think block when it is False)."""
+    from helpers import make_tiny_target_dir
+
+    root = tmp_path_factory.mktemp("chat")
+    target = make_tiny_target_dir(root)
+    system = DraftSystem({"name_or_path": target, "layer_ids": [1, 2]}, DFlashDrafter(num_layers=1, block_size=BLOCK),
+                         num_anchors=4, max_length=48)
+    system.configure_model()
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is two plus two?"}\n{"prompt": "Hello! How are you?"}\n')
+    return system, str(prompts)
+
+
+def _chat_callback(prompts: str, **kw) -> AcceptanceEval:
+    return make_callback(benchmark=prompts, chat_template=True, num_prompts=2, max_new_tokens=6, **kw)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_thinking_flag_comes_from_the_data_module(chat_system, flag):
+    system, prompts = chat_system
+    tokenizer = system.target.tokenizer
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    callback = _chat_callback(prompts)
+    prompt_set = callback.prompt_set(system, fake_trainer(1, [], enable_thinking=flag))
+    assert prompt_set.enable_thinking is flag
+    # The template adds the empty think block exactly when thinking is off, as the training data had it.
+    assert all((think in ids) is (not flag) for ids in prompt_set.input_ids)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "What is two plus two?"}],
+                                             tokenize=False, add_generation_prompt=True, enable_thinking=flag)
+    assert prompt_set.input_ids[0] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_thinking_flag_without_a_data_module_comes_from_the_checkpoint(chat_system):
+    system, prompts = chat_system
+    no_data = SimpleNamespace(datamodule=None)
+    with pytest.raises(ValueError, match="cannot tell the training data's thinking flag"):
+        _chat_callback(prompts).prompt_set(system, no_data)
+    system.checkpoint_meta = {"enable_thinking": True}
+    try:
+        assert _chat_callback(prompts).prompt_set(system, no_data).enable_thinking is True
+        with pytest.raises(ValueError, match="contradicts the checkpoint's enable_thinking=True"):
+            _chat_callback(prompts, enable_thinking=False).prompt_set(system, no_data)
+    finally:
+        system.checkpoint_meta = {}
+    with pytest.raises(ValueError, match="contradicts data.enable_thinking=False"):
+        _chat_callback(prompts, enable_thinking=True).prompt_set(system, fake_trainer(1, []))
+
+
+def test_stop_tokens_are_the_training_datas(chat_system):
+    """Regeneration and evaluation take stop ids from one place; a checkpoint's recorded ids win."""
+    from lilicorr_pl.data.regenerate import _stop_ids
+
+    system, prompts = chat_system
+    target = system.target
+    im_end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stops = target.stop_token_ids()
+    assert im_end in stops and target.tokenizer.eos_token_id in stops
+    assert _stop_ids(target.tokenizer, target.model) == stops  # what regeneration stopped its data at
+    callback = _chat_callback(prompts)
+    assert callback.stop_token_ids(system) == stops
+    # Recorded in the checkpoint: evaluation of that model stops where its training data stopped.
+    first = [speculative_generate(target, system.drafter, system.head, ids, 1, stop_token_ids=[]).tokens[0]
+             for ids in callback.prompt_set(system, fake_trainer(1, [])).input_ids]
+    system.checkpoint_meta = {"stop_token_ids": sorted(set(first))}
+    try:
+        recorded = _chat_callback(prompts)
+        assert recorded.stop_token_ids(system) == sorted(set(first))
+        scalars = recorded.evaluate(fake_trainer(3, []), system)
+    finally:
+        system.checkpoint_meta = {}
+    assert scalars["eval/rounds"] == 0  # every prompt stopped at its first token: no verify round ran
+
+
+@pytest.mark.parametrize("rule", ["proposal", "point_mass"])
+def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
+    """At T = 1 the head's drafts are sampled and verified with min(1, p/q), or kept deterministic and
+    accepted iff they equal the target's sample (the recorded rounds show the target's row only then)."""
+    system = make_system(LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4))
+    system.configure_model()
+    callback = make_callback(num_prompts=1, temperature=1.0, draft_sampling=rule)
+    results = callback.decode(system)
+    assert {r.draft_sampling for r in results.values()} == {rule}
+    rounds = results["head"].examples[0]["rounds"]
+    assert rounds and all((rnd["target"] is None) == (rule == "proposal") for rnd in rounds)
+    assert 1.0 <= results["head"].tau <= BLOCK
 
 
 @pytest.mark.parametrize(
@@ -212,6 +311,7 @@ def test_top1_head_logs_tau_top1_without_a_second_decode():
         ({"max_new_tokens": 0}, "max_new_tokens >= 1"),
         ({"every_n_train_steps": None, "on_validation_end": False}, "never run"),
         ({"temperature": -1.0}, "temperature"),
+        ({"draft_sampling": "sampled"}, "draft_sampling must be one of"),
     ],
 )
 def test_rejects_bad_settings(kwargs, message):

@@ -22,7 +22,11 @@ def test_shipped_tiny_config_logs_real_acceptance(tiny_run):
     metrics = cli.trainer.callback_metrics
     for key in ("eval/tau", "eval/tau_top1", "eval/stdlib-heldout/tau"):
         assert key in metrics, key
-    assert 1.0 <= metrics["eval/tau"].item() <= BLOCK
+    # The logged tau is real speculative decoding of the trained model on the callback's prompts.
+    from callbacks import AcceptanceEval
+
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, AcceptanceEval))
+    assert metrics["eval/tau"].item() == pytest.approx(callback.decode(cli.model)["head"].tau)
 
 
 def check_run(run: dict, selectors: list[str], temperature: float) -> None:
@@ -52,6 +56,16 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         assert all(isinstance(x, float) and x > 0 for x in split + [r["round_ms"], r["plain_step_ms"]]), name
         assert sum(split) == pytest.approx(r["round_ms"], rel=1e-9)
         assert r["round_cost_ratio"] == pytest.approx(r["round_ms"] / r["plain_step_ms"], rel=1e-9)
+    if temperature == 0:
+        assert run["draft_sampling"] is None and all("point_mass" not in r for r in run["selectors"].values())
+        return
+    # T > 0: τ both ways, sampled drafts with min(1, p/q) (the main entry) and the point-mass rule.
+    assert run["draft_sampling"] == "proposal"
+    for name, r in run["selectors"].items():
+        pm = r["point_mass"]
+        assert 1.0 <= pm["tau"] <= BLOCK and sum(pm["histogram"]) == pm["rounds"] > 0, name
+        assert pm["tau"] == pytest.approx(1 + sum(k * c for k, c in enumerate(pm["histogram"])) / pm["rounds"])
+        assert len(pm["per_position_acceptance"]) == BLOCK - 1
 
 
 def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run, tmp_path):
@@ -101,7 +115,7 @@ def write(path: Path, text: str) -> str:
     "case, message",
     [
         ("missing_ckpt", "does not exist"),
-        ("unknown_selector", r"Parser key \"selectors\".*\n.*Got value: top2"),  # refused when parsed
+        ("unknown_selector", r"unknown selector\(s\) \['top2'\]"),  # a name or a class path: checked by the registry
         ("repeated_selector", "names a selector twice"),
         ("unknown_benchmark", "unknown benchmark"),
         ("malformed_jsonl", r"prompts.jsonl:2: malformed JSON"),
@@ -112,6 +126,7 @@ def write(path: Path, text: str) -> str:
         ("inf_temperature", "must be finite and >= 0"),
         ("zero_prompts", r"Parser key \"num_prompts\".*\n.*0 does not conform to restriction v>0"),
         ("bad_chat_template", r"Parser key \"chat_template\""),
+        ("bad_draft_sampling", r"Parser key \"draft_sampling\""),
         ("output_is_a_directory", "is a directory"),
         ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
         ("plot_is_a_file", "--plot .* is a file"),
@@ -146,6 +161,8 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--num-prompts"] = "0"
     elif case == "bad_chat_template":
         args["--chat-template"] = "maybe"
+    elif case == "bad_draft_sampling":
+        args["--draft-sampling"] = "greedy"
     elif case == "output_is_a_directory":
         args["--output"] = str(tmp_path)
     elif case == "output_parent_is_a_file":
@@ -171,6 +188,30 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
     assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
+
+
+def test_selectors_are_chosen_by_registered_name_never_by_substring():
+    from types import SimpleNamespace
+
+    from lilicorr_pl.bench import parse_selectors, selector_for
+    from lilicorr_pl.heads import DominoHead, LiLiCorrHead, Top1Selector
+
+    head = LiLiCorrHead(top_k=2, hidden_size=8, num_heads=2, factor_dim=4)
+    system = SimpleNamespace(head=head)
+    assert selector_for("lilicorr", system) is head
+    assert selector_for("lilicorr_pl.heads.LiLiCorrHead", system) is head  # a class path works too
+    assert isinstance(selector_for("top1", system), Top1Selector)  # parameter-free: a fresh instance
+    with pytest.raises(ValueError, match="not available in this checkpoint"):
+        selector_for("domino", system)
+    with pytest.raises(ValueError, match="unknown selector"):
+        selector_for("lili", system)  # a substring of the head's class name is not a name
+    domino = SimpleNamespace(head=DominoHead())
+    assert selector_for("domino", domino) is domino.head
+    with pytest.raises(ValueError, match="registered as 'domino'"):
+        selector_for("lilicorr", domino)
+    assert parse_selectors("Top1, lilicorr_pl.heads.DSparkHead") == ["top1", "lilicorr_pl.heads.DSparkHead"]
+    with pytest.raises(ValueError, match=r"unknown selector\(s\) \['corr'\]"):
+        parse_selectors("top1,corr")
 
 
 def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_run):

@@ -1,9 +1,11 @@
-"""Fingerprinted caches: atomic writes, validation that refuses corrupt caches, cached target logits."""
+"""Stores: safetensors shards with a manifest, written atomically, refused when truncated or altered;
+fingerprints; the target-logit and feature precompute against the exact target."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -11,25 +13,20 @@ import pytest
 import torch
 from helpers import make_tiny_target_dir
 
-from lilicorr_pl.data.cache import (
-    CacheError,
-    CacheWriter,
-    cache_path,
+from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target, store_path
+from lilicorr_pl.data.precompute import (
+    PrecomputeJob,
+    SplitJob,
     cached_candidate_logits,
-    clean_stale_temps,
     feature_cache_bytes,
-    features_from_numpy,
-    features_to_numpy,
-    fingerprint,
-    fingerprint_target,
     full_logit_bytes_per_token,
     human_bytes,
     logit_cache_bytes_per_token,
     logit_cache_report,
-    open_cache,
-    precompute_target_caches,
+    run_in_process,
     supervised_rows,
 )
+from lilicorr_pl.data.store import CacheError, StoreWriter, open_store, shard_name
 from lilicorr_pl.target import FrozenTarget, TargetSpec
 
 
@@ -42,11 +39,15 @@ def _single_torch_thread():
     torch.set_num_threads(n)
 
 
+FEATURES = torch.randn(7, 12, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
 def _write(dest: Path, parts=None) -> Path:
-    with CacheWriter(dest, "demo", parts or {"a": 1}, meta={"note": "x"}) as w:
-        arr = w.create("big", (5, 3), np.float16)
-        arr[:] = np.arange(15, dtype=np.float16).reshape(5, 3)
-        w.save("offsets", np.array([0, 2, 5], dtype=np.int64))
+    """A two-shard features store: examples [0, 2) and [2, 3)."""
+    w = StoreWriter(dest, "features", parts or {"a": 1})
+    w.write(0, (0, 2), {"features": FEATURES[:5]})
+    w.write(1, (2, 3), {"features": FEATURES[5:]})
+    w.finalize(2, meta={"note": "x"}, provenance={"by": "test"})
     return dest
 
 
@@ -57,7 +58,7 @@ def test_fingerprint_is_canonical_and_sensitive():
     assert a == b and len(a) == 64
     assert fingerprint({"x": 2, "y": [1, 2], "z": {"a": 1, "b": 2}}) != a
     assert fingerprint({"x": 1, "y": [2, 1], "z": {"a": 1, "b": 2}}) != a
-    assert cache_path("root", "logits", {"x": 1}).name == f"logits-{fingerprint({'x': 1})[:16]}"
+    assert store_path("root", "logits", {"x": 1}).name == f"logits-{fingerprint({'x': 1})[:16]}"
 
 
 def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path):
@@ -77,96 +78,107 @@ def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path)
 
 
 # ---------------------------------------------------------------------- writer / reader
-def test_round_trip_is_memmapped_with_manifest(tmp_path):
+def test_round_trip_is_native_bf16_safetensors_with_a_manifest(tmp_path):
     dest = _write(tmp_path / "c")
-    cache = open_cache(dest, expected_fingerprint=fingerprint({"a": 1}), kind="demo")
-    assert isinstance(cache["big"], np.memmap) and not cache["big"].flags.writeable
-    np.testing.assert_array_equal(cache["big"], np.arange(15).reshape(5, 3))
+    store = open_store(dest, expected_fingerprint=fingerprint({"a": 1}), kind="features")
+    assert store.num_examples == 3 and store.shard_examples == [(0, 2), (2, 3)]
+    assert store.locate(0) == (0, 0) and store.locate(1) == (0, 1) and store.locate(2) == (1, 0)
+    got = torch.cat([store.get(0, "features"), store.get(1, "features")])
+    assert got.dtype == torch.bfloat16 and torch.equal(got, FEATURES)  # exact, no int16 detour
+    assert torch.equal(store.slice(1, "features", 1, 2), FEATURES[6:7])  # a memory-mapped partial read
+    from safetensors import safe_open
+
+    with safe_open(str(dest / shard_name(0)), framework="pt") as f:  # a standard file any tool can read
+        assert f.get_slice("features").get_dtype() == "BF16" and f.get_slice("features").get_shape() == [5, 12]
+        assert json.loads(f.metadata()["lilicorr"]) == {"fingerprint": fingerprint({"a": 1}), "kind": "features",
+                                                        "shard": "0", "examples": "0:2"}
     manifest = json.loads((dest / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["meta"] == {"note": "x"}
-    assert manifest["files"]["big"]["shape"] == [5, 3] and manifest["files"]["big"]["dtype"] == "<f2"
-    assert len(manifest["files"]["big"]["sha256"]) == 64 and manifest["created"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temp dir left behind
+    assert manifest["schema_version"] == 2 and manifest["meta"] == {"note": "x"} and manifest["provenance"] == {"by": "test"}
+    assert [s["examples"] for s in manifest["shards"]] == [[0, 2], [2, 3]] and len(manifest["shards"][0]["sha256"]) == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the partial directory was renamed into place
 
 
-def test_interrupted_write_leaves_nothing_in_place(tmp_path):
+def test_interrupted_write_leaves_nothing_under_the_real_name_and_keeps_finished_shards(tmp_path):
     dest = tmp_path / "c"
-    with pytest.raises(RuntimeError, match="boom"):
-        with CacheWriter(dest, "demo", {"a": 1}) as w:
-            w.create("big", (100, 4), np.float32)[:50] = 1.0
-            raise RuntimeError("boom")
+    w = StoreWriter(dest, "features", {"a": 1})
+    w.write(0, (0, 2), {"features": FEATURES[:5]})
+    (w.partial / f".{shard_name(1)}.{socket.gethostname()}-999999-dead.tmp").write_bytes(b"half a shard")  # a killed write
+    with pytest.raises(CacheError, match=r"shard-00001.*missing"):
+        w.finalize(2)
     assert not dest.exists()
-    assert list(tmp_path.iterdir()) == []
+    again = StoreWriter(dest, "features", {"a": 1})
+    assert again.done(0) and not again.done(1)  # a rerun computes only the missing shard
+    assert not StoreWriter(dest, "features", {"a": 2}).done(0)  # a shard written for other inputs is never reused
+    again.write(1, (2, 3), {"features": FEATURES[5:]})
+    again.finalize(2)
+    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json", shard_name(0), shard_name(1)]  # temp files gone
+    assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
 
 
-def test_stale_temp_dir_of_a_dead_writer_is_cleaned(tmp_path):
-    import socket
-
-    dest = tmp_path / "c"
-    host = socket.gethostname().replace("-", "_")
-    stale = tmp_path / f".c.tmp-{host}-999999999-deadbeef"
-    stale.mkdir()
-    (stale / "x.npy").write_bytes(b"partial")
-    assert clean_stale_temps(dest) == [stale]
-    assert not stale.exists()
-
-
-def test_truncated_npy_is_refused(tmp_path):
+def test_truncated_shard_is_refused_with_one_line(tmp_path):
     dest = _write(tmp_path / "c")
-    f = dest / "big.npy"
-    f.write_bytes(f.read_bytes()[:-4])
+    shard = dest / shard_name(1)
+    shard.write_bytes(shard.read_bytes()[:-4])
     for verify in ("full", "size"):
-        with pytest.raises(CacheError, match=r"big\.npy.*(truncated|bytes)") as err:
-            open_cache(dest, verify=verify)
-        assert "delete the directory" in str(err.value) and "prepare_data" in str(err.value)
+        with pytest.raises(CacheError, match=r"shard-00001\.safetensors has \d+ bytes.*truncated") as err:
+            open_store(dest, verify=verify)
+        assert "\n" not in str(err.value) and f"delete {dest}" in str(err.value)
+    # Even with the manifest edited to the new size, safetensors' own header check refuses it.
+    mpath = dest / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["shards"][1]["bytes"] = shard.stat().st_size
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors is not a readable safetensors file"):
+        open_store(dest, verify="size")
 
 
-def test_checksum_mismatch_is_refused(tmp_path):
+def test_altered_shard_is_refused(tmp_path):
     dest = _write(tmp_path / "c")
-    f = dest / "big.npy"
-    data = bytearray(f.read_bytes())
+    shard = dest / shard_name(0)
+    data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
-    f.write_bytes(bytes(data))
-    with pytest.raises(CacheError, match=r"big\.npy sha256"):
-        open_cache(dest)
-    open_cache(dest, verify="size")  # the cheap mode only checks headers and sizes: documented
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"shard-00000\.safetensors does not match its sha256.*altered"):
+        open_store(dest)
+    open_store(dest, verify="size")  # the cheap mode only checks sizes and headers: documented
+    # A valid shard of another store swapped in is refused too.
+    other = _write(tmp_path / "other", parts={"a": 2})
+    (dest / shard_name(0)).write_bytes((other / shard_name(0)).read_bytes())
+    with pytest.raises(CacheError, match="belongs to another store"):
+        open_store(dest, verify="size")
 
 
-def test_edited_manifest_is_refused(tmp_path):
+def test_edited_or_missing_manifest_is_refused(tmp_path):
     dest = _write(tmp_path / "c")
     mpath = dest / "manifest.json"
     original = json.loads(mpath.read_text())
 
     m = json.loads(json.dumps(original))
-    m["files"]["big"]["shape"] = [3, 5]
-    mpath.write_text(json.dumps(m))
-    with pytest.raises(CacheError, match=r"big\.npy holds shape \[5, 3\]"):
-        open_cache(dest)
-
-    m = json.loads(json.dumps(original))
-    m["files"]["big"]["sha256"] = "0" * 64
-    mpath.write_text(json.dumps(m))
-    with pytest.raises(CacheError, match="checksum"):
-        open_cache(dest)
-
-    m = json.loads(json.dumps(original))
     m["parts"]["a"] = 2
     mpath.write_text(json.dumps(m))
     with pytest.raises(CacheError, match="manifest was edited"):
-        open_cache(dest)
+        open_store(dest)
+
+    m = json.loads(json.dumps(original))
+    m["shards"][0]["sha256"] = "0" * 64
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CacheError, match="sha256"):
+        open_store(dest)
 
     mpath.write_text(json.dumps(original))
     with pytest.raises(CacheError, match="different inputs"):
-        open_cache(dest, expected_fingerprint=fingerprint({"a": 2}))
+        open_store(dest, expected_fingerprint=fingerprint({"a": 2}))
+    with pytest.raises(CacheError, match="kind is 'features', expected 'logits'"):
+        open_store(dest, kind="logits")
 
-    (dest / "offsets.npy").unlink()
-    with pytest.raises(CacheError, match=r"offsets\.npy .*missing"):
-        open_cache(dest)
+    (dest / shard_name(1)).unlink()
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors listed in the manifest is missing"):
+        open_store(dest)
     mpath.unlink()
     with pytest.raises(CacheError, match="manifest.json is missing"):
-        open_cache(dest)
+        open_store(dest)
     with pytest.raises(CacheError, match="does not exist"):
-        open_cache(tmp_path / "nope")
+        open_store(tmp_path / "nope")
 
 
 # ---------------------------------------------------------------------- sizes
@@ -178,13 +190,6 @@ def test_bytes_per_token_report_for_qwen3_vocab():
     # DESIGN §8: ≈40 KiB/token of features for Qwen3-8B with 5 layers (H = 4096).
     assert feature_cache_bytes(1, 5 * 4096) == 40 * 1024
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(10) == "10 B"
-
-
-def test_bf16_features_round_trip_exactly():
-    x = torch.randn(7, 12)
-    stored = features_to_numpy(x)
-    assert stored.dtype == np.int16 and stored.nbytes == 7 * 12 * 2
-    assert torch.equal(features_from_numpy(stored), x.to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------- cached target logits
@@ -205,54 +210,52 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_target_dir(tmp_path_factory.mktemp("cache_target"))
 
 
-def test_precomputed_cache_matches_exact_target_candidate_logits(tiny_dir, tmp_path):
+def _token_store(dest: Path, ids: list[torch.Tensor], masks: list[torch.Tensor], shards: list[tuple[int, int]]):
+    w = StoreWriter(dest, "tokens", {"t": 1})
+    for s, (a, b) in enumerate(shards):
+        lengths = [len(x) for x in ids[a:b]]
+        w.write(s, (a, b), {"input_ids": torch.cat(ids[a:b]).int(), "loss_mask": torch.cat(masks[a:b]),
+                            "offsets": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)})
+    w.finalize(len(shards), meta={"pad_id": 0, "tokens": sum(len(x) for x in ids)})
+    return open_store(dest)
+
+
+def test_precomputed_stores_match_the_exact_target(tiny_dir, tmp_path):
     target = FrozenTarget.from_pretrained(tiny_dir, layer_ids=[1, 5])
     g = torch.Generator().manual_seed(0)
     lengths = [9, 14, 5]
     ids = [torch.randint(0, 300, (n,), generator=g) for n in lengths]
     masks = [torch.rand(n, generator=g) < 0.7 for n in lengths]
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    flat_ids = torch.cat(ids).numpy().astype(np.int32)
-    flat_mask = torch.cat(masks).numpy()
+    tokens = _token_store(tmp_path / "tokens", ids, masks, [(0, 2), (2, 3)])
     m = 16
-    paths = precompute_target_caches(
-        target,
-        flat_ids,
-        flat_mask,
-        offsets,
-        logit_dest=tmp_path / "logits",
-        logit_parts={"t": 1},
-        feature_dest=tmp_path / "features",
-        feature_parts={"t": 1},
-        top_m=m,
-        batch_size=2,
-        progress=False,
-        head_chunk=3,  # exercise chunking of the LM head
-    )
-    lc, fc = open_cache(paths["logits"]), open_cache(paths["features"])
-    _, positions, row_offsets = supervised_rows(flat_mask, offsets)
-    np.testing.assert_array_equal(lc["positions"], positions)
-    np.testing.assert_array_equal(lc["offsets"], row_offsets)
+    writers = {k: StoreWriter(tmp_path / k, k, {"t": 1}) for k in ("logits", "features")}
+    job = PrecomputeJob([SplitJob("train", tokens, writers, {"logits": {}, "features": {}})], top_m=m, batch_size=2,
+                        head_chunk=3)  # exercise chunking of the LM head
+    paths = run_in_process(job, target, progress=False)["train"]
+    lc, fc = open_store(paths["logits"]), open_store(paths["features"])
     checked_in = checked_out = 0
     for i, n in enumerate(lengths):
+        shard, j = tokens.locate(i)
         out = target(ids[i][None], return_logits=True)
         # Features: the bf16 rounding of the target's features (batched/padded vs alone: ~1 bf16 ulp).
-        got = features_from_numpy(fc["features"][offsets[i] : offsets[i + 1]])
+        a, b = (int(x) for x in tokens.get(shard, "offsets")[j : j + 2])
+        got = fc.slice(shard, "features", a, b)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), out.features[0], atol=1e-2, rtol=8e-3)
-        for r in range(int(row_offsets[i]), int(row_offsets[i + 1])):
-            t = int(lc["positions"][r])
+        r0, r1 = (int(x) for x in lc.get(shard, "offsets")[j : j + 2])
+        positions, _ = supervised_rows(masks[i].numpy(), np.array([0, n]))
+        assert lc.slice(shard, "positions", r0, r1).tolist() == positions.tolist()
+        for r in range(r0, r1):
+            t = int(lc.get(shard, "positions")[r])
             assert t >= 1 and masks[i][t]
             normed = out.normed_hidden[0, t - 1]
-            topm_ids = torch.from_numpy(lc["topm_ids"][r].astype(np.int64))
-            topm_logits = torch.from_numpy(lc["topm_logits"][r].astype(np.float32))
+            topm_ids = lc.get(shard, "topm_ids")[r].long()
+            topm_logits = lc.get(shard, "topm_logits")[r].float()
             floor = topm_logits[-1]
             true_id = ids[i][t]
             outside = torch.tensor([v for v in range(target.output_rows) if v not in set(topm_ids.tolist())][:5])
             cands = torch.cat([topm_ids[torch.randperm(m, generator=g)[:6]], outside, true_id[None]])
-            approx = cached_candidate_logits(
-                topm_ids, topm_logits, floor, true_id, torch.tensor(float(lc["true_logit"][r])), cands
-            )
+            approx = cached_candidate_logits(topm_ids, topm_logits, floor, true_id, lc.get(shard, "true_logit")[r], cands)
             exact = target.candidate_logits(normed, cands)
             inside = torch.isin(cands, topm_ids)
             is_true = cands == true_id
@@ -266,17 +269,13 @@ def test_precomputed_cache_matches_exact_target_candidate_logits(tiny_dir, tmp_p
     assert checked_in > 50 and checked_out > 50
 
 
-def test_top_m_larger_than_vocab_is_refused_before_any_forward(tiny_dir, tmp_path):
-    """top_m must fit the vocabulary: a clear error before any forward pass."""
+def test_top_m_larger_than_vocab_is_refused_before_any_forward(tiny_dir, tmp_path, monkeypatch):
+    """top_m must fit the vocabulary: a clear error before any forward pass, nothing written."""
     target = FrozenTarget.from_pretrained(tiny_dir, layer_ids=[1])
+    monkeypatch.setattr(FrozenTarget, "forward", lambda *a, **k: pytest.fail("no forward before the check"))
+    tokens = _token_store(tmp_path / "tokens", [torch.arange(4)], [torch.ones(4, dtype=torch.bool)], [(0, 1)])
+    job = PrecomputeJob([SplitJob("train", tokens, {"logits": StoreWriter(tmp_path / "l", "logits", {})}, {})],
+                        top_m=10_000, batch_size=1)
     with pytest.raises(ValueError, match=r"logit_top_m must be in 1\.\.384"):
-        precompute_target_caches(
-            target,
-            np.zeros(4, np.int32),
-            np.ones(4, bool),
-            np.array([0, 4]),
-            logit_dest=tmp_path / "l",
-            top_m=10_000,
-            progress=False,
-        )
-    assert not os.path.exists(tmp_path / "l")
+        run_in_process(job, target, progress=False)
+    assert not os.path.exists(tmp_path / "l") and not os.path.exists(tmp_path / ".l.partial")

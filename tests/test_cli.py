@@ -124,15 +124,7 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
     assert "train/distractor_penalty" in cli.trainer.callback_metrics
     assert "train/distractor_penalty" not in cli2.trainer.callback_metrics
     assert [l.name for l in ablated.losses] == [l.name for l in base.losses if l.name != "distractor_penalty"]
-    # Same weights and the same batch: the totals differ by exactly the weighted penalty.
-    ablated.load_state_dict(base.state_dict())
-    batch = next(iter(cli.datamodule.train_dataloader()))
-    torch.manual_seed(0)
-    full = base.compute_step(batch, generator=torch.Generator().manual_seed(3))
-    part = ablated.compute_step(batch, generator=torch.Generator().manual_seed(3))
-    penalty = full["logs"]["distractor_penalty"]
-    assert penalty > 0
-    torch.testing.assert_close(full["loss"] - part["loss"], penalty, atol=1e-5, rtol=1e-4)
+    assert not ablated.needs_target_logits and base.needs_target_logits  # nor is its logit cache computed
 
 
 def test_tiny_loss_falls_over_fifty_steps(tmp_path):
@@ -211,7 +203,7 @@ def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name,
     (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.drafter.init_args.attention=flexx"], "attention"),
     (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.head.init_args.decode=beam"], "decode"),
     (["bench", "--ckpt", "x.ckpt", "--device", "gpu"], "device"),
-    (["bench", "--ckpt", "x.ckpt", "--selectors", "top1,top9"], "selectors"),
+    (["bench", "--ckpt", "x.ckpt", "--draft_sampling", "greedy"], "draft_sampling"),
     (["export", "--ckpt", "x.ckpt", "--output", "out", "--overwrite=maybe"], "overwrite"),
     (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--dtype", "fp8"], "dtype"),
     (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--limit", "-1"], "limit"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
@@ -12,9 +13,10 @@ import torch
 from helpers import make_tiny_target_dir
 from transformers import AutoTokenizer
 
-from lilicorr_pl.data import formats
-from lilicorr_pl.data.cache import CacheError, cached_candidate_logits
-from lilicorr_pl.data.datamodule import DraftDataModule, ResumableShuffleSampler, precompute_throughput
+from lilicorr_pl.data import CacheError, cached_candidate_logits, formats
+from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.data.precompute import precompute_throughput
+from lilicorr_pl.data.sampling import epoch_order, train_sampler
 from lilicorr_pl.data.formats import DataFormatError, load_examples, pack_examples, tokenize_chat
 from lilicorr_pl.target import FrozenTarget, TargetSpec
 
@@ -303,6 +305,7 @@ def make_dm(train_file, target_dir, cache_dir, **kw) -> DraftDataModule:
         max_length=64,
         val_fraction=0.2,
         progress=False,
+        shard_tokens=200,  # several shards
     )
     args.update(kw)
     return DraftDataModule([train_file], **args)
@@ -364,16 +367,21 @@ def test_datamodule_batches_keys_shapes_and_logit_alignment(tmp_path, train_file
 
 def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train_file, target_dir, monkeypatch):
     cache_dir = tmp_path / "cache"
-    # 1. A crash mid-precompute leaves no cache in place (only the finished tokens cache).
-    crash = CountingForward(monkeypatch, fail_on=2)
+    # 1. A crash mid-precompute leaves no logit cache under its real name (only the finished tokens cache) ...
+    crash = CountingForward(monkeypatch, fail_on=4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         make_dm(train_file, target_dir, cache_dir).prepare_data()
-    assert sorted(p.name.split("-")[0] for p in cache_dir.iterdir()) == ["tokens"]
-    assert crash.calls == 2
-    # 2. The next run recomputes and succeeds.
+    assert [p.name.split("-")[0] for p in cache_dir.iterdir() if not p.name.startswith(".")] == ["tokens"]
+    assert crash.calls == 4
+    # ... but keeps the shards it finished: the next run computes only the others' batches.
+    tokens = make_dm(train_file, target_dir, cache_dir).precompute_job().splits[0].tokens
+    batches = [math.ceil((b - a) / 4) for a, b in tokens.shard_examples]  # precompute_batch_size 4, per shard
+    partial = next(cache_dir.glob(".logits-*.partial"))
+    finished = [int(p.name[6:11]) for p in partial.glob("shard-*.safetensors")]
+    assert len(batches) >= 3 and finished and sum(batches[s] for s in finished) < 4
     counter = CountingForward(monkeypatch)
     make_dm(train_file, target_dir, cache_dir).prepare_data()
-    assert counter.calls == 5  # 20 examples / precompute_batch_size 4
+    assert counter.calls == sum(batches) - sum(batches[s] for s in finished)
     first = sorted(p.name for p in cache_dir.iterdir())
     assert [n.split("-")[0] for n in first] == ["logits", "tokens"]
     # 3. Identical inputs reuse the cache: no forward pass, no model load, same directories.
@@ -398,11 +406,11 @@ def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train
     changed.write_text(Path(train_file).read_text() + json.dumps({"text": "one more line"}) + "\n")
     assert make_dm(str(changed), target_dir, cache_dir).cache_paths()["tokens"] != base["tokens"]
     # 5. A corrupt cache is refused by prepare_data and setup, never silently used or rebuilt.
-    npy = base["logits"] / "topm_logits.npy"
-    npy.write_bytes(npy.read_bytes()[:-10])
-    with pytest.raises(CacheError, match=r"topm_logits\.npy.*delete the directory"):
+    shard = base["logits"] / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors .*truncated.*delete"):
         make_dm(train_file, target_dir, cache_dir).prepare_data()
-    with pytest.raises(CacheError, match=r"topm_logits\.npy"):
+    with pytest.raises(CacheError, match=r"shard-00001\.safetensors"):
         make_dm(train_file, target_dir, cache_dir).setup("fit")
     assert counter.calls == 0
 
@@ -433,17 +441,14 @@ def test_val_files_and_no_validation(tmp_path, train_file, target_dir):
     assert dm.val_dataset is None and dm.val_dataloader() == []
 
 
-def test_sampler_is_seeded_per_epoch_and_resumes():
-    s = ResumableShuffleSampler(10, seed=3)
+def test_training_order_is_seeded_per_epoch():
+    s = train_sampler(10, seed=3)
     e0 = list(s)
     s.set_epoch(1)
     e1 = list(s)
     assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
-    assert ResumableShuffleSampler(10, seed=3).order(1) == e1
-    s2 = ResumableShuffleSampler(10, seed=3)
-    s2.epoch, s2.skip = 1, 4
-    assert list(s2) == e1[4:] and len(s2) == 10
-    assert list(s2) == e1  # the skip applies once
+    assert epoch_order(10, 3, 1) == e1 and epoch_order(10, 4, 1) != e1
+    assert list(train_sampler(10, seed=3)) == e0  # the same seed gives the same order in a new process
 
 
 def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_path, train_file, target_dir):
@@ -460,11 +465,19 @@ def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_pat
     it = iter(dm.train_dataloader())
     head = [i for _ in range(3) for i in next(it)["index"].tolist()]
     state = dm.state_dict()
-    assert state == {"epoch": 0, "consumed": 6, "seed": 0, "num_samples": 16}
+    assert state["order"] == {"seed": 0, "examples": 16, "replicas": 1, "batch_size": 2}
     other = fresh()
     other.load_state_dict(state)
     tail = [i for batch in other.train_dataloader() for i in batch["index"].tolist()]
     assert head + tail == order
+    # The state of another data order is refused with a warning: the epoch starts from its beginning.
+    changed = make_dm(train_file, target_dir, tmp_path / "cache", batch_size=2, seed=1)
+    changed.prepare_data()
+    changed.setup("fit")
+    changed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="does not match"):
+        loader = changed.train_dataloader()
+    assert len([i for batch in loader for i in batch["index"].tolist()]) == 16
     # Workers get paths, not copies of the memory-mapped caches.
     blob = pickle.dumps(dm.train_dataset)
     assert len(blob) < 4096
@@ -522,7 +535,90 @@ def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_
     dm = make_dm(train_file, target_dir, tmp_path / "cache", feature_cache=True)
     dm.prepare_data()
     before = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    res = precompute_throughput(dm)
+    res = precompute_throughput(dm.precompute_job(only_missing=False), dm.load_target())
     assert res["forward_s"] > 0 and res["precompute_s"] > 0 and res["tokens"] > 0
     assert res["ratio"] == pytest.approx(res["forward_s"] / res["precompute_s"])
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == before  # measured in a temp dir
+
+
+def test_batches_pad_to_the_longest_or_to_fixed_lengths(tmp_path, train_file, target_dir):
+    from lilicorr_pl.data import pad_length
+
+    assert pad_length(13, None) == 13 and pad_length(13, [16, 32]) == 16 and pad_length(16, [16, 32]) == 16
+    with pytest.raises(ValueError, match="exceeds the largest length bucket 32"):
+        pad_length(33, [16, 32])
+    lengths = {}
+    for pad_to in ("longest", "buckets", "max_length"):
+        dm = make_dm(train_file, target_dir, tmp_path / "cache", pad_to=pad_to)
+        dm.prepare_data()
+        dm.setup("fit")
+        batches = list(dm.train_dataloader()) + list(dm.val_dataloader())
+        for b in batches:  # padding is never supervised and never has target-logit rows
+            pad = b["attention_mask"] == 0
+            assert not b["loss_mask"][pad].any() and not b["logit_valid"][pad].any()
+            assert b["topm_ids"].shape[1] == b["input_ids"].shape[1]
+            longest = int(b["attention_mask"].sum(1).max())
+            lengths.setdefault(pad_to, []).append((longest, b["input_ids"].shape[1]))
+    assert all(width == longest for longest, width in lengths["longest"])
+    assert all(width == min(n for n in (16, 32, 48, 64) if n >= longest) for longest, width in lengths["buckets"])
+    assert dm.buckets() == [64] and {width for _, width in lengths["max_length"]} == {64}
+    with pytest.raises(ValueError, match=r"length_buckets must be ascending .* >= data.max_length 64"):
+        make_dm(train_file, target_dir, tmp_path / "cache", pad_to="buckets", length_buckets=[16, 32])
+    with pytest.raises(ValueError, match="only read with data.pad_to: buckets"):
+        make_dm(train_file, target_dir, tmp_path / "cache", length_buckets=[64])
+
+
+def test_a_fit_loads_the_target_weights_once(tmp_path, train_file, target_dir, monkeypatch):
+    """The data module's precompute and the system's configure_model share one loaded target."""
+    import transformers
+
+    from lilicorr_pl.losses import DFlashCE, DistractorPenalty, OraclePrefixCE
+    from lilicorr_pl.heads import LiLiCorrHead
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    import lilicorr_pl.target
+
+    monkeypatch.setattr(lilicorr_pl.target, "_SHARED", {})  # a fresh process: nothing loaded yet
+    loads = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loads.append(a[0]) or original(*a, **k))
+    spec = TargetSpec(target_dir, layer_ids=[1, 4])
+    system = DraftSystem(spec, DFlashDrafter(num_layers=1, block_size=4), head=LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4),
+                         losses=[DFlashCE(), OraclePrefixCE(), DistractorPenalty()], num_anchors=8, target_logits="cache",
+                         lr_scheduler=None)
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", val_fraction=0.0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(system, datamodule=dm)
+    assert any(p.name.startswith("logits-") for p in (tmp_path / "cache").iterdir())  # the precompute ran the target
+    assert loads == [target_dir] and system.target is not None
+
+
+def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, capsys):
+    """`lilicorr prepare -c CONFIG` builds the stores a `lilicorr fit` of the same config then only opens."""
+    import lilicorr_pl.data.datamodule as datamodule_module
+    from lilicorr_pl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["-c", str(root / "configs" / "tiny.yaml"), f"--data.cache_dir={tmp_path / 'cache'}",
+            "--trainer.accelerator=cpu", "--data.progress=false"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", "--help"])
+    assert exit_.value.code == 0 and "lilicorr prepare" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", *args, "--data.pad_to=sideways"])
+    assert exit_.value.code == 2  # rejected while parsing, before any work
+    paths = main(["prepare", *args])["train"]
+    assert sorted(paths) == ["logits", "tokens"] and all(p.is_dir() for p in paths.values())  # tiny.yaml reads the cache
+
+    def no_precompute(*a, **k):
+        raise AssertionError("fit recomputed a store that `lilicorr prepare` wrote")
+
+    monkeypatch.setattr(datamodule_module, "run_in_process", no_precompute)
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", *args, "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"])
+    assert cli.trainer.global_step == 1 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        p.name for p in paths.values())

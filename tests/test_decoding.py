@@ -4,7 +4,6 @@ stops, truncation, and τ (which always includes the target's bonus token) on st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -14,14 +13,17 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from lilicorr_pl.decoding import (
     GenerationResult,
     default_stop_token_ids,
+    draft_sampling_for,
     greedy_accept,
     sample_tokens,
     speculative_generate,
     speculative_sampling_accept,
     target_generate,
+    verify_block,
     warp_probs,
 )
-from lilicorr_pl.heads import LiLiCorrHead, Selection, Top1Selector
+from lilicorr_pl.decoding.oracle import OracleSelector
+from lilicorr_pl.heads import DominoHead, DSparkHead, LiLiCorrHead, SelectContext, Top1Selector
 from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput
 from lilicorr_pl.target import FrozenTarget
 
@@ -158,23 +160,6 @@ class TableDrafter:
         logits = torch.nn.functional.one_hot(drafts, self.vocab).float() * self.sharpness
         h = self.hidden
         return _draft_output(logits, h)
-
-
-@dataclass
-class SampledSelection(Selection):
-    q: torch.Tensor | None = None  # [b, S, V] the distribution the tokens were drawn from
-
-
-class SamplingSelector:
-    """A stochastic selector: draws each slot from ``softmax(slot_logits)`` and reports that ``q``."""
-
-    def __init__(self, seed: int):
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def select(self, slot_hidden, slot_logits, anchor_feature, embed):
-        q = torch.softmax(slot_logits.float(), dim=-1)
-        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=self.generator).view(q.shape[:-1])
-        return SampledSelection(tokens=tokens, q=q)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -402,20 +387,22 @@ def test_exact_joint_enumeration_is_a_distribution(small_vocab_target):
 
 @pytest.mark.parametrize(
     "mode,temperature,top_p,n",
-    [("point-mass", 0.8, 0.95, 1500), ("sampled-q", 1.0, 1.0, 1200)],
+    [("point_mass", 0.8, 0.95, 1500), ("proposal", 1.0, 1.0, 1200)],
 )
 def test_sampling_is_lossless_in_distribution(small_vocab_target, mode, temperature, top_p, n):
-    """At T > 0 the speculative output is distributed as the target's own samples (exact enumeration)."""
+    """End to end through ``speculative_generate``: at T > 0 the output is distributed as the target's own
+    samples (exact enumeration), with deterministic drafts (point-mass rule) and with sampled drafts
+    verified against their proposal ``q`` (``min(1, p/q)``)."""
     target, prompt, length, v = small_vocab_target, [2, 5, 3], 3, 8
     # Drafts: the greedy continuation after each possible anchor, so blocks are often (not always) accepted.
     table = torch.tensor([greedy(target, prompt + [a], 2).tokens for a in range(v)])  # [V, S=2]
-    drafter = TableDrafter(table, v, target.hidden_size, sharpness=10.0 if mode == "point-mass" else 1.5)
-    selector = Top1Selector() if mode == "point-mass" else SamplingSelector(seed=7)
+    drafter = TableDrafter(table, v, target.hidden_size, sharpness=10.0 if mode == "point_mass" else 1.5)
     g = torch.Generator().manual_seed(123)
     lengths: list[int] = []
 
     def generate():
-        r = speculative_generate(target, drafter, selector, prompt, length, temperature, top_p, [], g)
+        r = speculative_generate(target, drafter, Top1Selector(), prompt, length, temperature, top_p, [], g,
+                                 draft_sampling=mode)
         lengths.extend(r.accepted_lengths)
         return r.tokens
 
@@ -425,7 +412,7 @@ def test_sampling_is_lossless_in_distribution(small_vocab_target, mode, temperat
     assert ok, msg
     assert {0, 1, 2} <= set(lengths)  # rejections, partial and full acceptance all occurred
     # The baseline samples the same distribution through the same sampling code.
-    if mode == "point-mass":
+    if mode == "point_mass":
 
         def plain():
             return target_generate(target, prompt, length, temperature, top_p, [], g).tokens
@@ -433,6 +420,171 @@ def test_sampling_is_lossless_in_distribution(small_vocab_target, mode, temperat
         counts = _sample_counts(plain, v, length, n // 2)
         ok, msg = _chi_square_ok(counts.flatten(), exact.flatten().float())
         assert ok, msg
+
+
+# ---------------------------------------------------------------------------- every selector, lossless at T = 1
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson χ² goodness-of-fit p-value; cells with expected count < 5 are pooled."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    assert counts[probs == 0].sum() == 0, "a token sequence with probability zero was generated"
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2 / 2))
+
+
+SELECTOR_CASES = ["top1", "lilicorr", "domino", "dspark"]
+
+
+def _randomised(module: torch.nn.Module, seed: int, std: float) -> torch.nn.Module:
+    """Random values in every parameter, as after training (fresh heads start at the drafter's top-1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
+    return module.eval()
+
+
+def _selector(name: str, target: FrozenTarget, block_size: int):
+    h, v = target.hidden_size, target.output_rows
+    if name == "top1":
+        return Top1Selector()
+    if name == "lilicorr":  # K = 4 of 8 tokens: q has zero mass off the candidates
+        head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
+        head = _randomised(head.build(h, v, block_size=block_size), seed=1, std=0.5)
+        with torch.no_grad():  # candidates far apart, so a pair row depends on its predecessor as after training
+            head.rank_embedding.mul_(5.0)
+        return head
+    if name == "domino":
+        return _randomised(DominoHead(gru_hidden=8, rank=4).build(h, v), seed=2, std=0.3)
+    return _randomised(DSparkHead(rank=4).build(h, v), seed=3, std=0.3)
+
+
+def _wrong_q(name: str, selection, draft: DraftOutput) -> torch.Tensor:
+    """A plausible bug in each selector's proposal: the test must catch it."""
+    q = selection.q
+    if name == "top1":  # q reported at half the temperature the draft was drawn at
+        return q**2 / (q**2).sum(-1, keepdim=True)
+    if name == "lilicorr":  # TensorRT-LLM's rows (along the greedy path) reported for SGLang's sampled walk
+        lat = selection.lattice
+        rows = [lat.start]
+        index = lat.start.argmax(-1)
+        for s in range(lat.pair.shape[1]):
+            rows.append(lat.pair[torch.arange(index.shape[0]), s, index])
+            index = rows[-1].argmax(-1)
+        wrong = torch.zeros_like(q)
+        return wrong.scatter_(-1, lat.candidates, torch.softmax(torch.stack(rows, 1), -1))
+    # corrector heads: the drafter's own (uncorrected) distribution instead of the corrected one
+    return torch.softmax(draft.slot_logits.float(), -1)
+
+
+def _target_like_draft(target: FrozenTarget, prefix: list[int], num_slots: int, seed: int) -> DraftOutput:
+    """One block's drafter outputs that roughly know the target: its logits along the greedy continuation
+    plus noise (so drafts are often, not always, accepted and a wrong ``q`` shows), random slot states
+    and no valid anchor feature."""
+    g = torch.Generator().manual_seed(seed)
+    greedy_path = greedy(target, prefix, num_slots - 1).tokens if num_slots > 1 else []
+    with torch.no_grad():
+        logits = target(torch.tensor([prefix + greedy_path]), return_logits=True).logits[:, len(prefix) - 1 :]
+    slot_logits = logits + torch.randn(logits.shape, generator=g)  # [1, S, V]
+    h = target.hidden_size
+    return DraftOutput(torch.randn(1, num_slots, h, generator=g), slot_logits, torch.zeros(1, h),
+                       torch.zeros(1, dtype=torch.bool))
+
+
+def _one_round_completed(target, one: DraftOutput, selector, prompt, anchor, n, temperature, seed, corrupt=None):
+    """``n`` independent speculative rounds from the same prefix and drafter outputs, batched through the
+    decoding loop's own pieces (``Selector.select`` with a ``SelectContext``, then ``verify_block``); each
+    round's committed tokens are completed to ``S + 1`` tokens by exact target sampling, so for a lossless
+    round the ``S + 1`` tokens after the anchor are distributed exactly as target sampling."""
+    g = torch.Generator().manual_seed(seed)
+    p_len, s = len(prompt), one.slot_logits.shape[1]
+    with torch.no_grad():
+        draft = DraftOutput(*(t.expand(n, *t.shape[1:]).contiguous() for t in
+                              (one.slot_hidden, one.slot_logits, one.anchor_feature, one.anchor_feature_valid)))
+        context = SelectContext(torch.full((n,), anchor), torch.full((n,), p_len), target.embed,
+                                draft_sampling_for("proposal", temperature, 1.0, g))
+        selection = selector.select(draft, context)
+        assert selection.q is not None and selection.q.shape == (n, s, target.output_rows)
+        if corrupt is not None:
+            selection.q = corrupt(selection, draft)
+        drafts = selection.tokens
+        unique, inverse = torch.unique(drafts, dim=0, return_inverse=True)  # few distinct blocks: one pass each
+        ids = torch.cat([torch.tensor(prompt + [anchor]).expand(unique.shape[0], -1), unique], dim=1)
+        logits = target(ids, return_logits=True).logits[:, p_len:][inverse]  # [n, S+1, V]
+        acc, bonus, choices = verify_block(drafts, selection, logits, temperature, 1.0, g)
+    assert choices is None  # the proposal rule ran, not the point-mass one
+    joint = _exact_joint(target, prompt + [anchor], s + 1, temperature, 1.0)  # [V] * (S+1)
+    seq = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], dim=1)
+    seq[torch.arange(n), acc] = bonus
+    v = target.output_rows
+    for k in range(1, s + 1):  # complete position k from p(. | the k tokens before it) where the round ended
+        short = acc < k
+        cond = joint[tuple(seq[short, :k].t())].reshape(int(short.sum()), v, -1).sum(-1)  # [m, V]: next token
+        seq[short, k] = torch.multinomial(cond / cond.sum(-1, keepdim=True), 1, generator=g).squeeze(1)
+    flat = sum(seq[:, k] * v ** (s - k) for k in range(s + 1))
+    return torch.bincount(flat, minlength=v ** (s + 1)), joint, acc
+
+
+@pytest.mark.parametrize("name", SELECTOR_CASES)
+def test_every_selector_is_lossless_with_its_proposal_at_t1(small_vocab_target, name):
+    """χ² at T = 1 for every selector: sampled drafts verified with min(1, p/q) and the max(p − q, 0)
+    residual give the target's own distribution over the first S + 1 = 3 tokens (20 000 batched rounds,
+    p > 1e-3), and a deliberately wrong q for the same drafts is rejected (p < 1e-6): the test can fail."""
+    target, prompt, anchor, block_size, n = small_vocab_target, [2, 5, 3], 4, 3, 20000
+    one = _target_like_draft(target, prompt + [anchor], block_size - 1, seed=0)
+    selector = _selector(name, target, block_size)
+    counts, joint, acc = _one_round_completed(target, one, selector, prompt, anchor, n, 1.0, seed=11)
+    assert {0, 1, 2} <= set(acc.tolist())  # rejections, partial and full acceptance all occurred
+    assert _chi_square_p_value(counts, joint) > 1e-3
+    wrong, _, _ = _one_round_completed(target, one, selector, prompt, anchor, n, 1.0, seed=11,
+                                       corrupt=lambda sel, draft: _wrong_q(name, sel, draft))
+    assert _chi_square_p_value(wrong, joint) < 1e-6
+
+
+def test_point_mass_rule_keeps_deterministic_drafts_and_rejects_bad_rules(small_vocab_target):
+    assert draft_sampling_for("point_mass", 1.0) is None and draft_sampling_for("proposal", 0.0) is None
+    assert draft_sampling_for("proposal", 0.7, 0.9).temperature == 0.7
+    with pytest.raises(ValueError, match="draft_sampling must be one of"):
+        draft_sampling_for("sampled", 1.0)
+    target, prompt = small_vocab_target, [2, 5, 3]
+    drafter = DFlashDrafter(num_layers=1, block_size=3).build(target.config, target.layer_ids)
+    seen = []
+
+    class Recording(Top1Selector):
+        def select(self, draft, context):
+            seen.append(context.sampling)
+            return super().select(draft, context)
+
+    g = torch.Generator().manual_seed(0)
+    r = speculative_generate(target, drafter, Recording(), prompt, 6, 1.0, 1.0, [], g, record_rounds=1,
+                             draft_sampling="point_mass")
+    assert seen and all(sampling is None for sampling in seen)
+    assert r.rounds[0]["target"] is not None  # the target's own samples decide acceptance
+    seen.clear()
+    r = speculative_generate(target, drafter, Recording(), prompt, 6, 1.0, 1.0, [], g, record_rounds=1)
+    assert seen and all(sampling.temperature == 1.0 for sampling in seen)
+    assert r.rounds[0]["target"] is None  # the proposal rule draws no row of target choices
+    with pytest.raises(ValueError, match="draft_sampling must be one of"):
+        speculative_generate(target, drafter, Top1Selector(), prompt, 4, draft_sampling="sampled")
+
+
+def test_oracle_selector_reads_the_anchor_position_from_the_context(target):
+    """The top-K oracle knows where the block starts from ``SelectContext.anchor_positions`` alone."""
+    drafter = real_drafter(target, block_size=5, seed=2)
+    for prompt in random_prompts(target.output_rows, 2, seed=60):
+        reference = greedy(target, prompt, 20).tokens
+        oracle = OracleSelector(top_k=target.output_rows, reference=reference, prompt_length=len(prompt))
+        got = speculative_generate(target, drafter, oracle, prompt, 20, stop_token_ids=[])
+        assert got.tokens == reference
+        assert got.tau == pytest.approx(5.0, abs=0.5)  # K = V: the target's token is always a candidate
+        top1 = speculative_generate(target, drafter, Top1Selector(), prompt, 20, stop_token_ids=[])
+        assert got.tau > top1.tau
 
 
 # ------------------------------------------------------------------------------------------ acceptance rules

@@ -39,6 +39,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         assert 1.0 <= r["tau"] <= 8.0
         if r["arm"] not in ("oracle",) and r["temperature"] == 0.0:
             assert r["lossless"] is True  # speculative output == plain greedy output
+            assert r["draft_sampling"] is None
+        if r["temperature"] > 0:  # τ both ways: sampled drafts with min(1, p/q), and the point-mass rule
+            assert r["draft_sampling"] == "proposal" and 1.0 <= r["tau_point_mass"] <= 8.0
+            assert len(r["per_position_acceptance_point_mass"]) == len(r["per_position_acceptance"])
         # Every row has a τ ratio to DFlash on the same prompts with a 95 % interval around it.
         assert r["ci_low"] <= r["ratio_to_dflash"] <= r["ci_high"]
         if r["arm"] == "dflash":

@@ -7,8 +7,8 @@
   and the global data position.
 - The validation metrics of the DDP run (2 ranks, 4 + 3 examples: uneven shards, nothing repeated)
   equal a one-process ``lilicorr validate`` of its checkpoint on the same data.
-- The sharded target-logit/feature cache precompute (2 gloo processes) writes arrays byte-identical to
-  the single-process precompute.
+- ``lilicorr prepare``'s precompute over 2 gloo processes (``Trainer.predict``) writes shards
+  byte-identical to the single-process ``prepare_data``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 
 from lilicorr_pl.cli import main
-from lilicorr_pl.data.datamodule import ResumableShuffleSampler, ShardedEvalSampler
+from lilicorr_pl.data.sampling import ResumableLoader, ShardedEvalSampler, epoch_order, train_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -80,19 +79,30 @@ class RecordRank(L.Callback):
         Path(f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def test_samplers_shard_the_global_order_and_skip_a_global_prefix():
+def test_samplers_shard_the_global_order_and_resume_each_rank_where_it_stopped():
     n, seed = 11, 5
-    order = ResumableShuffleSampler(n, seed=seed).order(0)
-    ranks = [list(ResumableShuffleSampler(n, seed=seed, num_replicas=3, rank=r)) for r in range(3)]
+    order = epoch_order(n, seed, 0)
+    ranks = [list(train_sampler(n, seed, num_replicas=3, rank=r)) for r in range(3)]
     assert all(len(r) == 4 for r in ranks)  # 11 -> 12: padded with the epoch's first sample
     steps = [x for step in zip(*ranks) for x in step]
     assert steps == order + order[:1]
-    # Resume after 6 samples of the global order on 2 processes: they continue with the rest of it.
+
+    # Resume after 3 steps of 2 processes: each rank continues its own stride of the global order.
+    def loader(r):
+        return ResumableLoader(list(range(n)), order={"seed": seed}, batch_size=1,
+                               sampler=train_sampler(n, seed, num_replicas=2, rank=r))
+
+    states = []
+    for r in range(2):
+        dl = loader(r)
+        it = iter(dl)
+        [next(it) for _ in range(3)]
+        states.append(dl.state_dict())
     resumed = []
     for r in range(2):
-        s = ResumableShuffleSampler(n, seed=seed, num_replicas=2, rank=r)
-        s.skip = 6
-        resumed.append(list(s))
+        dl = loader(r)
+        dl.load_state_dict(states[r])
+        resumed.append([int(x) for x in dl])
     assert [x for step in zip(*resumed) for x in step][:5] == order[6:]
     # Validation: every example exactly once over the ranks, none repeated.
     shards = [list(ShardedEvalSampler(7, num_replicas=2, rank=r)) for r in range(2)]
@@ -131,12 +141,12 @@ def test_ddp_two_processes_train_on_strides_resume_exactly_and_validate_like_one
     # Training data: step s of rank r is sample 2s + r of the epoch's global order; the ranks stay in sync.
     assert records[0]["weights"] == records[1]["weights"]
     train_indices = records[0]["train_indices"]
-    order = [train_indices[j] for j in ResumableShuffleSampler(len(train_indices), seed=0).order(0)]
+    order = [train_indices[j] for j in epoch_order(len(train_indices), 0, 0)]
     assert [records[r]["seen"][s] for s in range(STEPS) for r in range(2)] == [[i] for i in order[: 2 * STEPS]]
     mid = torch.load(full / "ckpt" / "step=2.ckpt", map_location="cpu", weights_only=True)
     assert len(mid["rng_states"]) == 2  # one random state per rank
     assert not torch.equal(mid["rng_states"][0]["torch"], mid["rng_states"][1]["torch"])  # the streams differ
-    assert mid["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 4  # global samples
+    assert mid["DraftDataModule"]["loader"]["_num_yielded"] == 2  # the loader position: 2 batches on each rank
 
     # Resume from step 2 in a fresh DDP run: the same samples, the same dropout masks, the same weights.
     resumed = _ddp_fit(tmp_path / "resumed", cache, f"--ckpt_path={full / 'ckpt' / 'step=2.ckpt'}")
@@ -166,69 +176,53 @@ def test_ddp_two_processes_train_on_strides_resume_exactly_and_validate_like_one
         assert ddp[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
 
 
-# ---------------------------------------------------------------------- sharded cache precompute
+# ---------------------------------------------------------------------- lilicorr prepare over two processes
 def _datamodule(cache_dir: Path):
     from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
     from lilicorr_pl.data.datamodule import DraftDataModule
 
+    # Outside the `lilicorr` command, `builtin:` names are resolved explicitly (the core never builds a target).
     target = {"name_or_path": resolve_target_path("builtin:tiny"), "dtype": "float32", "layer_ids": [1, 2]}
-    # 64 examples in batches of 6: 11 batches, the last one short, dealt 6 + 5 to two ranks.
+    # 64 examples of 64 tokens in shards of 512 tokens: 8 shards, 4 per process.
     return DraftDataModule(train_files=[resolve_data_file("builtin:stdlib-train:64")], max_length=64, logit_top_m=16,
-                           feature_cache=True, precompute_batch_size=6, cache_dir=str(cache_dir), target=target,
-                           progress=False)
+                           feature_cache=True, precompute_batch_size=3, shard_tokens=512, cache_dir=str(cache_dir),
+                           target=target, progress=False)
 
 
-def _sharded_worker(rank: int, world_size: int, rendezvous: str, cache_dir: str, errors: str) -> None:
-    import traceback
+def test_prepare_over_two_processes_writes_the_bytes_of_prepare_data(tmp_path, monkeypatch):
+    from lilicorr_pl.data.precompute import PrecomputeJob
+    from lilicorr_pl.data.prepare import prepare
 
-    try:
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                                             world_size=world_size)
-        from lilicorr_pl.data.sharded import prepare_data_sharded
+    _datamodule(tmp_path / "single").prepare_data()
 
-        prepare_data_sharded(_datamodule(Path(cache_dir)))  # rank, world size and barrier from torch.distributed
-        torch.distributed.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report anything to the parent, then fail the process
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
+    log = tmp_path / "shards.log"
+    add = PrecomputeJob.add
 
+    def logged_add(self, batch, output):  # which process computed which shard (inherited by the forked ranks)
+        with log.open("a") as fh:
+            fh.write(f"{os.getpid()} {int(batch['shard'])}\n")
+        return add(self, batch, output)
 
-def test_sharded_precompute_over_two_gloo_processes_equals_the_single_process_cache(tmp_path):
-    import multiprocessing
+    monkeypatch.setattr(PrecomputeJob, "add", logged_add)
+    # Forked ranks (gloo): the children reuse this process's imports, as `lilicorr prepare` on N GPUs runs N ranks.
+    paths = prepare(_datamodule(tmp_path / "prepared"), accelerator="cpu", devices=2, strategy="ddp_fork")["train"]
 
-    from lilicorr_pl.data.cache import _batches_by_length, open_cache
-    from lilicorr_pl.data.sharded import shard_examples
-
-    single = _datamodule(tmp_path / "single")
-    single.prepare_data()
-    # Fork: the children reuse this process's imports (spawning would re-import torch and transformers).
-    ctx = multiprocessing.get_context("fork")
-    args = (2, str(tmp_path / "rdzv"), str(tmp_path / "sharded"), str(tmp_path))
-    procs = [ctx.Process(target=_sharded_worker, args=(r, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    errors = "".join(p.read_text() for p in tmp_path.glob("rank*.txt"))
-    assert [p.exitcode for p in procs] == [0, 0], errors
+    by_rank: dict[str, set[int]] = {}
+    for pid, shard in (line.split() for line in log.read_text().splitlines()):
+        by_rank.setdefault(pid, set()).add(int(shard))
+    shares = sorted(by_rank.values(), key=min)
+    assert shares == [set(range(0, 8, 2)), set(range(1, 8, 2))]  # two processes, shard s on process s mod 2
 
     names = sorted(p.name for p in (tmp_path / "single").iterdir())
     assert [n.split("-")[0] for n in names] == ["features", "logits", "tokens"]
-    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == names  # same fingerprints, no shards left
+    assert sorted(p.name for p in (tmp_path / "prepared").iterdir()) == names == sorted(p.name for p in paths.values())
     for name in names:
-        a, b = open_cache(tmp_path / "single" / name), open_cache(tmp_path / "sharded" / name)
-        assert a.fingerprint == b.fingerprint and a.meta == b.meta
-        assert a.manifest["files"] == b.manifest["files"]  # shapes, dtypes, sizes and sha256 of every array
-        for array in a.manifest["files"]:
-            npy = f"{array}.npy"
-            assert (tmp_path / "single" / name / npy).read_bytes() == (tmp_path / "sharded" / name / npy).read_bytes()
-    # Both ranks did real work, and each re-batched its share into exactly the single-process batches (on
-    # GPUs the numbers can depend on a batch's shape and neighbours; these tiny CPU runs would not show it).
-    lengths = np.diff(np.asarray(open_cache(tmp_path / "single" / names[2])["offsets"]))
-    batches = [b.tolist() for b in _batches_by_length(lengths, 6)]
-    shares = [shard_examples(lengths, 6, r, 2) for r in range(2)]
-    assert sorted(np.concatenate(shares).tolist()) == list(range(64)) and min(len(s) for s in shares) >= 24
-    for r, share in enumerate(shares):
-        assert [share[b].tolist() for b in _batches_by_length(lengths[share], 6)] == batches[r::2]
+        a, b = tmp_path / "single" / name, tmp_path / "prepared" / name
+        files = sorted(p.name for p in a.iterdir())
+        assert sorted(p.name for p in b.iterdir()) == files and len(files) == 9  # 8 shards + manifest, nothing else
+        for f in files:
+            if f.endswith(".safetensors"):
+                assert (a / f).read_bytes() == (b / f).read_bytes(), f"{name}/{f}"
+        ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+        assert ma.pop("provenance")["processes"] == 1 and mb.pop("provenance")["processes"] == (1 if name.startswith("tokens") else 2)
+        assert ma == mb  # fingerprint, parts, shards with sizes and sha256, meta

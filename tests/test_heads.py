@@ -10,20 +10,44 @@ import torch
 from torch import nn
 
 from lilicorr_pl.heads import (
+    SELECTORS,
+    DraftSampling,
+    HeadOutput,
     Lattice,
     LiLiCorrHead,
     Selection,
+    SelectContext,
+    Selector,
+    TeacherForcing,
     Top1Selector,
     forced_prefix_mask,
     greedy_walk,
     oracle_prefix,
     path_score,
     prefix_length,
+    sample_walk,
+    selector_class,
     viterbi,
 )
 from lilicorr_pl.losses import DistractorPenalty, LossInputs, OraclePrefixCE
+from lilicorr_pl.models.dflash import DraftOutput
 
 H, V = 12, 40
+
+
+def _draft(slot_hidden, slot_logits, anchor, valid=None) -> DraftOutput:
+    valid = torch.ones(slot_hidden.shape[0], dtype=torch.bool) if valid is None else valid
+    return DraftOutput(slot_hidden, slot_logits, anchor, valid)
+
+
+def _context(b: int, embed, sampling: DraftSampling | None = None) -> SelectContext:
+    return SelectContext(torch.zeros(b, dtype=torch.long), torch.full((b,), 7), embed, sampling)
+
+
+def _select(head, slot_hidden, slot_logits, anchor, embed, valid=None, sampling=None, **kwargs) -> Selection:
+    """``head.select`` on raw tensors: a ``DraftOutput`` and a ``SelectContext`` around them."""
+    draft = _draft(slot_hidden, slot_logits, anchor, valid)
+    return head.select(draft, _context(slot_hidden.shape[0], embed, sampling), **kwargs)
 
 
 def _random_scores(m: int, s: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,10 +138,37 @@ def test_oracle_prefix_rejects_mismatched_shapes():
 
 def test_top1_selector_is_per_slot_argmax():
     logits = torch.randn(3, 5, V)
-    sel = Top1Selector().build(H, V).select(torch.randn(3, 5, H), logits, torch.zeros(3, H), lambda ids: ids)
-    assert isinstance(sel, Selection) and sel.lattice is None
+    sel = _select(Top1Selector().build(H, V), torch.randn(3, 5, H), logits, torch.zeros(3, H), lambda ids: ids)
+    assert isinstance(sel, Selection) and sel.lattice is None and sel.q is None
     assert torch.equal(sel.tokens, logits.argmax(-1))
     assert list(Top1Selector().parameters()) == []
+
+
+def test_top1_samples_each_slot_from_its_warped_softmax():
+    logits = 2 * torch.randn(2, 3, V, generator=torch.Generator().manual_seed(0))
+    sampling = DraftSampling(0.7, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    n = 4000
+    sel = _select(Top1Selector(), torch.zeros(n, 3, H), logits.repeat(n // 2, 1, 1), torch.zeros(n, H),
+                  lambda ids: ids, sampling=sampling)
+    q = sel.q.view(n // 2, 2, 3, V)
+    expected = torch.softmax(logits / 0.7, -1)
+    assert (q == q[:1]).all()  # the same proposal for identical blocks
+    for row, probs in zip(q[0].view(-1, V), expected.view(-1, V)):  # nucleus, by hand: smallest top set >= 0.9
+        order = probs.argsort(descending=True).tolist()
+        kept, mass = [], 0.0
+        for i in order:
+            if mass >= 0.9:
+                break
+            kept.append(i)
+            mass += probs[i].item()
+        reference = torch.zeros(V)
+        reference[kept] = probs[kept] / probs[kept].sum()
+        torch.testing.assert_close(row, reference)
+    # the tokens really are draws from q: empirical frequencies of block 0, slot 0
+    tokens = sel.tokens.view(n // 2, 2, 3)[:, 0, 0]
+    freq = torch.bincount(tokens, minlength=V).float() / tokens.numel()
+    assert (freq - q[0, 0, 0]).abs().max() < 0.05
+    assert (q.view(n, 3, V).gather(-1, sel.tokens.unsqueeze(-1)) > 0).all()  # never outside the support
 
 
 # ---------------------------------------------------------------------------- LiLiCorr head
@@ -193,7 +244,7 @@ def test_scores_stay_fp32_and_bounded_under_bf16_autocast(embedding):
 def test_single_slot_block_has_empty_pair(embedding):
     head = _head()
     sh, sl, a, valid = _inputs(s=1)
-    sel = head.select(sh, sl, a, embedding)
+    sel = _select(head, sh, sl, a, embedding)
     assert sel.lattice.pair.shape == (5, 0, 4, 4) and sel.tokens.shape == (5, 1)
 
 
@@ -226,12 +277,10 @@ def test_invalid_anchor_is_ignored(embedding):
     torch.testing.assert_close(lat1.pair[invalid], lat2.pair[invalid])
     assert not torch.allclose(lat1.pair[valid], lat2.pair[valid])  # a valid anchor conditions pairs
     assert not torch.allclose(lat1.start[valid], lat2.start[valid])
-    # select() treats an all-zero anchor feature as invalid
-    a0 = a.clone()
-    a0[0] = 0
+    # select() reads the drafter's anchor validity (the anchor feature itself is then ignored)
     with torch.no_grad():
-        sel = head.select(sh, sl, a0, embedding)
-    torch.testing.assert_close(sel.lattice.start[0], lat1.start[0])
+        sel = _select(head, sh, sl, torch.randn_like(a), embedding, valid=valid)
+    torch.testing.assert_close(sel.lattice.start[invalid], lat1.start[invalid])
     # A fresh head (zero biases) scores no start preference without an anchor: slot 1 is the top-1.
     fresh = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=4, factor_dim=8).build(H, V, block_size=9)
     with torch.no_grad():
@@ -239,17 +288,136 @@ def test_invalid_anchor_is_ignored(embedding):
     assert lat.start[invalid].abs().max() == 0
 
 
-def test_select_walks_the_lattice_and_viterbi_option(embedding):
-    sh, sl, a, _ = _inputs(m=8, s=5, seed=9)
+@pytest.mark.parametrize("decode", ["greedy", "viterbi"])
+def test_training_and_decoding_walk_the_same_path(embedding, decode):
+    """The tokens the training call reports for the diagnostics are the tokens decoding drafts."""
+    sh, sl, a, valid = _inputs(m=8, s=5, seed=9)
+    head = _head(decode=decode)
     with torch.no_grad():
-        greedy_head = _head()
-        sel = greedy_head.select(sh, sl, a, embedding)
-        lat = sel.lattice
-        assert torch.equal(sel.lattice_index, greedy_walk(lat.start, lat.pair))
-        assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
-        viterbi_head = _head(decode="viterbi")
-        sel_v = viterbi_head.select(sh, sl, a, embedding)
-        assert torch.equal(sel_v.lattice_index, viterbi(sel_v.lattice.start, sel_v.lattice.pair))
+        sel = _select(head, sh, sl, a, embedding, valid=valid)
+        out = head(_draft(sh, sl, a, valid), TeacherForcing(torch.zeros(8, dtype=torch.long), sel.tokens, embedding))
+    assert isinstance(out, HeadOutput) and out.corrected_logits is None
+    assert torch.equal(out.selected, sel.tokens)
+    torch.testing.assert_close(out.lattice.pair, sel.lattice.pair)
+    assert torch.equal(sel.tokens, sel.lattice.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
+    best = path_score(sel.lattice.start, sel.lattice.pair, viterbi(sel.lattice.start, sel.lattice.pair))
+    score = path_score(sel.lattice.start, sel.lattice.pair, sel.lattice_index)
+    if decode == "viterbi":
+        torch.testing.assert_close(score, best)
+    else:
+        assert (score <= best + 1e-5).all()
+        first = sel.lattice.start.argmax(-1)  # greedy keeps the best first slot, whatever the tail
+        assert torch.equal(sel.lattice_index[:, 0], first)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference_scores(head: LiLiCorrHead, slot_hidden, slot_logits, anchor, valid, embedding):
+    """DESIGN §4.2 written out by hand from the head's parameters (by their served names), block by block.
+
+    Shares no code with the head: node vector = token_proj(E[c]) + pass_hidden_proj(h_s) +
+    feature MLP (LayerNorm(5) -> Linear -> SiLU -> Linear) of the five confidence features + slot and
+    rank embeddings; pre-RMSNorm transformer layers with per-head softmax(QKᵀ/√d + b_h[s_i - s_j] +
+    same_slot_h·[s_i = s_j]) attention over all S·K nodes; output RMSNorm; anchor a = RMSNorm(valid ·
+    context_proj(anchor)); z = SiLU(W [h, a, h ⊙ a] + b); start_j = σ·cos(W_anchor a, W_in z_{1,j}),
+    pair_{s,i,j} = σ·cos(W_out z_{s,i}, W_in z_{s+1,j}).
+    """
+    w = {k: v.double() for k, v in head.state_dict().items()}
+    eps, sigma, heads, k = head.rms_norm_eps, head.logit_scale, head.num_heads, head.top_k
+    m, s, _ = slot_hidden.shape
+    lin = lambda x, name: x @ w[f"{name}.weight"].T + w[f"{name}.bias"]  # noqa: E731
+    starts, pairs = [], []
+    for b in range(m):
+        logp = slot_logits[b].double().log_softmax(-1)  # [S, V]
+        cand = slot_logits[b].topk(k, dim=-1).indices  # [S, K]
+        nodes, slot_of = [], []
+        for t in range(s):
+            lp = logp[t, cand[t]]  # [K]
+            for r in range(k):
+                feats = torch.tensor([lp[r], lp[r].exp(), lp[r] - lp[0], r / (k - 1), float(r == 0)],
+                                     dtype=torch.float64)
+                feats = torch.nn.functional.layer_norm(feats, (5,), w["feature_norm.weight"], w["feature_norm.bias"])
+                f = lin(torch.nn.functional.silu(lin(feats, "feature_mlp.up_proj")), "feature_mlp.down_proj")
+                e = embedding.weight[cand[t, r]].detach().double()
+                e = lin(e, "token_proj") if "token_proj.weight" in w else e
+                node = (e + lin(slot_hidden[b, t].double(), "pass_hidden_proj") + f
+                        + w["slot_embedding"][0, 0, t, 0] + w["rank_embedding"][0, 0, 0, r])
+                nodes.append(node)
+                slot_of.append(t)
+        x = torch.stack(nodes)  # [N, D]
+        n, d = x.shape
+        bias = torch.zeros(heads, n, n, dtype=torch.float64)
+        for i in range(n):
+            for j in range(n):
+                off = slot_of[i] - slot_of[j]
+                bias[:, i, j] = w["relative_slot_bias"][:, off + head.block_size - 1] + (
+                    w["same_slot_bias"] if off == 0 else 0.0)
+        for layer in range(head.num_layers):
+            p = f"layers.{layer}."
+            y = _rms(x, w[p + "attn_norm.weight"], eps)
+            q, kk, v = (y @ w[p + "attn.in_proj_weight"].T + w[p + "attn.in_proj_bias"]).chunk(3, dim=-1)
+            dh = d // heads
+            out = []
+            for h in range(heads):
+                qs, ks, vs = (t[:, h * dh:(h + 1) * dh] for t in (q, kk, v))
+                att = (qs @ ks.T / math.sqrt(dh) + bias[h]).softmax(-1)
+                out.append(att @ vs)
+            x = x + lin(torch.cat(out, dim=-1), p + "attn.out_proj")
+            y = _rms(x, w[p + "mlp_norm.weight"], eps)
+            x = x + lin(torch.nn.functional.silu(lin(y, p + "mlp.up_proj")), p + "mlp.down_proj")
+        x = _rms(x, w["output_norm.weight"], eps)
+        a = lin(anchor[b].double(), "context_proj") * float(valid[b])
+        a = _rms(a, w["anchor_norm.weight"], eps)
+        z = torch.nn.functional.silu(lin(torch.cat([x, a.expand_as(x), x * a], dim=-1), "factor_input_proj"))
+        unit = lambda t: t / t.norm(dim=-1, keepdim=True).clamp_min(head.vector_eps)  # noqa: E731
+        o, i_, u = unit(lin(z, "out_head")), unit(lin(z, "in_head")), unit(lin(a, "anchor_out_head"))
+        o, i_ = o.view(s, k, -1), i_.view(s, k, -1)
+        starts.append(sigma * (i_[0] @ u))
+        pairs.append(torch.stack([sigma * o[t] @ i_[t + 1].T for t in range(s - 1)]) if s > 1
+                     else torch.zeros(0, k, k, dtype=torch.float64))
+    return torch.stack(starts), torch.stack(pairs)
+
+
+def test_factor_and_start_scores_equal_a_hand_written_reference(embedding):
+    """Every score of the lattice against DESIGN §4.2 written out by hand, on random weights (not just bounds)."""
+    for kwargs in ({}, {"hidden_size": H, "num_layers": 1, "top_k": 3}):  # with and without token_proj
+        head = _head(**kwargs).double()
+        sh, sl, a, _ = _inputs(m=4, s=4, seed=21)
+        valid = torch.tensor([True, False, True, True])
+        with torch.no_grad():
+            lat = head.score_lattice(sh.double(), sl.double(), a.double(), valid, embedding.double())
+            start, pair = _reference_scores(head, sh, sl, a, valid, embedding.double())
+        torch.testing.assert_close(lat.start, start.to(lat.start.dtype), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lat.pair, pair.to(lat.pair.dtype), atol=1e-5, rtol=1e-5)
+        assert start.abs().max() > 0.5 and pair.abs().max() > 0.5  # real scores, not a collapsed lattice
+    # select(): the greedy rule of DESIGN §4.2 step 7 applied by hand to the reference scores.
+    head = _head()
+    sh, sl, a, _ = _inputs(m=6, s=5, seed=22)
+    with torch.no_grad():
+        sel = _select(head, sh, sl, a, embedding)
+        start, pair = _reference_scores(head.double(), sh, sl, a, torch.ones(6, dtype=torch.bool), embedding.double())
+    cand = sl.topk(head.top_k, dim=-1).indices
+    for b in range(6):
+        j = int(start[b].argmax())
+        expected = [int(cand[b, 0, j])]
+        for t in range(4):
+            j = int(pair[b, t, j].argmax())
+            expected.append(int(cand[b, t + 1, j]))
+        assert sel.tokens[b].tolist() == expected
+
+
+def test_viterbi_option_decodes_the_best_path(embedding):
+    sh, sl, a, _ = _inputs(m=8, s=4, seed=9)
+    with torch.no_grad():
+        sel = _select(_head(decode="viterbi"), sh, sl, a, embedding)
+    lat = sel.lattice
+    for b in range(8):
+        paths = itertools.product(range(lat.top_k), repeat=4)
+        best = max(paths, key=lambda p: _manual_score(lat.start[b], lat.pair[b], p))
+        assert tuple(sel.lattice_index[b].tolist()) == best
+    assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
 
 
 def test_serving_with_smaller_top_k(embedding):
@@ -258,7 +426,7 @@ def test_serving_with_smaller_top_k(embedding):
     with torch.no_grad():
         full = head.score_lattice(sh, sl, a, valid, embedding)
         small = head.score_lattice(sh, sl, a, valid, embedding, top_k=2)
-        one = head.select(sh, sl, a, embedding, top_k=1)
+        one = _select(head, sh, sl, a, embedding, top_k=1)
     assert small.candidates.shape == (5, 4, 2) and small.pair.shape == (5, 3, 2, 2)
     assert torch.equal(small.candidates, full.candidates[..., :2])
     assert torch.equal(one.tokens, sl.argmax(-1))  # a 1-wide lattice is the top-1 selector
@@ -273,7 +441,7 @@ def test_blocks_are_independent_and_batch_order_does_not_matter(embedding):
     with torch.no_grad():
         lat = head.score_lattice(sh, sl, a, valid, embedding)
         lat_p = head.score_lattice(sh[perm], sl[perm], a[perm], valid[perm], embedding)
-        sel, sel_p = head.select(sh, sl, a, embedding), head.select(sh[perm], sl[perm], a[perm], embedding)
+        sel, sel_p = _select(head, sh, sl, a, embedding), _select(head, sh[perm], sl[perm], a[perm], embedding)
         sh2, sl2 = sh.clone(), sl.clone()
         sh2[0], sl2[0] = torch.randn_like(sh2[0]), torch.randn_like(sl2[0])
         lat_changed = head.score_lattice(sh2, sl2, a, valid, embedding)
@@ -374,3 +542,88 @@ def test_candidate_log_probs_matches_log_softmax_and_its_gradient(chunked, monke
     out = candidate_log_probs(half, half.topk(2, dim=-1).indices)
     assert out.dtype == torch.float32  # at least fp32 even for bf16 logits
     torch.testing.assert_close(out, half.float().log_softmax(-1).gather(-1, half.topk(2, dim=-1).indices))
+
+
+# ---------------------------------------------------------------------------- sampled drafts (T > 0)
+
+
+def test_sample_walk_draws_from_the_row_leaving_the_drawn_candidate():
+    """SGLang's LiLiCorr proposal: softmax(ψ/T), ψ = start row, then the pair row of the *drawn* predecessor."""
+    start, pair = _random_scores(64, 4, 5, seed=3)
+    start, pair = 3 * start, 3 * pair
+    path, q = sample_walk(start, pair, DraftSampling(0.8, generator=torch.Generator().manual_seed(0)))
+    assert path.shape == (64, 4) and q.shape == (64, 4, 5)
+    torch.testing.assert_close(q[:, 0], torch.softmax(start / 0.8, -1))
+    for s in range(1, 4):
+        rows = pair[torch.arange(64), s - 1, path[:, s - 1]]  # leaving the candidate drawn at slot s-1
+        torch.testing.assert_close(q[:, s], torch.softmax(rows / 0.8, -1))
+    assert (path != greedy_walk(start, pair)).any()  # it samples ...
+    cold, _ = sample_walk(start, pair, DraftSampling(1e-4, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(cold, greedy_walk(start, pair))  # ... and becomes the greedy walk as T -> 0
+
+
+def test_lilicorr_sampled_selection_puts_q_on_the_candidates(embedding):
+    head = _head(top_k=4)
+    sh, sl, a, valid = _inputs(m=6, s=4, seed=2)
+    sampling = DraftSampling(1.0, top_p=0.8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        sel = _select(head, sh, sl, a, embedding, valid=valid, sampling=sampling)
+    lat = sel.lattice
+    assert sel.q.shape == (6, 4, V)
+    on_candidates = sel.q.gather(-1, lat.candidates)  # [b, S, K]
+    torch.testing.assert_close(on_candidates.sum(-1), torch.ones(6, 4))  # no mass off the K candidates
+    assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
+    assert (sel.q.gather(-1, sel.tokens[..., None]) > 0).all()
+    # slot 1's proposal is the nucleus of softmax(start / T) over the candidates, no drafter log-prob prior
+    probs = torch.softmax(lat.start, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.8
+    expected = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    torch.testing.assert_close(on_candidates[:, 0], expected / expected.sum(-1, keepdim=True))
+
+
+def test_draft_sampling_rejects_bad_settings():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        DraftSampling(0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        DraftSampling(1.0, top_p=0.0)
+
+
+# ---------------------------------------------------------------------------- one declared interface
+
+
+def test_registered_selectors_declare_what_their_training_call_returns(embedding):
+    """``uses_lattice`` / ``uses_corrector`` are declared on the class and match what forward() returns."""
+    m, s = 5, 4
+    sh, sl, a, valid = _inputs(m=m, s=s, seed=4)
+    context = TeacherForcing(torch.zeros(m, dtype=torch.long), sl.argmax(-1), embedding)
+    built = {
+        "top1": Top1Selector(),
+        "lilicorr": _head(),
+        "domino": SELECTORS["domino"](gru_hidden=4, rank=3).build(H, V),
+        "dspark": SELECTORS["dspark"](rank=3).build(H, V),
+    }
+    assert set(built) == set(SELECTORS)
+    for name, head in built.items():
+        assert type(head).name == name and selector_class(name) is type(head)
+        for flag in ("uses_lattice", "uses_corrector", "parameter_free"):
+            assert isinstance(getattr(type(head), flag), bool) and hasattr(Selector, flag)
+        out = head(_draft(sh, sl, a, valid), context)
+        assert isinstance(out, HeadOutput) and out.selected.shape == (m, s) and not out.selected.requires_grad
+        assert (out.lattice is not None) == head.uses_lattice, name
+        assert (out.corrected_logits is not None) == head.uses_corrector, name
+        assert head.parameter_free == (not list(head.parameters())), name
+
+
+def test_selectors_are_chosen_by_registry_name_or_class_path():
+    assert selector_class("lilicorr") is LiLiCorrHead
+    assert selector_class("lilicorr_pl.heads.LiLiCorrHead") is LiLiCorrHead
+    with pytest.raises(ValueError, match="unknown selector 'lili'"):
+        selector_class("lili")  # no substring matching
+    with pytest.raises(ValueError, match="does not import"):
+        selector_class("lilicorr_pl.heads.NoSuchHead")
+    with pytest.raises(ValueError, match="not a Selector subclass"):
+        selector_class("torch.nn.Linear")
+    from lilicorr_pl.bench import SELECTOR_NAMES
+
+    assert SELECTOR_NAMES == tuple(SELECTORS)

@@ -96,7 +96,7 @@ def test_forced_slots_rows_and_memo():
 
 def test_oracle_prefix_ce_hand_computed():
     ce0, ce1 = math.log(4 / 3), LN2
-    plain = OraclePrefixCE(weight=1.0, gamma=None)(_lattice_inputs())
+    plain = OraclePrefixCE(weight=1.0)(_lattice_inputs())  # the reference: a plain mean over forced slots
     assert plain.loss.item() == pytest.approx((ce0 + ce1) / 2, rel=1e-6)
     assert plain.logs["forced_len"].item() == 2
     assert plain.logs["forced_acc"].item() == pytest.approx(1.0)  # slot 0 right, slot 1 tie -> rank 0 right
@@ -112,11 +112,13 @@ def test_oracle_prefix_ce_hand_computed():
 
 
 def test_margin_hinge_hand_computed():
-    out = MarginHinge(weight=1.0, margin=2.0, gamma=None)(_lattice_inputs())
-    # slot 0: margin ln 3 -> 2 - ln 3; slot 1: margin 0 -> 2
+    out = MarginHinge(weight=1.0, margin=2.0)(_lattice_inputs())
+    # slot 0: margin ln 3 -> 2 - ln 3; slot 1: margin 0 -> 2 (plain mean by default)
     assert out.loss.item() == pytest.approx(((2 - LN3) + 2) / 2, rel=1e-6)
     assert out.logs["violation_rate"].item() == 1.0
-    assert MarginHinge(weight=1.0, margin=0.5, gamma=None)(_lattice_inputs()).loss.item() == pytest.approx(0.25)
+    assert MarginHinge(weight=1.0, margin=0.5)(_lattice_inputs()).loss.item() == pytest.approx(0.25)
+    decayed = MarginHinge(weight=1.0, margin=2.0, gamma=1.0)(_lattice_inputs())
+    assert decayed.loss.item() == pytest.approx(((2 - LN3) + E1 * 2) / (1 + E1), rel=1e-6)
     # K = 1: no competitor, no hinge
     one = Lattice(torch.tensor([[[3]]]), torch.zeros(1, 1), torch.zeros(1, 0, 1, 1), torch.zeros(1, 1, 1))
     inputs = LossInputs(torch.zeros(1, 1, 4), torch.tensor([[3]]), torch.ones(1, 1, dtype=torch.bool), one)
@@ -134,12 +136,41 @@ def test_distractor_penalty_hand_computed():
         calls.append(ids.clone())
         return z[ids]
 
-    out = DistractorPenalty(weight=1.0, gamma=None)(_lattice_inputs(target_logits))
+    out = DistractorPenalty(weight=1.0)(_lattice_inputs(target_logits))  # plain mean by default
     # slot 0: (1/4)·2 + (3/4)·0 = 0.5; slot 1: (1/2)·0 + (1/2)·1.5 = 0.75
     assert out.loss.item() == pytest.approx((0.5 + 0.75) / 2, rel=1e-6)
     assert len(calls) == 1 and calls[0].tolist() == [[[5, 6, 6], [7, 8, 7], [9, 10, 11]]]
     decayed = DistractorPenalty(weight=0.25, gamma=1.0)(_lattice_inputs(target_logits))
     assert decayed.loss.item() == pytest.approx(0.25 * (0.5 + E1 * 0.75) / (1 + E1), rel=1e-6)
+
+
+def _two_blocks(second_mask=(True, True, False)) -> LossInputs:
+    """The hand lattice twice: block 0 fully supervised, block 1 with ``second_mask``.
+
+    Block 1's forced slots would be slots 0 and 1 (its last slot is outside the lattice anyway), so
+    truncating it at its first unsupervised slot would change nothing about its forced slots: only
+    skipping the whole block, as the reference does, removes it from the losses.
+    """
+    lattice, labels = _hand_lattice()
+    start = lattice.start.detach().repeat(2, 1) * torch.tensor([[1.0], [3.0]])  # block 1 scores differently
+    lattice = Lattice(lattice.candidates.repeat(2, 1, 1), start, lattice.pair.detach().repeat(2, 1, 1, 1),
+                      torch.zeros(2, 3, 2))
+    mask = torch.tensor([[True, True, True], list(second_mask)])
+    return LossInputs(torch.zeros(2, 3, 12), labels.repeat(2, 1), mask, lattice, lambda ids: ids.float())
+
+
+def test_blocks_with_an_unsupervised_slot_are_skipped_whole():
+    one = _lattice_inputs(lambda ids: ids.float())
+    both = _two_blocks()
+    forced = forced_slots(both)
+    assert forced.valid_block.tolist() == [True, False]
+    assert forced.mask.tolist() == [[True, True, False], [False, False, False]]
+    for loss in (OraclePrefixCE(weight=1.0), MarginHinge(weight=1.0), DistractorPenalty(weight=1.0)):
+        assert loss(both).loss.item() == pytest.approx(loss(one).loss.item(), rel=1e-6), loss.name
+    # The same second block, fully supervised, does count (its start scores differ from block 0's).
+    full = _two_blocks(second_mask=(True, True, True))
+    assert OraclePrefixCE(weight=1.0)(full).loss.item() != pytest.approx(OraclePrefixCE(weight=1.0)(one).loss.item())
+    assert OraclePrefixCE(weight=1.0)(both).logs["forced_len"].item() == 2  # mean over valid blocks only
 
 
 def test_distractor_penalty_queries_valid_ids_where_labels_are_unsupervised():
@@ -165,18 +196,15 @@ def test_lattice_losses_explain_missing_inputs():
         OraclePrefixCE(gamma=0.0)
 
 
-def test_component_names_and_flags():
-    assert DFlashCE().name == "dflash_ce" and OraclePrefixCE(name="ce_b").name == "ce_b"
-    assert OraclePrefixCE().requires_lattice and not DFlashCE().requires_lattice
-    assert DistractorPenalty().requires_target_logits and DistractorPenalty().weight == 0.25
-    assert MarginHinge().weight == 0.0 and MarginHinge().margin == 2.0
-
-
 # ---------------------------------------------------------------------------- diagnostics and metrics
 
 
 def _diag_case():
-    """M=3, S=3, K=2 lattice; greedy walk picks ranks [1, 0, 0] in every block."""
+    """M=3, S=3, K=2 lattice; greedy walk picks ranks [1, 0, 0] in every block.
+
+    Block 2 runs off the supervision at its last slot: it is skipped whole (its slot 0 would
+    otherwise count a selected prefix of 1).
+    """
     candidates = torch.tensor([[[1, 2], [3, 4], [5, 6]]]).repeat(3, 1, 1)
     start = torch.tensor([[0.0, 2.0]]).repeat(3, 1)  # std 1
     pair = torch.zeros(3, 2, 2, 2)  # flat rows, std 0
@@ -193,15 +221,16 @@ def _diag_case():
 def test_lattice_diagnostics_hand_computed():
     lattice, logits, labels, mask = _diag_case()
     d = lattice_diagnostics(lattice, logits, labels, mask)  # selected = greedy walk = tokens [2, 3, 5]
+    assert d["valid_block"].tolist() == [True, True, False]
     assert d["top1_prefix"].tolist() == [0, 2, 0]
-    assert d["selected_prefix"].tolist() == [3, 0, 1]
-    assert d["oracle_prefix"].tolist() == [3, 3, 2]
-    assert d["oracle_gap"].tolist() == [0, 3, 1]
-    assert d["sim_tau_selected"].tolist() == [4, 1, 2]
+    assert d["selected_prefix"].tolist() == [3, 0, 0]  # block 2 skipped, not truncated to 1
+    assert d["oracle_prefix"].tolist() == [3, 3, 0]
+    assert d["oracle_gap"].tolist() == [0, 3, 0]
+    assert d["sim_tau_selected"].tolist() == [4, 1, 1]
     assert d["exact_block"].tolist() == [True, False, False]
-    assert d["full_block"].tolist() == [True, True, False]
-    assert d["covered"].tolist() == [[True] * 3, [True] * 3, [True, True, False]]
-    torch.testing.assert_close(d["logfactor_spread"], torch.full((3,), 1 / 5))  # (1 + 0·4) / 5 rows
+    assert d["supervised"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
+    assert d["covered"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
+    torch.testing.assert_close(d["logfactor_spread"], torch.tensor([1 / 5, 1 / 5, 0.0]))  # (1 + 0·4) / 5 rows
     flat = Lattice(lattice.candidates, torch.zeros(3, 2), lattice.pair, lattice.candidate_logprobs)
     assert lattice_diagnostics(flat, logits, labels, mask)["logfactor_spread"].abs().max() == 0
 
@@ -210,21 +239,21 @@ def test_lattice_metrics_compute_and_no_lattice_mode():
     lattice, logits, labels, mask = _diag_case()
     metric = LatticeMetrics(num_slots=3, top_k=2)
     metric.update(lattice, logits, labels, mask)
-    out = metric.compute()
-    assert out["selected_prefix"].item() == pytest.approx(4 / 3)
-    assert out["top1_prefix"].item() == pytest.approx(2 / 3)
-    assert out["sim_tau_top1"].item() == pytest.approx(5 / 3)
-    assert out["oracle_gap"].item() == pytest.approx(4 / 3)
-    assert out["exact_block_rate"].item() == pytest.approx(1 / 2)  # 1 of 2 fully supervised blocks
+    out = metric.compute()  # over the two valid blocks
+    assert out["selected_prefix"].item() == pytest.approx(3 / 2)
+    assert out["top1_prefix"].item() == pytest.approx(1.0)
+    assert out["sim_tau_top1"].item() == pytest.approx(2.0)
+    assert out["oracle_gap"].item() == pytest.approx(3 / 2)
+    assert out["exact_block_rate"].item() == pytest.approx(1 / 2)
     torch.testing.assert_close(out["slot_coverage"], torch.tensor([1.0, 1.0, 1.0]))
-    torch.testing.assert_close(out["slot_accuracy"], torch.tensor([2 / 3, 2 / 3, 1 / 2]))
-    torch.testing.assert_close(out["slot_accuracy_top1"], torch.tensor([1 / 3, 2 / 3, 1 / 2]))
+    torch.testing.assert_close(out["slot_accuracy"], torch.tensor([1 / 2, 1.0, 1 / 2]))
+    torch.testing.assert_close(out["slot_accuracy_top1"], torch.tensor([1 / 2, 1.0, 1 / 2]))
     assert out["logfactor_spread"].item() == pytest.approx(0.2)
 
     plain = LatticeMetrics(num_slots=3, top_k=2)
     plain.update(None, logits, labels, mask)  # selected = top-1, oracle from the drafter's own top-2
     p = plain.compute()
-    assert p["selected_prefix"] == p["top1_prefix"] and p["oracle_prefix"].item() == pytest.approx(8 / 3)
+    assert p["selected_prefix"] == p["top1_prefix"] and p["oracle_prefix"].item() == pytest.approx(3.0)
     assert "logfactor_spread" not in p
     with pytest.raises(ValueError, match="built for 4 slots"):
         LatticeMetrics(num_slots=4).update(lattice, logits, labels, mask)

@@ -95,8 +95,8 @@ def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path):
     assert saved["global_step"] == KILL_AT_STEP and not (ckpts / f"step={KILL_AT_STEP + 1}.ckpt").exists()
     # The random streams travel in the checkpoint (one entry per rank) ...
     assert len(saved["rng_states"]) == 1 and saved["rng_states"][0]["torch"].dtype == torch.uint8
-    # ... and so does the mid-epoch data position: 4 steps × batch 4 of the epoch's shuffled order.
-    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 4 * 4
+    # ... and so does the mid-epoch data position (the data module's loader state): 4 batches of the epoch's order.
+    assert saved["DraftDataModule"]["loader"]["_num_yielded"] == 4 and saved["DraftDataModule"]["epoch"] == 0
     # Up to the kill both runs computed the same thing (same process setup, same numbers).
     step_ckpt = f"step={KILL_AT_STEP}.ckpt"
     _assert_same(_weights(ckpts / step_ckpt), _weights(tmp_path / "full" / "ckpt" / step_ckpt))

@@ -69,6 +69,18 @@ def test_loads_with_auto_classes_and_padded_vocab(built: tuple[Path, Path]) -> N
     assert logits.shape[-1] == rows
 
 
+def test_config_json_carries_a_top_level_rope_theta(built: tuple[Path, Path]) -> None:
+    """transformers 4.x (which serving engines pin) reads a top-level rope_theta and else uses 10000."""
+    import json
+
+    config = json.loads((built[1] / "config.json").read_text())
+    theta = TinyTargetConfig.test().rope_theta
+    assert theta != 10000.0  # the silent default would show
+    assert config["rope_theta"] == theta
+    assert config.get("rope_parameters", {}).get("rope_theta", theta) == theta  # and transformers 5.x agrees
+    assert transformers.AutoConfig.from_pretrained(built[1]).rope_parameters["rope_theta"] == theta
+
+
 def test_chat_template(built: tuple[Path, Path]) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(built[1])
     messages = [{"role": "user", "content": "def f(x):\n"}]

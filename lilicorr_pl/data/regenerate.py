@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.data.cache import file_sha256, text_sha256
+from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.target import DeviceName, DTypeName
 from lilicorr_pl.data.formats import (
@@ -213,19 +213,10 @@ def _make_job(
 
 
 def _stop_ids(tokenizer: Any, model: Any) -> list[int]:
-    ids = set()
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(int(e) for e in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    vocab = tokenizer.get_vocab()
-    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):  # chat end-of-turn markers
-        if tok in vocab:
-            ids.add(int(vocab[tok]))
-    return sorted(ids)
+    # Decided in one place, with evaluation: the drafter is later measured on the stops its data ended at.
+    from lilicorr_pl.target import stop_token_ids
+
+    return stop_token_ids(tokenizer, model.config, model.generation_config)
 
 
 def _generate(

@@ -5,24 +5,32 @@
 
 from lilicorr_pl.decoding.metrics import AcceptanceMetrics
 from lilicorr_pl.decoding.speculative import (
+    DRAFT_SAMPLING_RULES,
+    DraftSamplingRule,
     GenerationResult,
     default_stop_token_ids,
+    draft_sampling_for,
     greedy_accept,
     sample_tokens,
     speculative_generate,
     speculative_sampling_accept,
     target_generate,
+    verify_block,
     warp_probs,
 )
 
 __all__ = [
+    "DRAFT_SAMPLING_RULES",
     "AcceptanceMetrics",
+    "DraftSamplingRule",
     "GenerationResult",
     "default_stop_token_ids",
+    "draft_sampling_for",
     "greedy_accept",
     "sample_tokens",
     "speculative_generate",
     "speculative_sampling_accept",
     "target_generate",
+    "verify_block",
     "warp_probs",
 ]

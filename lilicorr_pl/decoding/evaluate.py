@@ -17,7 +17,12 @@ import torch
 
 from lilicorr_pl.decoding.benchmarks import PromptSet
 from lilicorr_pl.decoding.metrics import AcceptanceMetrics
-from lilicorr_pl.decoding.speculative import GenerationResult, speculative_generate, target_generate
+from lilicorr_pl.decoding.speculative import (
+    DraftSamplingRule,
+    GenerationResult,
+    speculative_generate,
+    target_generate,
+)
 
 __all__ = ["ArmResult", "evaluate_arm", "plain_step_ms", "run_target_baseline", "summarize", "warmup"]
 
@@ -42,6 +47,8 @@ class ArmResult:
     """Drafter forward time / round time (draft + selector + verify + bookkeeping)."""
     lossless: bool | None = None
     """T = 0 with a reference only: every output equals plain greedy target decoding."""
+    draft_sampling: str | None = None
+    """The T > 0 acceptance rule used (``"proposal"`` or ``"point_mass"``); None at T = 0 (greedy)."""
     per_prompt_tau: list[float] = field(default_factory=list)
     per_prompt_rounds: list[int] = field(default_factory=list)
     """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
@@ -153,15 +160,21 @@ def evaluate_arm(
     record_examples: int = 0,
     record_rounds: int = 4,
     timing: bool = False,
+    draft_sampling: DraftSamplingRule = "proposal",
+    stop_token_ids: Sequence[int] | None = None,
 ) -> ArmResult:
     """Speculative decoding over a prompt set with one selector.
 
     Args:
+        draft_sampling: the T > 0 rule: ``"proposal"`` (sampled drafts verified with
+            ``min(1, p/q)``) or ``"point_mass"`` (deterministic drafts accepted iff equal to the
+            target's sample); see :func:`~lilicorr_pl.decoding.speculative.speculative_generate`.
         reference: plain-decoding results of the same prompts (:func:`run_target_baseline`); at T = 0
             ``lossless`` says whether every output matched them token for token, and their measured
             step time gives ``plain_step_ms`` and ``round_cost_ratio``.
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
         timing: on CUDA, synchronise at phase boundaries so the round split is exact (slower).
+        stop_token_ids: where generation stops; None = the target's own (``default_stop_token_ids``).
     """
     if reference is not None and len(reference) != len(prompts.input_ids):
         raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
@@ -179,7 +192,7 @@ def evaluate_arm(
         r = speculative_generate(
             target, drafter, selector, ids, max_new_tokens, temperature=temperature,
             generator=_generator(target, seed + i), record_rounds=record_rounds if recording else 0,
-            timing=timing,
+            timing=timing, draft_sampling=draft_sampling, stop_token_ids=stop_token_ids,
         )
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
         draft, head, verify = draft + r.draft, head + r.head, verify + r.verify
@@ -209,6 +222,7 @@ def evaluate_arm(
         head_time_fraction=head / busy if busy > 0 else math.nan,
         draft_time_fraction=draft / busy if busy > 0 else math.nan,
         lossless=lossless,
+        draft_sampling=draft_sampling if temperature > 0 else None,
         per_prompt_tau=per_prompt,
         per_prompt_rounds=per_prompt_rounds,
         examples=examples,

@@ -7,11 +7,13 @@ One round: the drafter proposes a block ``[anchor, d_1..d_S]`` in one forward pa
 ``y_acc`` (the *bonus* token) becomes the next anchor. τ for the round is ``acc + 1``: it **includes**
 the bonus token, so ``1 <= τ <= B``.
 
-Losslessness: a deterministic draft accepted iff it equals the target's own sample is exactly the
-speculative-sampling rule for a point-mass draft distribution, so the output is distributed as plain
-target sampling; at T = 0 it equals greedy target decoding token for token. A selector that samples
-its block and returns the draft distribution ``q`` gets the standard ``min(1, p/q)`` rule with
-residual resampling (:func:`speculative_sampling_accept`).
+Losslessness: at T > 0 the selector samples its block and returns the proposal ``q`` each draft was
+drawn from (``draft_sampling="proposal"``, what the serving references do); drafts are verified with
+the standard ``min(1, p/q)`` rule and ``max(p − q, 0)`` residual resampling
+(:func:`speculative_sampling_accept`). The alternative ``draft_sampling="point_mass"`` drafts
+deterministically and accepts a draft iff it equals the target's own sample: exactly the
+speculative-sampling rule for a point-mass ``q``. Either way the output is distributed as plain target
+sampling; at T = 0 it equals greedy target decoding token for token.
 
 Batch size 1 for now; the helpers work on ``[b, ...]`` tensors so batching can be added later.
 """
@@ -22,21 +24,37 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
+from lilicorr_pl.heads.base import Selection, SelectContext, Selector
+from lilicorr_pl.heads.sampling import DraftSampling, draw, warp_probs
 from lilicorr_pl.target import FrozenTarget
 
+DraftSamplingRule = Literal["proposal", "point_mass"]
+"""How drafts are made and verified at T > 0.
+
+``"proposal"`` (the serving references' rule, the default): the selector samples its block and
+returns the proposal ``q``; drafts are verified with ``min(1, p/q)`` and the ``max(p − q, 0)``
+residual. ``"point_mass"``: the selector drafts deterministically (as at T = 0) and a draft is
+accepted iff it equals the target's own sample — the same rule for a point-mass ``q``. Both are
+lossless; they differ in τ. At T = 0 both are greedy."""
+DRAFT_SAMPLING_RULES: tuple[str, ...] = get_args(DraftSamplingRule)
+
 __all__ = [
+    "DRAFT_SAMPLING_RULES",
+    "DraftSamplingRule",
     "GenerationResult",
     "default_stop_token_ids",
+    "draft_sampling_for",
     "greedy_accept",
     "sample_tokens",
     "speculative_generate",
     "speculative_sampling_accept",
     "target_generate",
+    "verify_block",
     "warp_probs",
 ]
 
@@ -82,7 +100,8 @@ class GenerationResult:
     """``"eos"`` (a stop token was generated) or ``"max_new_tokens"``."""
     rounds: list[dict[str, Any]] = field(default_factory=list)
     """The first ``record_rounds`` rounds for display: ``anchor``, ``drafted`` (d_1..d_S),
-    ``target`` (y_0..y_S, the target's choices after each block token), ``accepted`` (acc),
+    ``target`` (y_0..y_S, the target's choices after each block token; None under the proposal
+    rule, which draws no such row), ``accepted`` (acc),
     ``committed`` (accepted drafts + bonus, before truncation)."""
     prompt_length: int = 0
     """Prompt tokens ``P``."""
@@ -111,32 +130,6 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------------------------- sampling
-def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Sampling distribution ``softmax(logits / T)`` with optional nucleus (top-p) truncation.
-
-    ``logits [..., V]`` -> float32 probabilities ``[..., V]``. Requires ``temperature > 0``.
-    """
-    if temperature <= 0:
-        raise ValueError(f"warp_probs needs temperature > 0, got {temperature}; T = 0 is greedy")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}; 1.0 disables nucleus sampling")
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the top-1 token is always kept).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of ``probs [..., V]`` -> ``[...]`` long."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
 def sample_tokens(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -150,7 +143,7 @@ def sample_tokens(
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return _multinomial(warp_probs(logits, temperature, top_p), generator)
+    return draw(warp_probs(logits, temperature, top_p), generator)
 
 
 def greedy_accept(
@@ -209,23 +202,57 @@ def speculative_sampling_accept(
     # p == q at a rejected position has probability zero; guard against rounding all the same.
     empty = rows.sum(-1, keepdim=True) <= 0
     rows = torch.where(empty, p_rows, rows)
-    return acc, _multinomial(rows / rows.sum(-1, keepdim=True), generator)
+    return acc, draw(rows / rows.sum(-1, keepdim=True), generator)
+
+
+def draft_sampling_for(
+    rule: DraftSamplingRule, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> DraftSampling | None:
+    """The selector's sampling settings for a round: None (deterministic drafts) at T = 0 or under the
+    point-mass rule, else the target's temperature / top-p and RNG (the proposal rule)."""
+    if rule not in DRAFT_SAMPLING_RULES:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {rule!r}")
+    if temperature == 0 or rule == "point_mass":
+        return None
+    return DraftSampling(temperature, top_p, generator)
+
+
+def verify_block(
+    drafts: torch.Tensor,
+    selection: Selection,
+    target_logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One round's acceptance: how many drafts the target keeps and the bonus token.
+
+    With a proposal (``selection.q``, T > 0): :func:`speculative_sampling_accept`, ``min(1, p/q)``
+    and residual resampling. Otherwise the point-mass rule, :func:`greedy_accept` against the target's
+    own choices (argmax at T = 0, samples at T > 0) — the exact rule for a deterministic draft.
+
+    Args:
+        drafts: ``[b, S]`` drafted tokens ``d_1..d_S``.
+        selection: what the selector returned for them (its ``q``, if any).
+        target_logits: ``[b, S+1, V]`` target logits after ``anchor, d_1..d_S``.
+
+    Returns:
+        ``(acc [b], bonus [b], choices [b, S+1] or None)``: ``choices`` are the target's own choices
+        under the point-mass rule (None under the proposal rule, which draws no such row).
+    """
+    if selection.q is not None and temperature > 0:
+        p = warp_probs(target_logits, temperature, top_p)  # [b, S+1, V]
+        acc, bonus = speculative_sampling_accept(drafts, selection.q.to(p.device), p, generator)
+        return acc, bonus, None
+    choices = sample_tokens(target_logits, temperature, top_p, generator)  # [b, S+1]
+    acc, bonus = greedy_accept(drafts, choices)
+    return acc, bonus, choices
 
 
 # ---------------------------------------------------------------------------------------- helpers
 def default_stop_token_ids(target: FrozenTarget) -> list[int]:
-    """EOS ids from the tokenizer, the model config and its generation config (union, sorted)."""
-    ids: set[int] = set()
-    sources = [
-        getattr(target.tokenizer, "eos_token_id", None),
-        getattr(target.config, "eos_token_id", None),
-        getattr(getattr(target.model, "generation_config", None), "eos_token_id", None),
-    ]
-    for value in sources:
-        if value is None:
-            continue
-        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return sorted(ids)
+    """The target's stop ids: :func:`lilicorr_pl.target.stop_token_ids`, the one place regeneration uses too."""
+    return target.stop_token_ids()
 
 
 def _stop_set(target: FrozenTarget, stop_token_ids: Sequence[int] | None) -> set[int]:
@@ -321,7 +348,7 @@ def _finish(result: GenerationResult, start: float) -> GenerationResult:
 def speculative_generate(
     target: FrozenTarget,
     drafter: Any,
-    selector: Any,
+    selector: Selector,
     input_ids: torch.Tensor | Sequence[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -330,6 +357,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     record_rounds: int = 0,
     timing: bool = False,
+    draft_sampling: DraftSamplingRule = "proposal",
 ) -> GenerationResult:
     """Speculative decoding of one prompt (DESIGN §7); lossless with respect to the target.
 
@@ -337,10 +365,8 @@ def speculative_generate(
         target: the frozen target; its KV cache is used for prefill and verification.
         drafter: a built :class:`~lilicorr_pl.models.dflash.DFlashDrafter` (or anything with
             ``new_cache()``, ``draft(...)``, ``num_slots``).
-        selector: chooses ``d_1..d_S`` from the drafter outputs (``select(...) -> Selection``). If the
-            selection carries ``q [b, S, V]`` (the distribution its tokens were drawn from) and
-            ``temperature > 0``, the ``min(1, p/q)`` rule is used; otherwise drafts are accepted iff
-            they equal the target's own choice.
+        selector: a :class:`~lilicorr_pl.heads.Selector`; ``select(draft, SelectContext)`` chooses
+            ``d_1..d_S`` from the drafter outputs, given the anchor token and its position.
         input_ids: the prompt, ``[1, P]`` / ``[P]`` tensor or a list of ids.
         max_new_tokens: generation budget; the last block is truncated to it.
         temperature: 0 = greedy (output equals plain greedy decoding); > 0 samples ``softmax(z/T)``.
@@ -351,6 +377,11 @@ def speculative_generate(
         record_rounds: keep drafted/accepted details of this many leading rounds in ``rounds``.
         timing: on CUDA, synchronise at every phase boundary so the draft / head / verify /
             bookkeeping split is exact (slower; CPU timings are exact either way).
+        draft_sampling: the T > 0 rule (:data:`DraftSamplingRule`): ``"proposal"`` — the selector
+            samples its block and returns ``q``, verified with ``min(1, p/q)`` and residual
+            resampling (a selector that returns no ``q`` drafted deterministically and gets the
+            point-mass rule); ``"point_mass"`` — deterministic drafts accepted iff equal to the
+            target's sample. Ignored at T = 0.
 
     Returns:
         A :class:`GenerationResult`; ``tau`` is the mean acceptance length **including the bonus
@@ -361,6 +392,7 @@ def speculative_generate(
     start = clock()
     prompt = _prompt_tensor(input_ids, target.device)
     stops = _stop_set(target, stop_token_ids)
+    sampling = draft_sampling_for(draft_sampling, temperature, top_p, generator)  # None: deterministic drafts
     result = GenerationResult(tokens=[], prompt_length=prompt.shape[1])
     if max_new_tokens <= 0:
         return _finish(result, start)
@@ -376,7 +408,6 @@ def speculative_generate(
         result.prefill = t - start
         stopped = _commit(result.tokens, [int(anchor[0])], stops, max_new_tokens)
         draft_cache = drafter.new_cache()
-        needs_anchor = getattr(selector, "needs_anchor_token", False)
         # Position ids of every possible verify block, built once: [1, P + max_new_tokens + B].
         positions = _positions(0, committed + max_new_tokens + num_slots + 1, device)
         t = clock()
@@ -385,8 +416,9 @@ def speculative_generate(
             # 2. Draft: one drafter pass over [anchor, MASK x S], then the selector.
             out = drafter.draft(draft_cache, pending_features, anchor, target.embed, target.lm_head)
             t_draft = clock()
-            extra = {"anchor_tokens": anchor.view(1)} if needs_anchor else {}
-            selection = selector.select(out.slot_hidden, out.slot_logits, out.anchor_feature, target.embed, **extra)
+            # The anchor sits at position `committed` (right after the tokens in the target cache).
+            context = SelectContext(anchor.view(1), positions[0, committed : committed + 1], target.embed, sampling)
+            selection = selector.select(out, context)
             drafts = selection.tokens.to(device=device, dtype=torch.long).view(1, num_slots)  # [1, S]
             t_head = clock()
 
@@ -402,14 +434,7 @@ def speculative_generate(
             )
             t_verify = clock()
             cache = ver.cache if ver.cache is not None else cache
-            q = getattr(selection, "q", None)
-            if q is not None and temperature > 0:
-                p = warp_probs(ver.logits, temperature, top_p)  # [1, S+1, V]
-                acc_t, anchor = speculative_sampling_accept(drafts, q.to(device), p, generator)
-                choices = None
-            else:
-                choices = sample_tokens(ver.logits, temperature, top_p, generator)  # [1, S+1]
-                acc_t, anchor = greedy_accept(drafts, choices)
+            acc_t, anchor, choices = verify_block(drafts, selection, ver.logits, temperature, top_p, generator)
             # The round's only device-to-host transfer: acc, the bonus token and the drafts.
             host = torch.cat([acc_t.view(1), anchor.view(1), drafts[0]]).tolist()
             acc, bonus = host[0], host[1]

@@ -10,7 +10,9 @@
 4. Benchmark with real speculative decoding on HumanEval prompts and held-out stdlib prefixes,
    at T = 0 and T = 1, against plain target decoding in the same process, plus the top-K lattice
    oracle (T = 0), with a paired bootstrap 95 % interval on every τ ratio to DFlash and the measured
-   cost of a round in plain decoding steps. τ includes the target's bonus token.
+   cost of a round in plain decoding steps. τ includes the target's bonus token. At T > 0 τ is
+   reported both ways: sampled drafts verified with ``min(1, p/q)`` (the row's ``tau``) and the
+   point-mass rule (``tau_point_mass``).
 
 Every stage is keyed by what produced it (target build, data settings, config file contents, steps,
 seed): a rerun reuses exactly the stages whose key matches and retrains the rest under a new key, so a
@@ -62,13 +64,13 @@ def log(msg: str) -> None:
 
 def stage_key(**parts: Any) -> str:
     """A short hash of everything a stage depends on; its artifacts live under this key."""
-    from lilicorr_pl.data.cache import fingerprint
+    from lilicorr_pl.data.fingerprint import fingerprint
 
     return fingerprint(parts)[:12]
 
 
 def file_digest(path: Path) -> str:
-    from lilicorr_pl.data.cache import file_sha256
+    from lilicorr_pl.data.fingerprint import file_sha256
 
     return file_sha256(path)[:16]
 
@@ -212,15 +214,14 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, base_di
 def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tokens: int, top_k: int) -> dict[str, Any]:
     """Real τ of the top-K lattice oracle on the same drafter (T = 0 only)."""
     from lilicorr_pl.decoding.metrics import AcceptanceMetrics
-    from lilicorr_pl.decoding.oracle import AnchorTracker, OracleSelector
+    from lilicorr_pl.decoding.oracle import OracleSelector
     from lilicorr_pl.decoding.speculative import speculative_generate
 
     metric = AcceptanceMetrics(num_slots=system.drafter.num_slots)
     per_prompt_tau, per_prompt_rounds = [], []
     for ids, ref in zip(prompts.input_ids, reference):
-        tracker = AnchorTracker(system.drafter)
-        selector = OracleSelector(top_k, ref.tokens, len(ids), tracker)
-        r = speculative_generate(system.target, tracker, selector, ids, max_new_tokens)
+        selector = OracleSelector(top_k, ref.tokens, len(ids))
+        r = speculative_generate(system.target, system.drafter, selector, ids, max_new_tokens)
         if r.tokens != ref.tokens:
             raise AssertionError("oracle decoding diverged from greedy decoding: speculative decoding is not lossless")
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens))
@@ -446,7 +447,7 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "benchmark": bench, "temperature": temp, "arm": arm, "tau": r.tau,
         "tokens_per_s": r.tokens_per_s, "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
         "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
-        "lossless": r.lossless, "target_tokens_per_s": target_tps,
+        "lossless": r.lossless, "draft_sampling": r.draft_sampling, "target_tokens_per_s": target_tps,
         "per_prompt_tau": r.per_prompt_tau, "per_prompt_rounds": r.per_prompt_rounds,
         # Measured cost of one speculative round, split, and in plain decoding steps of the same run.
         "round_cost_ratio": r.round_cost_ratio, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms,
@@ -507,8 +508,15 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 selector = arm_selector(arm, system)
                 r = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
                                  seed=seed, reference=reference)
-                rows.append(arm_row(bench, temp, arm, r, target_tps))
-                log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s "
+                row = arm_row(bench, temp, arm, r, target_tps)
+                note = ""
+                if temp > 0:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
+                    pm = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
+                                      seed=seed, reference=reference, draft_sampling="point_mass")
+                    row.update(tau_point_mass=pm.tau, per_position_acceptance_point_mass=pm.per_position_acceptance)
+                    note = f" (point-mass rule: tau {pm.tau:.2f})"
+                rows.append(row)
+                log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
             if temp == 0 and "lilicorr" in systems:
                 lil = systems["lilicorr"]

@@ -7,8 +7,8 @@ conditioned on the head's own previous pick (:meth:`CorrectorHead.select`). Both
 recurrence, :meth:`CorrectorHead.step`, so their agreement is testable slot by slot.
 
 The first slot is conditioned on the anchor token ``x_0`` (the last committed token, the one the
-drafter's block starts from), which :meth:`Selector.select` does not receive; corrector heads set
-``needs_anchor_token = True`` and take it as the keyword ``anchor_tokens``.
+drafter's block starts from): ``SelectContext.anchor_tokens`` at inference, ``TeacherForcing`` in
+training.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from typing import Any
 
 import torch
 
-from lilicorr_pl.heads.base import EmbedFn, Selection, Selector
+from lilicorr_pl.heads.base import EmbedFn, HeadOutput, Selection, SelectContext, Selector, TeacherForcing
+from lilicorr_pl.models.dflash import DraftOutput
 
 
 class CorrectorHead(Selector):
     """Base class of heads that correct the slot logits conditioned on the previous tokens.
 
     Subclasses implement :meth:`_build_layers`, :meth:`initial_state`, :meth:`step` and
-    :meth:`corrected_logits`; this class supplies the size bookkeeping, input checks and the greedy
-    sequential decode.
+    :meth:`corrected_logits`; this class supplies the size bookkeeping, input checks, the training
+    call and the sequential decode (greedy, or sampled from the corrected distributions).
     """
 
     uses_corrector: bool = True
-    """Trained with :class:`~lilicorr_pl.losses.CorrectorCE` on :meth:`corrected_logits`."""
-    needs_anchor_token: bool = True
-    """:meth:`select` needs ``anchor_tokens=`` (the token ``x_0`` the block starts from)."""
+    """Trained on :meth:`corrected_logits`: :class:`~lilicorr_pl.losses.CorrectorCE` (Domino),
+    :class:`~lilicorr_pl.losses.DSparkLoss` (DSpark)."""
 
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _build_layers()")
@@ -85,57 +85,43 @@ class CorrectorHead(Selector):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement corrected_logits()")
 
-    # ------------------------------------------------------------------ inference
+    # ------------------------------------------------------------------ the interface
 
-    def select(
-        self,
-        slot_hidden: torch.Tensor,
-        slot_logits: torch.Tensor,
-        anchor_feature: torch.Tensor,
-        embed: EmbedFn,
-        anchor_tokens: torch.Tensor | None = None,
-    ) -> Selection:
-        """Greedy decode: ``S`` sequential V-wide steps, each conditioned on the head's own previous pick.
+    def forward(self, draft: DraftOutput, context: TeacherForcing) -> HeadOutput:
+        """Training call: teacher-forced corrected logits (slot ``k`` reads the true token of slot
+        ``k - 1``, the anchor for the first slot) and their argmax."""
+        corrected = self.corrected_logits(draft.slot_hidden, draft.slot_logits, context.previous_tokens, context.embed)
+        return HeadOutput(selected=corrected.detach().argmax(dim=-1), corrected_logits=corrected)
 
-        Args:
-            slot_hidden: ``[b, S, H]`` drafter hidden states of the speculative slots.
-            slot_logits: ``[b, S, V]`` drafter logits of the speculative slots.
-            anchor_feature: ``[b, H]`` fused context feature (unused by corrector heads).
-            embed: token ids -> frozen target input embeddings.
-            anchor_tokens: ``[b]`` long: the anchor token ``x_0`` each block starts from. Required.
+    def select(self, draft: DraftOutput, context: SelectContext) -> Selection:
+        """``S`` sequential V-wide steps, each conditioned on the head's own previous pick.
+
+        Deterministic: the argmax of each slot's corrected logits. Sampled (``context.sampling``): a
+        draw from each slot's warped corrected distribution, which is that slot's proposal ``q`` (it
+        depends on the tokens drawn before it, as the recurrence does).
         """
-        if anchor_tokens is None:
-            raise ValueError(
-                f"{type(self).__name__}.select needs anchor_tokens= (the [b] last committed token each block "
-                f"starts from): its first slot is conditioned on it. Heads with needs_anchor_token=True must be "
-                f"called as select(..., anchor_tokens=anchor)"
-            )
+        slot_hidden, slot_logits = draft.slot_hidden, draft.slot_logits
         self._check_inputs(slot_hidden, slot_logits)
         b, s, _ = slot_hidden.shape
+        anchor_tokens = context.anchor_tokens
         if anchor_tokens.numel() != b:
             raise ValueError(
-                f"anchor_tokens has {anchor_tokens.numel()} entries (shape {tuple(anchor_tokens.shape)}) but "
-                f"there are {b} blocks; pass one anchor token per block"
+                f"SelectContext.anchor_tokens has {anchor_tokens.numel()} entries (shape "
+                f"{tuple(anchor_tokens.shape)}) but there are {b} blocks; pass one anchor token per block"
             )
         prev = anchor_tokens.reshape(b).to(device=slot_logits.device, dtype=torch.long)  # [b]
         state = self.initial_state(b, slot_logits.device)
-        picks = []
+        picks, proposals = [], []
         for k in range(s):
-            logits, state = self.step(slot_hidden[:, k], slot_logits[:, k], prev, state, embed)  # [b, V]
-            prev = logits.argmax(dim=-1)  # [b]
+            logits, state = self.step(slot_hidden[:, k], slot_logits[:, k], prev, state, context.embed)  # [b, V]
+            if context.sampling is None:
+                prev = logits.argmax(dim=-1)  # [b]
+            else:
+                prev, q = context.sampling.sample(logits)  # [b], [b, V]
+                proposals.append(q)
             picks.append(prev)
-        return Selection(tokens=torch.stack(picks, dim=1))  # [b, S]
-
-    def forward(
-        self,
-        slot_hidden: torch.Tensor,
-        slot_logits: torch.Tensor,
-        anchor_feature: torch.Tensor,
-        embed: EmbedFn,
-        anchor_tokens: torch.Tensor | None = None,
-    ) -> Selection:
-        """Alias of :meth:`select`."""
-        return self.select(slot_hidden, slot_logits, anchor_feature, embed, anchor_tokens=anchor_tokens)
+        q = torch.stack(proposals, dim=1) if proposals else None  # [b, S, V]
+        return Selection(tokens=torch.stack(picks, dim=1), q=q)  # [b, S]
 
     # ------------------------------------------------------------------ helpers
 

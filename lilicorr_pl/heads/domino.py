@@ -24,6 +24,8 @@ class DominoHead(CorrectorHead):
     target; parameters are created by :meth:`build` once the target's sizes are known.
     """
 
+    name = "domino"
+
     def __init__(self, gru_hidden: int = 1024, rank: int = 256, gated: bool = False) -> None:
         """
         Args:

@@ -7,7 +7,12 @@ candidate ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal, get_args
+
 import torch
+
+from lilicorr_pl.heads.sampling import DraftSampling
 
 
 def _check_scores(start: torch.Tensor, pair: torch.Tensor) -> None:
@@ -24,6 +29,30 @@ def _check_scores(start: torch.Tensor, pair: torch.Tensor) -> None:
         )
 
 
+Decode = Literal["greedy", "viterbi"]
+"""How a lattice head walks its lattice at T = 0: the greedy walk (the method) or Viterbi (ablation)."""
+DECODERS: tuple[str, ...] = get_args(Decode)
+
+
+def _walk(
+    start: torch.Tensor, pair: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-to-right walk: ``choose`` picks a candidate from the start row, then from the pair row
+    leaving the previous pick. Returns ``(path [M, S], rows [M, S, K])``, ``rows[:, s]`` the score row
+    slot ``s`` was chosen from. Only this ``K``-wide step is sequential over slots."""
+    _check_scores(start, pair)
+    blocks = torch.arange(start.shape[0], device=start.device)
+    row = start  # [M, K]
+    index = choose(row)  # [M]
+    path, rows = [index], [row]
+    for s in range(pair.shape[1]):
+        row = pair[blocks, s, index]  # the row leaving the current pick: [M, K]
+        index = choose(row)
+        path.append(index)
+        rows.append(row)
+    return torch.stack(path, dim=1), torch.stack(rows, dim=1)
+
+
 def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
     """Greedy walk through the lattice: ``j_1 = argmax start``, ``j_{s+1} = argmax pair[s, j_s, :]``.
 
@@ -37,14 +66,49 @@ def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[M, S]`` long: the chosen candidate rank at every slot.
     """
-    _check_scores(start, pair)
-    rows = torch.arange(start.shape[0], device=start.device)
-    index = start.argmax(dim=-1)  # [M]
-    path = [index]
-    for s in range(pair.shape[1]):
-        index = pair[rows, s, index].argmax(dim=-1)  # row leaving the current pick: [M, K] -> [M]
-        path.append(index)
-    return torch.stack(path, dim=1)  # [M, S]
+    return _walk(start, pair, lambda row: row.argmax(dim=-1))[0]
+
+
+def sample_walk(start: torch.Tensor, pair: torch.Tensor, sampling: DraftSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy walk with each argmax replaced by a draw: LiLiCorr's proposal at T > 0.
+
+    At every slot the proposal over the ``K`` candidates is ``warp(ψ / T)``, where ψ is the start row
+    at the first slot and otherwise the pair row leaving the candidate actually **drawn** at the
+    previous slot; there is no drafter log-probability prior (the head was trained without one).
+    This is SGLang's LiLiCorr sampling mode (``lilicorr_sample_path``: ``softmax(psi_s / T)``, with
+    the request's top-k / top-p applied to the ``K`` candidates). TensorRT-LLM's
+    ``lilicorr_proposal_logits`` differs: it takes every slot's row along the *greedy* path and
+    samples the slots from those fixed rows. Both are lossless when verified with the ``q`` they drew
+    from; SGLang's keeps the sampled block coherent, so it is the one followed here. As ``T → 0`` the
+    walk becomes :func:`greedy_walk`.
+
+    Args:
+        start: ``[M, K]`` start scores (log-potentials, ``σ·cos``).
+        pair: ``[M, S-1, K, K]`` pair scores.
+        sampling: temperature, top-p and RNG of the draws.
+
+    Returns:
+        ``(path [M, S] long, q [M, S, K] float32)``: the drawn candidate ranks and the proposal each
+        slot was drawn from.
+    """
+    drawn: list[torch.Tensor] = []
+
+    def choose(row: torch.Tensor) -> torch.Tensor:
+        index, q = sampling.sample(row)
+        drawn.append(q)
+        return index
+
+    path, _ = _walk(start, pair, choose)
+    return path, torch.stack(drawn, dim=1)
+
+
+def walk(start: torch.Tensor, pair: torch.Tensor, decode: Decode = "greedy") -> torch.Tensor:
+    """The T = 0 walk a lattice head uses: :func:`greedy_walk` or :func:`viterbi` (``[M, S]`` ranks)."""
+    if decode == "greedy":
+        return greedy_walk(start, pair)
+    if decode == "viterbi":
+        return viterbi(start, pair)
+    raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
 
 
 def viterbi(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:

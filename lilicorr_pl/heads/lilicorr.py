@@ -12,17 +12,15 @@ shape is the exported shape, so export is a renaming and never an approximation.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from lilicorr_pl.heads.base import EmbedFn, Lattice, Selection, Selector
-from lilicorr_pl.heads.lattice import candidate_log_probs, greedy_walk, viterbi
+from lilicorr_pl.heads.base import EmbedFn, HeadOutput, Lattice, Selection, SelectContext, Selector, TeacherForcing
+from lilicorr_pl.heads.lattice import DECODERS, Decode, candidate_log_probs, sample_walk
+from lilicorr_pl.models.dflash import DraftOutput
 
-_DECODERS = ("greedy", "viterbi")
 NUM_CONFIDENCE_FEATURES = 5
 """Per-candidate features, in the order the first feature Linear reads them: log-prob (full-vocabulary
 log-softmax), prob, log-prob gap to the slot's best candidate, rank fraction ``r/(k-1)``, is-top-1."""
@@ -93,6 +91,7 @@ class LiLiCorrHead(Selector):
     sizes and the drafter's block size are known.
     """
 
+    name = "lilicorr"
     uses_lattice = True
 
     def __init__(
@@ -105,7 +104,7 @@ class LiLiCorrHead(Selector):
         factor_dim: int = 1024,
         vector_eps: float = 1e-4,
         logit_scale: float = 8.0,
-        decode: Literal["greedy", "viterbi"] = "greedy",
+        decode: Decode = "greedy",
         block_size: int | None = None,
         rms_norm_eps: float | None = None,
         dropout: float = 0.0,
@@ -126,7 +125,8 @@ class LiLiCorrHead(Selector):
             logit_scale: fixed score scale σ (``lilicorr_logit_scale``); scores are ``σ·cosine`` so
                 they stay within ``[-σ, σ]``. Not learned: bounded scores stabilise joint training of
                 the shared backbone.
-            decode: ``"greedy"`` (the method) or ``"viterbi"`` (max-sum ablation).
+            decode: the T = 0 walk, ``"greedy"`` (the method) or ``"viterbi"`` (max-sum ablation);
+                sampled drafts (T > 0) always follow the sampled left-to-right walk.
             block_size: the drafter's block size B; sizes the slot embedding (``B - 1`` slots) and the
                 relative-slot bias (``2B - 1`` offsets). None: follow the drafter (the system passes it
                 to :meth:`build`). A head built for B also scores shorter blocks (the learned prefix).
@@ -151,8 +151,8 @@ class LiLiCorrHead(Selector):
             raise ValueError(f"mlp_ratio {mlp_ratio} gives an empty MLP at hidden_size {hidden_size}")
         if not 0.0 < vector_eps < 0.5:
             raise ValueError(f"vector_eps must be in (0, 0.5), got {vector_eps}; the recipe uses 1e-4")
-        if decode not in _DECODERS:
-            raise ValueError(f"decode must be one of {_DECODERS}, got {decode!r}")
+        if decode not in DECODERS:
+            raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
         if logit_scale <= 0:
             raise ValueError(f"logit_scale (σ) must be positive, got {logit_scale}; the recipe uses 8.0")
         if block_size is not None and block_size < 2:
@@ -348,25 +348,39 @@ class LiLiCorrHead(Selector):
             pair = self.logit_scale * (out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2))  # [M, S-1, K, K]
         return Lattice(candidates=candidates, start=start, pair=pair, candidate_logprobs=candidate_logprobs)
 
-    def select(
-        self,
-        slot_hidden: torch.Tensor,
-        slot_logits: torch.Tensor,
-        anchor_feature: torch.Tensor,
-        embed: EmbedFn,
-        top_k: int | None = None,
-    ) -> Selection:
-        """Score the lattice and walk it (greedy, or Viterbi when ``decode="viterbi"``).
+    def forward(self, draft: DraftOutput, context: TeacherForcing) -> HeadOutput:
+        """Training call: the scored lattice (live, for the lattice losses) and the walk's tokens."""
+        lattice = self.score_lattice(
+            draft.slot_hidden, draft.slot_logits, draft.anchor_feature, draft.anchor_feature_valid, context.embed
+        )
+        with torch.no_grad():
+            selected = lattice.tokens_at(lattice.walk(self.decode))  # [M, S]
+        return HeadOutput(selected=selected, lattice=lattice)
 
-        An anchor feature that is all zeros counts as invalid (the interface's convention): the
-        projected anchor is then zero, as in the reference.
+    def select(self, draft: DraftOutput, context: SelectContext, top_k: int | None = None) -> Selection:
+        """Score the lattice and walk it.
+
+        Deterministic (``context.sampling`` is None): the greedy walk, or Viterbi when
+        ``decode="viterbi"``. Sampled: :func:`~lilicorr_pl.heads.lattice.sample_walk` — at every slot
+        a draw from ``warp(ψ / T)`` over the ``K`` candidates, ψ the start row at the first slot and
+        otherwise the pair row leaving the candidate drawn at the previous slot, with no drafter
+        log-prob prior (SGLang's LiLiCorr sampling mode; ``decode`` only chooses the T = 0 walk). The
+        proposal ``q`` is that distribution placed on the candidates' token ids (zero elsewhere).
+
+        Args:
+            top_k: serve with a narrower lattice ``k <= self.top_k`` (rank-ordered features).
         """
-        anchor_valid = anchor_feature.ne(0).any(dim=-1)  # [b]
-        lattice = self.score_lattice(slot_hidden, slot_logits, anchor_feature, anchor_valid, embed, top_k)
-        decoder = greedy_walk if self.decode == "greedy" else viterbi
-        index = decoder(lattice.start, lattice.pair)  # [b, S]
-        tokens = lattice.candidates.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b, S]
-        return Selection(tokens=tokens, lattice_index=index, lattice=lattice)
+        lattice = self.score_lattice(
+            draft.slot_hidden, draft.slot_logits, draft.anchor_feature, draft.anchor_feature_valid,
+            context.embed, top_k,
+        )
+        if context.sampling is None:
+            index = lattice.walk(self.decode)  # [b, S]
+            return Selection(tokens=lattice.tokens_at(index), lattice_index=index, lattice=lattice)
+        index, q_candidates = sample_walk(lattice.start, lattice.pair, context.sampling)  # [b, S], [b, S, K]
+        q = q_candidates.new_zeros(*index.shape, draft.slot_logits.shape[-1])  # [b, S, V]
+        q.scatter_(-1, lattice.candidates, q_candidates)  # top-K ids are distinct within a slot
+        return Selection(tokens=lattice.tokens_at(index), q=q, lattice_index=index, lattice=lattice)
 
     # ------------------------------------------------------------------ helpers
 

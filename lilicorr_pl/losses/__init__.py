@@ -21,6 +21,6 @@ __all__ = [
     "logfactor_spread",
 ]
 
-from lilicorr_pl.losses.corrector import CorrectorCE
+from lilicorr_pl.losses.corrector import CorrectorCE, DSparkLoss
 
-__all__ += ["CorrectorCE"]
+__all__ += ["CorrectorCE", "DSparkLoss"]

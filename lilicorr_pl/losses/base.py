@@ -33,8 +33,14 @@ class LossInputs:
     slot's position (exact from the target, or from the precomputed top-M cache)."""
     corrected_logits: torch.Tensor | None = None
     """``[M, S, V]`` teacher-forced logits of a corrector head (Domino, DSpark); None otherwise."""
+    target_distribution: Callable[[slice], torch.Tensor] | None = None
+    """A slice of the ``M`` blocks -> the target's full teacher-forced logits ``[m, S, V]`` at each slot's
+    position (V-wide: computed on demand, chunk by chunk, from the online target); None without one."""
     step: int = 0
     """Optimizer steps taken so far (for curricula)."""
+    total_steps: int | None = None
+    """Optimizer steps of the whole run (``trainer.estimated_stepping_batches``), for curricula that span
+    the run; None outside a Trainer."""
     _forced: Any = field(default=None, init=False, repr=False, compare=False)
     # Memo for :func:`lilicorr_pl.losses.forced.forced_slots`, shared by the lattice components.
 
@@ -59,6 +65,9 @@ class LossComponent(nn.Module):
     name: str = "loss"
     requires_lattice: bool = False
     requires_target_logits: bool = False
+    requires_corrector: bool = False  # reads LossInputs.corrected_logits (a head with uses_corrector)
+    requires_target_distribution: bool = False
+    """Reads the target's full distribution (``LossInputs.target_distribution``): needs the online target."""
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         """
@@ -90,6 +99,12 @@ class LossComponent(nn.Module):
                 f"{type(self).__name__} ({self.name}) needs target logits, but LossInputs.target_logits is "
                 f"None; enable the target-logit cache in the data module (or exact target logits in the "
                 f"system), or remove this component from model.losses / set its weight to 0"
+            )
+        if self.requires_target_distribution and inputs.target_distribution is None:
+            raise ValueError(
+                f"{type(self).__name__} ({self.name}) needs the target's full distribution at every slot, "
+                f"which only the online target gives (LossInputs.target_distribution is None); disable "
+                f"data.feature_cache so the target runs in training"
             )
 
 

@@ -1,7 +1,10 @@
 """Teacher-forced lattice diagnostics per block (DESIGN §6); aggregated by ``LatticeMetrics``.
 
-All prefixes count leading slots that are correct *and* supervised, so a block that runs off the
-sequence or the loss mask ends its prefixes there. Simulated τ = 1 + prefix (the bonus token counts).
+Like the lattice losses, the diagnostics read only *valid* blocks, whose every slot is supervised (the
+reference's ``valid_block = slot_mask.all(-1)``): a block that runs off the sequence or the loss mask
+is skipped whole, never scored on a truncated prefix. Per-block values of an invalid block are 0 and
+its slots count as unsupervised; aggregate with ``valid_block`` as the weight. Simulated
+τ = 1 + prefix (the bonus token counts).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lilicorr_pl.heads.base import Lattice
-from lilicorr_pl.heads.lattice import greedy_walk, oracle_prefix, prefix_length
+from lilicorr_pl.heads.lattice import oracle_prefix, prefix_length
 
 
 def logfactor_spread(lattice: Lattice) -> torch.Tensor:
@@ -44,19 +47,21 @@ def lattice_diagnostics(
         drafter_logits: ``[M, S, V]`` drafter logits.
         labels: ``[M, S]`` true tokens (arbitrary where ``label_mask`` is False).
         label_mask: ``[M, S]`` bool, supervised slots.
-        selected_tokens: ``[M, S]`` tokens chosen by the selector. Default: the greedy walk over
-            ``lattice`` when given, else the drafter's top-1.
+        selected_tokens: ``[M, S]`` tokens chosen by the selector (the system passes
+            ``HeadOutput.selected``). Default: the greedy walk over ``lattice`` when given, else the
+            drafter's top-1.
         top_k: lattice width for the oracle when ``lattice`` is None (the drafter's own top-K).
 
     Returns:
-        Per block ``[M]``: ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``
+        Per block ``[M]``: ``valid_block`` (every slot supervised: the blocks the other values are
+        read on), ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``
         (oracle − selected), ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``,
-        ``full_block`` (every slot supervised), ``exact_block`` (full block, every selected token
-        right), and ``logfactor_spread`` when a lattice is given. Per block and slot ``[M, S]`` bool:
-        ``supervised``, ``covered`` (true token among the candidates), ``top1_correct``,
-        ``selected_correct``.
+        ``exact_block`` (valid block, every selected token right), and ``logfactor_spread`` when a
+        lattice is given. Per block and slot ``[M, S]`` bool: ``supervised`` (slots of valid blocks),
+        ``covered`` (true token among the candidates), ``top1_correct``, ``selected_correct``.
     """
-    mask = label_mask.bool()
+    valid_block = label_mask.bool().all(dim=-1)  # [M]
+    mask = label_mask.bool() & valid_block.unsqueeze(-1)  # [M, S]: invalid blocks are skipped whole
     top1 = drafter_logits.argmax(dim=-1)  # [M, S]
     if lattice is not None:
         candidates = lattice.candidates  # [M, S, K]
@@ -65,8 +70,7 @@ def lattice_diagnostics(
         candidates = drafter_logits.topk(k, dim=-1).indices  # [M, S, K]
     if selected_tokens is None:
         if lattice is not None:
-            index = greedy_walk(lattice.start, lattice.pair)  # [M, S]
-            selected_tokens = candidates.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+            selected_tokens = lattice.tokens_at(lattice.walk("greedy"))  # [M, S]
         else:
             selected_tokens = top1
     if selected_tokens.shape != labels.shape:
@@ -78,8 +82,8 @@ def lattice_diagnostics(
     selected_correct = (selected_tokens == labels) & mask
     oracle_len, true_rank = oracle_prefix(candidates, labels, mask)
     top1_len, selected_len = prefix_length(top1_correct), prefix_length(selected_correct)
-    full_block = mask.all(dim=-1)
     out = {
+        "valid_block": valid_block,
         "top1_prefix": top1_len,
         "selected_prefix": selected_len,
         "oracle_prefix": oracle_len,
@@ -87,13 +91,19 @@ def lattice_diagnostics(
         "sim_tau_top1": 1 + top1_len,
         "sim_tau_selected": 1 + selected_len,
         "sim_tau_oracle": 1 + oracle_len,
-        "full_block": full_block,
-        "exact_block": full_block & selected_correct.all(dim=-1),
+        "exact_block": valid_block & selected_correct.all(dim=-1),
         "supervised": mask,
         "covered": true_rank >= 0,
         "top1_correct": top1_correct,
         "selected_correct": selected_correct,
     }
     if lattice is not None:
-        out["logfactor_spread"] = logfactor_spread(lattice)
+        spread = logfactor_spread(lattice)
+        out["logfactor_spread"] = torch.where(valid_block, spread, torch.zeros_like(spread))
     return out
+
+
+def valid_block_mean(values: torch.Tensor, valid_block: torch.Tensor) -> torch.Tensor:
+    """Mean of per-block ``values [M]`` over the valid blocks (0 when there are none)."""
+    weight = valid_block.to(torch.float32)
+    return (values.float() * weight).sum() / weight.sum().clamp_min(1)

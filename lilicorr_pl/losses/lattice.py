@@ -3,13 +3,15 @@
 Shared conventions:
 
 * Supervised slots are the forced slots of :func:`~lilicorr_pl.losses.forced.forced_slots`: the
-  oracle prefix, ended by the first slot whose true token is outside the lattice or whose label is
-  unsupervised (off the sequence end or outside the loss mask). Later slots are not supervised.
+  oracle prefix, ended by the first slot whose true token is outside the lattice. Later slots are not
+  supervised, and a block with any slot off the sequence end or outside the loss mask is skipped
+  whole (the reference's ``valid_block = slot_mask.all(-1)``), not truncated.
 * Each forced slot's scores are its teacher-forced row: start scores for the first slot, else the
   pair row leaving the true candidate of the previous slot.
-* Normalisation: a decayed mean over the forced slots of the batch,
-  ``Σ w_k·ℓ_{m,k} / Σ w_k`` with ``w_k = exp(-(k-1)/γ)`` (DESIGN §5: per-slot terms use the decay);
-  ``gamma=None`` makes it a plain mean. A batch with no forced slot gives 0.
+* Normalisation: by default a plain mean over the forced slots of the batch, as the reference
+  averages its lattice terms (DESIGN §5.2). ``gamma`` switches on the DFlash position decay,
+  ``Σ w_k·ℓ_{m,k} / Σ w_k`` with ``w_k = exp(-(k-1)/γ)``, as an option. A batch with no forced slot
+  gives 0 (with a graph).
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ class _ForcedSlotLoss(LossComponent):
 class OraclePrefixCE(_ForcedSlotLoss):
     """Cross-entropy of the true candidate under a softmax over each forced slot's K scores.
 
-    Logs ``ce`` (unweighted), ``forced_len`` (mean oracle prefix length per block) and ``forced_acc``
-    (fraction of forced slots whose teacher-forced argmax is the true candidate).
+    Logs ``ce`` (unweighted), ``forced_len`` (mean oracle prefix length per valid block) and
+    ``forced_acc`` (fraction of forced slots whose teacher-forced argmax is the true candidate).
     """
 
     name = "oracle_prefix_ce"
 
-    def __init__(self, weight: float = 0.25, gamma: float | None = 7.0, name: str | None = None) -> None:
+    def __init__(self, weight: float = 0.25, gamma: float | None = None, name: str | None = None) -> None:
         """
         Args:
             weight: multiplier in the total loss (0.25 in the recipe; 0.125 in the "margin" variant).
-            gamma: position-decay constant γ of the per-slot weights; None for a plain mean.
+            gamma: optional position-decay constant γ of the per-slot weights; None (the reference) for
+                a plain mean over forced slots.
             name: log name; defaults to ``oracle_prefix_ce``.
         """
         super().__init__(weight=weight, gamma=gamma, name=name)
@@ -61,7 +64,7 @@ class OraclePrefixCE(_ForcedSlotLoss):
             hits = (scores.argmax(dim=-1) == forced.target) & forced.mask
             logs = {
                 "ce": loss.detach(),
-                "forced_len": forced.length.float().mean(),
+                "forced_len": forced.length.sum() / forced.valid_block.sum().clamp_min(1),
                 "forced_acc": hits.sum() / forced.mask.sum().clamp_min(1),
             }
         return LossOutput(loss=self.weight * loss, logs=logs)
@@ -77,13 +80,14 @@ class MarginHinge(_ForcedSlotLoss):
     name = "margin_hinge"
 
     def __init__(
-        self, weight: float = 0.0, margin: float = 2.0, gamma: float | None = 7.0, name: str | None = None
+        self, weight: float = 0.0, margin: float = 2.0, gamma: float | None = None, name: str | None = None
     ) -> None:
         """
         Args:
             weight: multiplier in the total loss (0 in the "base" variant, 0.125 in "margin").
             margin: required score margin ``m`` of the true candidate over the best other one.
-            gamma: position-decay constant γ of the per-slot weights; None for a plain mean.
+            gamma: optional position-decay constant γ of the per-slot weights; None (the reference) for
+                a plain mean over forced slots.
             name: log name; defaults to ``margin_hinge``.
         """
         super().__init__(weight=weight, gamma=gamma, name=name)
@@ -117,11 +121,12 @@ class DistractorPenalty(_ForcedSlotLoss):
     name = "distractor_penalty"
     requires_target_logits = True
 
-    def __init__(self, weight: float = 0.25, gamma: float | None = 7.0, name: str | None = None) -> None:
+    def __init__(self, weight: float = 0.25, gamma: float | None = None, name: str | None = None) -> None:
         """
         Args:
             weight: multiplier in the total loss (0.25 in the recipe).
-            gamma: position-decay constant γ of the per-slot weights; None for a plain mean.
+            gamma: optional position-decay constant γ of the per-slot weights; None (the reference) for
+                a plain mean over forced slots.
             name: log name; defaults to ``distractor_penalty``.
         """
         super().__init__(weight=weight, gamma=gamma, name=name)

@@ -112,6 +112,12 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mas
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):
+        # Under bf16-mixed, q/k leave the fp32 RMSNorm weights in fp32 while v is bf16. SDPA casts all three to
+        # the autocast dtype; FlexAttention does so only in recent torch, so cast here for both paths to agree.
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -226,7 +232,8 @@ class DFlashDrafter(nn.Module):
         num_attention_heads: None = the target's.
         num_key_value_heads: None = the target's.
         head_dim: None = the target's.
-        attention: ``"auto"`` (FlexAttention on CUDA, dense SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
+        attention: ``"auto"`` (compiled FlexAttention on CUDA when ``head_dim >= 16``, dense SDPA otherwise),
+            ``"sdpa"`` or ``"flex"`` (on CPU: eager FlexAttention, slow, for checking only).
     """
 
     def __init__(
@@ -381,8 +388,14 @@ class DFlashDrafter(nn.Module):
         cos_q, sin_q = self._rope(h, pos_blk)
         cos_c, sin_c = self._rope(h, pos_ctx)
         mode = attention or self.attention
+        flex_ok = self.dims.head_dim >= 16  # FlexAttention's CUDA (Triton) kernel needs head_dim >= 16
         if mode == "auto":
-            mode = "flex" if input_ids.is_cuda else "sdpa"
+            mode = "flex" if input_ids.is_cuda and flex_ok else "sdpa"
+        elif mode == "flex" and input_ids.is_cuda and not flex_ok:
+            raise ValueError(
+                f"attention='flex' on CUDA needs head_dim >= 16 (FlexAttention's kernel), this drafter has "
+                f"{self.dims.head_dim}; set model.drafter.init_args.attention to 'auto' or 'sdpa'"
+            )
         mask = (
             self._flex_block_mask(anchors, t, n)
             if mode == "flex"

@@ -1,0 +1,212 @@
+"""The cost model of one speculative round (``lilicorr_pl.perf``): hand counts, torch's FLOP counter, Qwen3-8B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import save_tiny_target, user_error
+from lilicorr_pl.cli import main as cli_main
+from lilicorr_pl.heads.base import SelectContext
+from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput
+from lilicorr_pl.perf import (
+    ROOFLINES,
+    drafter_round_ops,
+    head_round_ops,
+    load_round_modules,
+    round_cost,
+    target_round_ops,
+)
+from lilicorr_pl.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_8B = ROOT / "configs" / "qwen3-8b" / "Qwen3-8B.config.json"
+
+# The tiny shapes of the hand computation: target H 32, 4 layers, 4 query heads / 2 KV heads of 8, MLP 64, V 96.
+H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 32, 4, 4, 2, 8, 64, 96
+BLOCK, CONTEXT, TAU = 4, 10, 3
+SLOTS = BLOCK - 1
+
+
+def flops(ops) -> float:
+    return sum(op.count * op.flops for op in ops)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny_target(tmp_path_factory.mktemp("cost") / "target", tie=False, layers=LAYERS, vocab=VOCAB, hidden=H)
+    target = FrozenTarget.from_pretrained(path, load_tokenizer=False, layer_ids=[1, 2, 3])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(num_layers=2, block_size=BLOCK).build(target.config, target.layer_ids)
+    head = LiLiCorrHead(top_k=3, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8).build(
+        H, VOCAB, block_size=BLOCK)
+    return target, drafter, head
+
+
+# ------------------------------------------------------------------------------------- by hand
+def test_counts_of_a_tiny_round_match_a_hand_computation(tiny):
+    target, drafter, head = tiny
+    # Target: every linear weight is used once per block token (2 FLOPs per weight per token), the LM head too;
+    # attention is Q·Kᵀ + P·V over 14 keys.
+    per_layer = H * HEADS * HEAD_DIM + 2 * H * KV_HEADS * HEAD_DIM + HEADS * HEAD_DIM * H + 3 * H * INTER  # 9,216
+    target_flops = 2 * BLOCK * (LAYERS * per_layer + H * VOCAB) + LAYERS * 4 * HEADS * HEAD_DIM * BLOCK * (CONTEXT + BLOCK)
+    assert target_flops == 348_160
+    ops = target_round_ops(target.config, BLOCK, CONTEXT)
+    assert flops(ops) == target_flops
+    # Bytes (bf16): weights once + the 4 embedding rows; activations in and out of every matmul, attention reads
+    # Q and 14 keys' K/V and writes O and 4 new K/V rows.
+    weights = LAYERS * per_layer + H * VOCAB + BLOCK * H
+    activations = (LAYERS * BLOCK * (2 * (H + HEADS * HEAD_DIM) + 2 * (H + KV_HEADS * HEAD_DIM) + 3 * (H + INTER))
+                   + BLOCK * (H + VOCAB) + BLOCK * H
+                   + LAYERS * HEAD_DIM * (2 * HEADS * BLOCK + 2 * KV_HEADS * (CONTEXT + BLOCK) + 2 * KV_HEADS * BLOCK))
+    assert sum(op.count * op.weight_bytes for op in ops) == 2 * weights
+    assert sum(op.count * op.other_bytes for op in ops) == 2 * activations
+
+    # Drafter (2 layers, 3 features): the block through every layer, the 3 new context tokens through fc
+    # (3H -> H) and every layer's k/v projections, the LM head over the 3 slots, attention over 14 keys.
+    drafter_flops = (2 * (BLOCK * 2 * per_layer + TAU * 2 * 2 * H * KV_HEADS * HEAD_DIM + TAU * 3 * H * H
+                          + SLOTS * H * VOCAB)
+                     + 2 * 4 * HEADS * HEAD_DIM * BLOCK * (CONTEXT + BLOCK))
+    assert drafter_flops == 210_944
+    assert flops(drafter_round_ops(drafter, CONTEXT, TAU)) == drafter_flops
+
+    # Head (K 3 x S 3 = 9 nodes, width 16, 1 layer, MLP 32, factors 8), multiply-adds per product:
+    nodes, d, mlp, f = 9, 16, 32, 8
+    macs = (nodes * H * d            # token_proj (32 -> 16)
+            + SLOTS * H * d          # pass_hidden_proj
+            + nodes * 5 * d + nodes * d * d  # confidence-feature MLP
+            + nodes * d * 3 * d + nodes * d * d + 2 * nodes * d * mlp  # in_proj, out_proj, MLP
+            + H * d                  # context_proj
+            + 2 * nodes * d * d + d * d  # factor_input_proj: node, node ⊙ anchor, anchor
+            + 2 * nodes * d * f + d * f)  # out/in heads, anchor head
+    head_flops = 2 * macs + 4 * nodes * nodes * d + 2 * (SLOTS - 1) * 3 * 3 * f  # + attention + pair scores
+    assert head_flops == 76_288
+    assert flops(head_round_ops(head)) == head_flops
+
+
+# ------------------------------------------------------------------------------ torch's counter
+def counted(fn) -> int:
+    """FLOPs torch's counter sees; the math SDPA backend so attention is counted on CPU (as its two products).
+
+    The model leaves element-wise work out; transformers 4.x computes RoPE angles as a tiny matmul (``d·T``
+    FLOPs, ~1e-4 of these passes), hence the comparisons below allow a relative 1e-3.
+    """
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        fn()
+    return counter.get_total_flops()
+
+
+def test_target_verify_flops_equal_torch_flop_counter(tiny):
+    target = tiny[0]
+    for batch, context in ((1, CONTEXT), (2, 23)):
+        ids = torch.randint(0, VOCAB - 1, (batch, context + BLOCK))
+        positions = torch.arange(context + BLOCK).expand(batch, -1)
+        prefill = target(ids[:, :context], position_ids=positions[:, :context], use_cache=True)
+
+        def verify():
+            target(ids[:, context:], attention_mask=target.block_mask(context, BLOCK),
+                   position_ids=positions[:, context:], cache=prefill.cache, use_cache=True, return_logits=True)
+
+        assert counted(verify) == pytest.approx(flops(target_round_ops(target.config, BLOCK, context, batch)), rel=1e-3)
+
+
+def test_drafter_draft_flops_equal_torch_flop_counter(tiny):
+    target, drafter, _ = tiny
+    ids = torch.randint(0, VOCAB - 1, (1, 40))
+    feats = target(ids).features  # [1, 40, 3H]
+    for start, new in ((CONTEXT - TAU, TAU), (17, 1), (20, 15)):
+        cache = drafter.new_cache()
+        drafter.draft(cache, feats[:, :start], ids[:, start], target.embed, target.lm_head)
+        n = counted(lambda: drafter.draft(cache, feats[:, start : start + new], ids[:, start + new],
+                                          target.embed, target.lm_head))
+        assert cache.length == start + new
+        assert n == pytest.approx(flops(drafter_round_ops(drafter, start + new, new)), rel=1e-3)
+
+
+@pytest.mark.parametrize("width, batch, top_k", [(16, 1, 3), (H, 2, 2)], ids=["token_proj", "same-width-batch2-k2"])
+def test_head_select_flops_equal_torch_flop_counter(tiny, width, batch, top_k):
+    target = tiny[0]
+    torch.manual_seed(1)
+    head = LiLiCorrHead(top_k=3, hidden_size=width, num_layers=2, num_heads=4, factor_dim=8).build(
+        H, VOCAB, block_size=BLOCK)
+    assert isinstance(head.token_proj, torch.nn.Identity) == (width == H)
+    hidden, logits = torch.randn(batch, SLOTS, H), torch.randn(batch, SLOTS, VOCAB)
+    draft = DraftOutput(hidden, logits, torch.randn(batch, H), torch.ones(batch, dtype=torch.bool))
+    context = SelectContext(torch.zeros(batch, dtype=torch.long), torch.full((batch,), 20), target.embed)
+    n = counted(lambda: head.select(draft, context, top_k=top_k))
+    assert n == pytest.approx(flops(head_round_ops(head, SLOTS, top_k, batch)), rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------- Qwen3-8B
+@pytest.fixture(scope="module")
+def qwen3_8b():
+    return load_round_modules([str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml")], str(QWEN3_8B))
+
+
+def test_qwen3_8b_shapes_come_from_the_configs(qwen3_8b):
+    config, drafter, head = qwen3_8b
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size) == (4096, 36, 32, 8, 128, 12288, 151936)
+    assert drafter.num_layers == 5 and drafter.block_size == 16 and drafter.fc.in_features == 5 * 4096
+    assert (head.top_k, head.hidden_size, head.num_layers, head.factor_dim) == (8, 1024, 2, 1024)
+    assert drafter.fc.weight.is_meta and head.out_head.weight.is_meta  # shapes only, nothing allocated
+
+
+def test_qwen3_8b_weight_bytes_match_the_published_parameter_count(qwen3_8b):
+    config, drafter, head = qwen3_8b
+    cost = round_cost(config, drafter, head, context=2048, tau=6.0)
+    # Qwen3-8B's model card: 6.95 B non-embedding parameters; the verify pass reads them and the untied LM head
+    # (4096 x 151,936) once, plus 16 embedding rows.
+    target_weights = sum(op.count * op.weight_bytes for op in cost.target)
+    assert target_weights == pytest.approx(2 * (6.95e9 + 4096 * 151936), rel=1e-3)
+    # The head reads each of its parameters once (norm weights and the small tables are element-wise reads,
+    # not counted: well under 1 %), plus the 120 gathered candidate embeddings.
+    head_params = sum(p.numel() for p in head.parameters())
+    head_weights = sum(op.count * op.weight_bytes for op in cost.head) - 2 * 120 * 4096
+    assert head_weights == pytest.approx(2 * head_params, rel=1e-2)
+
+
+def test_batch_scales_flops_but_weights_are_read_once(qwen3_8b):
+    config, drafter, head = qwen3_8b
+    one, four = (round_cost(config, drafter, head, context=1024, tau=4.0, batch=b) for b in (1, 4))
+    for part in ("target", "drafter", "head"):
+        a, b = one.parts()[part], four.parts()[part]
+        assert flops(b) == pytest.approx(4 * flops(a), rel=1e-12), part
+        gathers = [op for op in a if "gather" in op.name]  # embedding rows are per token: they scale
+        fixed = sum(op.count * op.weight_bytes for op in a if op not in gathers)
+        scaled = sum(op.count * op.weight_bytes for op in gathers)
+        assert sum(op.count * op.weight_bytes for op in b) == pytest.approx(fixed + 4 * scaled, rel=1e-12), part
+
+
+def test_cost_model_command_prints_the_qwen3_8b_round(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    result = cli_main(["perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"),
+                       "--target-config", str(QWEN3_8B), "--context", "4096", "--gpu", "h200", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "head share of the round" in printed and "H200" in printed
+    saved = json.loads(out.read_text())
+    assert saved["head_share"] == pytest.approx(result["head_share"])
+    parts = [saved[p]["seconds"] for p in ("target", "drafter", "head")]
+    assert saved["round"]["seconds"] == pytest.approx(sum(parts))
+    assert saved["head_share"] == pytest.approx(parts[2] / sum(parts))
+    # At batch 1 the whole round is memory-bound on an H200: its roofline time is its bytes over the bandwidth.
+    h200 = ROOFLINES["h200"]
+    assert saved["round"]["seconds"] == pytest.approx(saved["round"]["bytes"] / h200.bandwidth, rel=1e-9)
+    assert saved["settings"]["head"] == {"top_k": 8, "slots": 15, "nodes": 120, "hidden_size": 1024,
+                                         "num_layers": 2, "factor_dim": 1024}
+    assert 0 < saved["head_share"] < saved["head_share_of_drafting"] < 1
+
+
+def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
+    assert "needs model.head = LiLiCorrHead" in user_error(capsys, [
+        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "dflash.yaml"), "--target-config",
+        str(QWEN3_8B)])
+    assert "could not read the target config" in user_error(capsys, [
+        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"), "--target-config",
+        str(tmp_path / "missing")])
