@@ -160,7 +160,7 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------- one typed command line (issue 12.3)
 from conftest import user_error  # noqa: E402
 
-from lilicorr_pl.cli import LIGHTNING, TOOLS  # noqa: E402
+from lilicorr_pl.cli import LIGHTNING, OWN_PARSER, TOOLS  # noqa: E402
 
 SUBCOMMANDS = [*LIGHTNING, *TOOLS]
 
@@ -186,7 +186,7 @@ def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name,
     out = capsys.readouterr().out
     assert out.startswith("usage: lilicorr") and name in out.split("\n")[0]
     assert "-c CONFIG, --config CONFIG" in out and "--print_config" in out
-    if name in TOOLS and name != "perf":
+    if name in TOOLS and name not in OWN_PARSER:
         # Every parameter of the function is an option whose help is its docstring line, with its type.
         from lilicorr_pl.cli import tool_function
 
