@@ -4,7 +4,8 @@
 signatures and docstrings are the interface. jsonargparse builds ``--help`` from them, adds ``-c/--config``
 (a YAML file with any of the same keys) and ``--print_config``, and rejects a value of the wrong type
 (a ``Literal`` choice, a negative count, a malformed device) before the function runs.
-``lilicorr perf`` adds the same kind of options to the ``fit`` parser (:mod:`lilicorr_pl.perf`).
+``lilicorr prepare`` and ``lilicorr perf`` parse with ``fit``'s parser instead (``perf`` adds typed options of
+its own, :mod:`lilicorr_pl.perf`).
 
 Options are spelled as in the signature: ``--num_prompts 3``, ``--temperature [0,1]``, ``--overwrite true``.
 The argparse spellings of earlier versions keep working; :func:`argparse_spellings` rewrites them before
@@ -29,7 +30,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 CONFIG_HELP = "a YAML file with any of the options below (later options override it)"
 _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
-_PLAIN_SCALAR = re.compile(r"^[\w.+\-/:@~]+$")
+_PLAIN_SCALAR = re.compile(r"^[\w./-][\w.+\-/:@~]*$")
+_YAML_WORDS = {"null", "~", "true", "false", "yes", "no", "on", "off", "y", "n"}
 
 
 def _strip_optional(hint: Any) -> Any:
@@ -54,7 +56,8 @@ def _is_value(token: str) -> bool:
 
 
 def _yaml_item(token: str) -> str:
-    return token if _PLAIN_SCALAR.match(token) else json.dumps(token)  # a JSON string is valid YAML
+    plain = _PLAIN_SCALAR.match(token) and token.lower() not in _YAML_WORDS
+    return token if plain else json.dumps(token)  # a JSON string is valid YAML
 
 
 def argparse_spellings(argv: Sequence[str], hints: Mapping[str, Any]) -> list[str]:
@@ -123,7 +126,7 @@ def description(function: Callable[..., Any]) -> str:
 
 def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
     """``--help`` from the signature and docstring, ``-c/--config``, ``--print_config``, typed options."""
-    parser = ArgumentParser(prog=prog, description=description(function), exit_on_error=True)
+    parser = ArgumentParser(prog=prog, description=description(function))
     parser.add_argument("-c", "--config", action=ActionConfigFile, help=CONFIG_HELP)
     parser.add_function_arguments(function, as_group=False, fail_untyped=True, sub_configs=True)
     return parser
