@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lilicorr_pl.decoding.benchmarks import PromptSet, load_prompts
+from lilicorr_pl.decoding.benchmarks import PromptSet, ThinkingFlagUnknown, load_prompts
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
 from lilicorr_pl.decoding.speculative import DRAFT_SAMPLING_RULES, DraftSamplingRule
 from lilicorr_pl.heads.top1 import Top1Selector
@@ -129,20 +129,14 @@ class AcceptanceEval(L.Callback):
         """The benchmark's short name in metric keys: a prompts file by its stem."""
         return self.benchmark.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".jsonl")
 
-    def thinking_flag(self, trainer: Any, pl_module: Any) -> bool:
+    def thinking_flag(self, trainer: Any, pl_module: Any) -> bool | None:
         """The chat template's thinking flag of the training data: the data module's, else the checkpoint's."""
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         data_flag = getattr(datamodule, "enable_thinking", None)
         saved = (getattr(pl_module, "checkpoint_meta", None) or {}).get("enable_thinking")
         trained = data_flag if data_flag is not None else saved
-        if trained is None:
-            if self.enable_thinking is None:
-                raise ValueError(
-                    "AcceptanceEval cannot tell the training data's thinking flag: there is no data module with "
-                    "enable_thinking and the model was not loaded from a checkpoint that records it; set "
-                    "AcceptanceEval(enable_thinking=...) to the flag the data was rendered with"
-                )
-            return bool(self.enable_thinking)
+        if trained is None:  # unknown: an error only if the prompts go through the chat template (prompt_set)
+            return None if self.enable_thinking is None else bool(self.enable_thinking)
         if self.enable_thinking is not None and bool(self.enable_thinking) != bool(trained):
             source = "data.enable_thinking" if data_flag is not None else "the checkpoint's enable_thinking"
             raise ValueError(
@@ -167,10 +161,17 @@ class AcceptanceEval(L.Callback):
                 raise RuntimeError("AcceptanceEval needs the target's tokenizer; load the target with its tokenizer")
             thinking = self.thinking_flag(trainer if trainer is not None else pl_module._trainer, pl_module)
             self._tokenizer = tokenizer
-            self._prompts = load_prompts(
-                self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
-                enable_thinking=thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
-            )
+            try:
+                self._prompts = load_prompts(
+                    self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
+                    enable_thinking=thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
+                )
+            except ThinkingFlagUnknown:
+                raise ValueError(
+                    "AcceptanceEval cannot tell the training data's thinking flag for its chat-template prompts: "
+                    "there is no data module with enable_thinking and the model was not loaded from a checkpoint "
+                    "that records it; set AcceptanceEval(enable_thinking=...) to the flag the data was rendered with"
+                ) from None
         return self._prompts
 
     def decode(self, pl_module: Any, rank: int = 0, world_size: int = 1, trainer: Any = None) -> dict[str, ArmResult]:

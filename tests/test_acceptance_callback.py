@@ -140,7 +140,7 @@ def test_ddp_ranks_decode_slices_and_log_the_pooled_tau(tmp_path, monkeypatch):
     # Rank 0's callback metrics come back to this process together with rank 0's final weights.
     metrics = trainer.callback_metrics
     system.configure_model()
-    whole = make_callback().decode(system)  # one process, all three prompts
+    whole = make_callback().decode(system)  # one process, all three prompts (raw code prefixes: no thinking flag needed)
     assert metrics["eval/rounds"].item() == whole["head"].rounds  # each prompt decoded exactly once
     assert metrics["eval/tau"].item() == pytest.approx(whole["head"].tau)
     assert metrics["eval/tau_top1"].item() == pytest.approx(whole["top1"].tau)
@@ -263,6 +263,13 @@ def test_thinking_flag_without_a_data_module_comes_from_the_checkpoint(chat_syst
         system.checkpoint_meta = {}
     with pytest.raises(ValueError, match="contradicts data.enable_thinking=False"):
         _chat_callback(prompts, enable_thinking=True).prompt_set(system, fake_trainer(1, []))
+
+
+def test_raw_code_prompts_need_no_thinking_flag(chat_system):
+    """Code prefixes never go through the chat template: no data module and no checkpoint flag is fine."""
+    system, _ = chat_system
+    callback = make_callback(benchmark="stdlib-heldout")
+    assert callback.prompt_set(system, SimpleNamespace(datamodule=None)).chat_template is False
 
 
 def test_stop_tokens_are_the_training_datas(chat_system):

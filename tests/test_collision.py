@@ -128,8 +128,11 @@ def test_lilicorr_reads_the_anchor_feature_for_the_first_slot(one_thread):
     head, embedding = _train(informative_anchor=True)
     slot_hidden, logits, anchor, labels, _ = _sample(2000, torch.Generator().manual_seed(2), True)
     with torch.no_grad():
-        tokens = head.select(slot_hidden, logits, anchor, embedding).tokens
-        blind = head.select(slot_hidden, logits, torch.zeros_like(anchor), embedding).tokens  # no anchor
+        n = slot_hidden.shape[0]
+        context = SelectContext(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), embedding)
+        tokens = head.select(DraftOutput(slot_hidden, logits, anchor, torch.ones(n, dtype=torch.bool)), context).tokens
+        no_anchor = DraftOutput(slot_hidden, logits, torch.zeros_like(anchor), torch.zeros(n, dtype=torch.bool))
+        blind = head.select(no_anchor, context).tokens  # no anchor
     exact = (tokens == labels).all(-1).float().mean().item()
     assert exact >= 0.95, exact  # the anchor picks the branch, the pair scores the continuation
     blind_slot1 = (blind[:, 0] == labels[:, 0]).float().mean().item()

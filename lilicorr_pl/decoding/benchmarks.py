@@ -118,12 +118,16 @@ def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_t
     raise ValueError(f"unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts .jsonl file")
 
 
+class ThinkingFlagUnknown(ValueError):
+    """The prompts need the chat template's thinking flag and none was given."""
+
+
 def load_prompts(
     name: str,
     tokenizer: Any,
     num_prompts: int | None = None,
     chat_template: bool | None = None,
-    enable_thinking: bool = False,
+    enable_thinking: bool | None = False,
     seed: int = 0,
     prefix_tokens: int = 64,
 ) -> PromptSet:
@@ -133,7 +137,8 @@ def load_prompts(
         chat_template: wrap each prompt as one user message through the tokenizer's chat template
             (``enable_thinking`` passed to it). None = only for chat-style benchmarks when the
             tokenizer has a template; code prefixes (``stdlib-heldout``, raw jsonl) stay raw.
-        enable_thinking: the template's thinking flag (Qwen3: False adds an empty think block).
+        enable_thinking: the template's thinking flag (Qwen3: False adds an empty think block); None =
+            unknown, an error only when the prompts go through the template.
         seed: picks the ``stdlib-heldout`` cut points.
         prefix_tokens: token budget of each ``stdlib-heldout`` prefix.
     """
@@ -144,6 +149,11 @@ def load_prompts(
         raise ValueError(f"benchmark {name!r} yielded no prompts")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_template = (kind in ("math", "chat", "code") and has_template) if chat_template is None else chat_template
+    if use_template and enable_thinking is None:
+        raise ThinkingFlagUnknown(
+            f"the {name!r} prompts go through the chat template but its enable_thinking flag is unknown; pass the "
+            "flag the training data was rendered with"
+        )
     if use_template and not has_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False")
     ids: list[list[int]] = []
