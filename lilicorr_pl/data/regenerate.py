@@ -97,7 +97,8 @@ def _iter_input(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | Excepti
             except UnicodeDecodeError as err:
                 # One bad line is a failed record (counted, reported with its line number), not an abort.
                 where = f"{path.name} line {line_no}"
-                yield index, where, DataFormatError(f"{where}: not valid UTF-8 (byte {err.start}); re-encode it as UTF-8")
+                yield index, where, DataFormatError(
+                    f"{where}: not valid UTF-8 (byte {err.start}); re-encode the file as UTF-8")
                 index += 1
                 continue
             if not line.strip():
