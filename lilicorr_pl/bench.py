@@ -6,54 +6,30 @@ decoding measured in the same process. τ always includes the target's bonus tok
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
+from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
+from lilicorr_pl.target import DeviceName
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
 DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lilicorr bench", description=__doc__)
-    p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
-    p.add_argument("--benchmark", default="humaneval",
-                   help="humaneval, stdlib-heldout, a paper benchmark name, or a prompts .jsonl")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts decoded (the first N of the benchmark)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
-    p.add_argument("--selectors", default="top1,lilicorr",
-                   help=f"comma list of {SELECTOR_NAMES} or selector class paths")
-    p.add_argument("--draft-sampling", choices=DRAFT_SAMPLING_CHOICES, default="both",
-                   help="T > 0 rule: sampled drafts verified with min(1, p/q) ('proposal'), deterministic drafts "
-                        "accepted iff equal to the target's sample ('point_mass'), or both (tau reported both ways)")
-    p.add_argument("--chat-template", choices=["auto", "yes", "no"], default="auto",
-                   help="wrap prompts as one user message (auto: chat/math/code benchmarks when the tokenizer has one)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the target's own code (never taken from the checkpoint)")
-    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
-                   help="also trust components from this package when the checkpoint names them")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", help="write results JSON here (one temperature: the run; several: {\"runs\": [...]})")
-    p.add_argument("--plot", help="directory for per-position acceptance PNGs")
-    return p.parse_args(argv)
-
-
-def parse_selectors(spec: str) -> list[str]:
-    """``"top1,lilicorr"`` -> ``["top1", "lilicorr"]``: registry names or class paths; unknown or repeated
-    ones are errors."""
+def parse_selectors(spec: str | Sequence[str]) -> list[str]:
+    """``"top1,lilicorr"`` or ``["top1", "lilicorr"]`` -> ``["top1", "lilicorr"]``: registry names or class paths;
+    unknown or repeated ones are errors."""
     from lilicorr_pl.heads.registry import selector_class
 
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [s.strip() for s in items if s.strip()]
     names = [n if "." in n else n.lower() for n in names]
     if not names:
         raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
@@ -243,78 +219,107 @@ def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
     longest = max(len(ids) for ids in prompts.input_ids)
     if longest + max_new_tokens > limit:
         raise ValueError(
-            f"--max-new-tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
-            f"max_position_embeddings {limit}; lower --max-new-tokens to at most {max(limit - longest, 0)}"
+            f"--max_new_tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
+            f"max_position_embeddings {limit}; lower --max_new_tokens to at most {max(limit - longest, 0)}"
         )
 
 
-def _fail(message: str) -> NoReturn:
-    sys.exit(f"lilicorr bench: {message}")
+def bench(
+    ckpt: str,
+    benchmark: str = "humaneval",
+    num_prompts: PositiveInt = 16,
+    max_new_tokens: PositiveInt = 128,
+    temperature: Sequence[NonNegativeFloat] = (0.0,),
+    selectors: Sequence[str] = ("top1", "lilicorr"),
+    draft_sampling: Literal["both", "proposal", "point_mass"] = "both",
+    chat_template: Literal["auto", "yes", "no"] = "auto",
+    device: DeviceName | None = None,
+    trust_remote_code: bool = False,
+    allow_module: Sequence[str] = (),
+    seed: int = 0,
+    output: str | None = None,
+    plot: str | None = None,
+) -> list[dict[str, Any]]:
+    """Real speculative-decoding benchmark of a trained checkpoint.
 
+    Every selector runs on the same drafter, prompts and temperature, and is compared with plain target
+    decoding measured in the same process; tau always includes the target's bonus token. Everything that
+    can be checked (checkpoint, selectors, benchmark, output paths, device, temperatures) is checked before
+    the target is loaded. Returns one result dict per temperature.
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the benchmark; returns one result dict per temperature (also written to ``--output``)."""
-    args = parse_args(argv)
+    Args:
+        ckpt: checkpoint written by `lilicorr fit`.
+        benchmark: humaneval, stdlib-heldout, a paper benchmark name, or a prompts .jsonl.
+        num_prompts: prompts decoded (the first N of the benchmark).
+        max_new_tokens: generation budget per prompt.
+        temperature: one or more sampling temperatures (0 = greedy), e.g. 0,1.
+        selectors: registered selector names (top1, lilicorr, domino, dspark; top1 or the trained head's) or
+            Selector class paths, e.g. top1,lilicorr.
+        draft_sampling: T > 0 rule: sampled drafts verified with min(1, p/q) (proposal), deterministic drafts
+            accepted iff equal to the target's sample (point_mass), or both (tau reported both ways).
+        chat_template: wrap prompts as one user message; auto = chat/math/code benchmarks when the tokenizer
+            has a template.
+        device: cpu, cuda, cuda:N or mps; default CUDA when available.
+        trust_remote_code: allow the target's own code (never taken from the checkpoint).
+        allow_module: also trust components from these packages when the checkpoint names them.
+        seed: sampling and prompt-selection seed.
+        output: write results JSON here (one temperature: the run; several: {"runs": [...]}).
+        plot: directory for per-position acceptance PNGs.
+    """
     from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    temperatures = [float(t) for t in temperature]
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
-    ckpt = Path(args.ckpt)
-    if not ckpt.is_file():
-        _fail(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
+    path = Path(ckpt)
+    if not path.is_file():
+        raise UserInputError(f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
     try:
-        selectors = parse_selectors(args.selectors)
-        if args.benchmark.endswith(".jsonl"):
-            read_prompt_file(args.benchmark, args.num_prompts)
-        elif args.benchmark not in available_benchmarks():
+        names = parse_selectors(selectors)
+        if benchmark.endswith(".jsonl"):
+            read_prompt_file(benchmark, num_prompts)
+        elif benchmark not in available_benchmarks():
             raise ValueError(
-                f"unknown benchmark {args.benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
+                f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
             )
+        check_output_paths(output, plot)
+        check_device(device)
     except (ValueError, FileNotFoundError) as err:
-        _fail(str(err))
-    try:
-        check_output_paths(args.output, args.plot)
-        check_device(args.device)
-    except ValueError as err:
-        _fail(str(err))
-    if any(not math.isfinite(t) or t < 0 for t in args.temperature):
-        _fail(f"--temperature values must be finite and >= 0, got {args.temperature}")
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        _fail(f"--num-prompts and --max-new-tokens must be >= 1, got {args.num_prompts} and {args.max_new_tokens}")
+        raise UserInputError(str(err)) from None
+    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise UserInputError(f"--temperature values must be finite and >= 0, got {temperatures}")
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise UserInputError(f"--num_prompts and --max_new_tokens must be >= 1, got {num_prompts} and {max_new_tokens}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lilicorr_pl.system import DraftSystem
 
-    from lilicorr_pl.checkpoint import CheckpointError
-
-    try:
-        system = DraftSystem.from_checkpoint(ckpt, map_location=args.device, trust_remote_code=args.trust_remote_code,
-                                             allow_modules=args.allow_module)
-    except CheckpointError as err:
-        _fail(str(err))
+    system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
+                                         allow_modules=list(allow_module))  # CheckpointError: one line
     meta = system.checkpoint_meta
     try:
-        for name in selectors:
+        for name in names:
             selector_for(name, system)
     except ValueError as err:
-        _fail(str(err))
+        raise UserInputError(str(err)) from None
     system.configure_model()
-    system.to(args.device)
-    chat = {"auto": None, "yes": True, "no": False}[args.chat_template]
+    system.to(device)
+    chat = {"auto": None, "yes": True, "no": False}[chat_template]
     try:
         runs = run_bench(
-            system, args.benchmark, selectors, args.temperature, args.num_prompts, args.max_new_tokens,
-            chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=args.seed,
-            timing=torch.device(args.device).type == "cuda",  # without it, CUDA phase times are launch times
-            draft_sampling=args.draft_sampling,
+            system, benchmark, names, temperatures, num_prompts, max_new_tokens,
+            chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
+            timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
+            draft_sampling=draft_sampling,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
-        _fail(str(err))
+        raise UserInputError(str(err)) from None
     for run in runs:
         print(format_table(run))
-        if args.plot:
-            print(f"plot: {plot_acceptance(run, args.plot)}")
-    if args.output:
+        if plot:
+            print(f"plot: {plot_acceptance(run, plot)}")
+    if output:
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
-        out = Path(args.output)
+        out = Path(output)
         write_json_atomic(out, jsonable(payload))
         print(f"results: {out}")
     return runs

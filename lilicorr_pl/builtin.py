@@ -6,7 +6,9 @@
   from the standard library's own source (train or held-out modules), written once as jsonl.
 
 Everything resolves to ordinary local paths, so the rest of the code only sees ``from_pretrained``
-directories and jsonl files.
+directories and jsonl files. This is a command-line-edge module: the ``lilicorr`` command resolves the
+names here, after parsing and before any object is built (a build can take 20 minutes, and shows its
+progress); the core (system, target, data module) refuses a ``builtin:`` name instead of building it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 
-PREFIX = "builtin:"
+from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
+
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
 TARGET_PRESETS = {"tiny": "test", "quick": "quick", "full": "full"}
 
@@ -29,8 +32,15 @@ def cache_root() -> Path:
     return Path(base) / "lilicorr_pl"
 
 
-def resolve_target_path(name_or_path: str) -> str:
-    """Map ``builtin:<preset>`` to a built (cached) local target directory; pass anything else through."""
+def is_builtin(name: str) -> bool:
+    return str(name).startswith(PREFIX)
+
+
+def resolve_target_path(name_or_path: str, progress: bool = False) -> str:
+    """Map ``builtin:<preset>`` to a built (cached) local target directory; pass anything else through.
+
+    ``progress`` prints the build's stages and a training bar to stderr (a cached build prints one line).
+    """
     if not str(name_or_path).startswith(PREFIX):
         return str(name_or_path)
     preset = str(name_or_path)[len(PREFIX):]
@@ -41,7 +51,7 @@ def resolve_target_path(name_or_path: str) -> str:
         )
     from lilicorr_pl.demo.tiny_target import build_tiny_target
 
-    return str(build_tiny_target(TARGET_PRESETS[preset], progress=False))
+    return str(build_tiny_target(TARGET_PRESETS[preset], progress=progress))
 
 
 def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
@@ -53,8 +63,10 @@ def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
     splits = {"stdlib-train": "train", "stdlib-heldout": "heldout"}
     if name not in splits:
         raise ValueError(f"unknown built-in data {path!r}; use builtin:stdlib-train[:N] or builtin:stdlib-heldout[:N]")
+    if count and not (count.isdigit() and int(count) > 0):
+        raise ValueError(f"built-in data {path!r}: the record count after ':' must be a positive integer")
     n = int(count) if count else 256
-    from lilicorr_pl.demo.corpus import corpus_fingerprint, read_corpus
+    from lilicorr_pl.data.corpus import corpus_fingerprint, read_corpus
 
     out = cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
     if out.exists():

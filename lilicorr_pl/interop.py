@@ -15,11 +15,9 @@ and shapes, so the export only adds the prefix. No companion files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -29,9 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lilicorr_pl.files import check_writable_dir
-from lilicorr_pl.models.dflash import DFlashDrafter
-
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+from lilicorr_pl.models.dflash import DFlashDrafter
 
 HEAD_PREFIX = "lilicorr."
 """Key prefix of the LiLiCorr head's tensors inside ``model.safetensors``."""
@@ -369,46 +366,3 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
         problems.append(f"mask_token_id {drafter.mask_token_id} vs {target_config.vocab_size} vocabulary rows")
     if problems:
         raise ValueError("the imported drafter does not match the target: " + "; ".join(problems))
-
-
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(
-        prog="lilicorr export",
-        description="Export a trained drafter as a serving checkpoint: DFlashDraftModel, or LiLiCorrDraftModel "
-        "(drafter + LiLiCorr head in one model.safetensors) for SGLang, vLLM and TensorRT-LLM.",
-    )
-    p.add_argument("--ckpt", required=True, help="checkpoint written by `lilicorr fit`")
-    p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the target's own code (never taken from the checkpoint)")
-    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
-                   help="also trust components from this package when the checkpoint names them")
-    p.add_argument("--overwrite", action="store_true",
-                   help="allow a non-empty --output; only the exported files are replaced, nothing else is touched")
-    args = p.parse_args(argv)
-    if not Path(args.ckpt).is_file():
-        sys.exit(f"lilicorr export: checkpoint {args.ckpt} does not exist")
-    try:
-        check_output_dir(args.output, args.overwrite)
-    except ExportError as err:
-        sys.exit(f"lilicorr export: {err}")
-    from lilicorr_pl.checkpoint import CheckpointError
-    from lilicorr_pl.system import DraftSystem
-
-    try:
-        system = DraftSystem.from_checkpoint(args.ckpt, map_location="cpu", trust_remote_code=args.trust_remote_code,
-                                             allow_modules=args.allow_module)
-    except CheckpointError as err:
-        sys.exit(f"lilicorr export: {err}")
-    head = system.head if isinstance(system.head, LiLiCorrHead) else None
-    if head is None and any(True for _ in system.head.parameters()):
-        print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
-              "exporting the DFlash drafter alone", file=sys.stderr)
-    try:
-        out = export_drafter(system.drafter, args.output, head=head,
-                             extra={"target": system.target_spec.name_or_path}, overwrite=args.overwrite)
-    except ExportError as err:
-        sys.exit(f"lilicorr export: {err}")
-    kind = LILICORR_ARCHITECTURE if head is not None else DFLASH_ARCHITECTURE
-    print(f"exported {kind} to {out}")
-    return out

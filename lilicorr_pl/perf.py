@@ -1,17 +1,17 @@
-"""Where the time goes: ``python -m lilicorr_pl.perf -c configs/tiny.yaml [--steps N]``.
+"""Where the time goes: ``lilicorr perf -c configs/tiny.yaml [--steps N]``.
 
 Builds the system and data exactly as ``lilicorr fit`` would (same config files), then times the
 pieces of ``steps`` real optimisation steps: target features, drafter, head, losses, backward and
-optimizer. Prints a table (and ``--json``); the first ``--warmup`` steps are not counted.
+optimizer. Prints a table (and ``--json``); the first ``--warmup`` steps are not counted. The command line
+is ``fit``'s (same ``-c`` files, same ``--model.*``/``--data.*`` overrides) plus :func:`perf_options`.
 
-``--cost-model`` instead prints the analytical cost of one speculative-decoding round (FLOPs and bytes
+``--cost_model`` instead prints the analytical cost of one speculative-decoding round (FLOPs and bytes
 moved by the target's verify pass, the drafter and the LiLiCorr head, and a roofline time for a given
 device) at the shapes of a config, without loading any weights: :func:`cost_report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -19,12 +19,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
+from lilicorr_pl.command import argparse_spellings, type_hints
+from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+from lilicorr_pl.lightning_cli import LilicorrCLI, run_lightning
 from lilicorr_pl.models.dflash import DFlashDrafter
 
 
@@ -504,82 +509,113 @@ def format_cost(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m lilicorr_pl.perf", description=__doc__)
-    p.add_argument("-c", "--config", action="append", help="config file(s), as for `lilicorr fit` (required)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--json", help="also write the numbers here")
-    p.add_argument("--ckpt", help="load trained drafter/head weights from this checkpoint first")
-    p.add_argument("--penalty-error", action="store_true",
-                   help="instead of timing, compare the distractor penalty from the cache with exact logits")
-    cost = p.add_argument_group("cost model (--cost-model; see cost_report)")
-    cost.add_argument("--cost-model", action="store_true",
-                      help="instead of timing, print FLOPs, bytes and roofline time of one speculative round")
-    cost.add_argument("--target-config", help="the target's config.json (default: model.target.name_or_path)")
-    cost.add_argument("--context", type=int, default=2048, help="tokens in the KV caches")
-    cost.add_argument("--tau", type=float, default=6.0, help="tokens committed per round")
-    cost.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    cost.add_argument("--gpu", choices=sorted(ROOFLINES), default="h100", help="roofline preset")
-    cost.add_argument("--peak-tflops", type=float, help="override the preset's dense bf16 TFLOP/s")
-    cost.add_argument("--bandwidth-tbs", type=float, help="override the preset's memory bandwidth (TB/s)")
-    p.add_argument("overrides", nargs="*", help="extra `--key=value` overrides passed to the config parser")
-    args = p.parse_args(argv)
-    if not args.config:
-        p.error("-c/--config is required")
-    if args.cost_model:
-        try:
-            return cost_report(args.config, args.target_config, args.context, args.tau, args.batch, args.gpu,
-                               args.peak_tflops, args.bandwidth_tbs, json_path=args.json)
-        except (ValueError, OSError) as err:
-            sys.exit(f"lilicorr perf: {err}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    checkpoint = None
-    if args.ckpt:
+def perf_options(
+    steps: PositiveInt = 10,
+    warmup: NonNegativeInt = 2,
+    threads: PositiveInt | None = None,
+    json: str | None = None,  # noqa: A002 - the command line's --json
+    ckpt: str | None = None,
+    penalty_error: bool = False,
+    cost_model: bool = False,
+    target_config: str | None = None,
+    context: PositiveInt = 2048,
+    tau: PositiveFloat = 6.0,
+    batch: PositiveInt = 1,
+    gpu: Literal["h100", "h200"] = "h100",
+    peak_tflops: PositiveFloat | None = None,
+    bandwidth_tbs: PositiveFloat | None = None,
+) -> None:
+    """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
+
+    Args:
+        steps: timed optimisation steps (batches for penalty_error).
+        warmup: untimed steps first.
+        threads: torch threads (default: torch's choice).
+        json: also write the numbers to this JSON file.
+        ckpt: load trained drafter/head weights from this checkpoint first (opened weights-only, checksum verified).
+        penalty_error: instead of timing, compare the distractor penalty from the cache with exact logits.
+        cost_model: instead of timing, print FLOPs, bytes and roofline time of one speculative round (no weights are
+            loaded; the shapes come from the -c files, see cost_report).
+        target_config: cost model: the target's config.json (default: model.target.name_or_path).
+        context: cost model: tokens in the KV caches.
+        tau: cost model: tokens committed per round.
+        batch: cost model: sequences decoded together.
+        gpu: cost model: roofline preset.
+        peak_tflops: cost model: override the preset's dense bf16 TFLOP/s.
+        bandwidth_tbs: cost model: override the preset's memory bandwidth (TB/s).
+    """
+
+
+class PerfCLI(LilicorrCLI):
+    """``fit``'s parser (model, data, trainer from the same config files) plus :func:`perf_options` at the top level."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
+
+    def check_before_building(self, config: Any, subcommand: str | None) -> None:
+        if not config.get("cost_model"):  # the cost model reads shapes only: no data, no built-in target build
+            super().check_before_building(config, subcommand)
+
+    def before_instantiate_classes(self) -> None:
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
-        from lilicorr_pl.checkpoint import CheckpointError, check_class_paths, read_checkpoint
+        self.checkpoint = None
+        if self.config.get("ckpt") and not self.config.get("cost_model"):
+            from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
 
+            self.checkpoint = read_checkpoint(self.config.ckpt)
+            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt)
+        if self.config.get("threads"):
+            torch.set_num_threads(self.config.threads)
+
+    def instantiate_classes(self) -> None:
+        if not self.config.get("cost_model"):  # built on the meta device by cost_report instead
+            super().instantiate_classes()
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``lilicorr perf -c CONFIG [-c OVERLAY] [--steps N] [--ckpt CKPT] [--penalty_error] [--model.x=...]``.
+
+    Builds the system and data exactly as ``lilicorr fit`` would from the same config files and overrides,
+    then times (or, with ``--penalty_error``, compares) real steps; ``--cost_model`` prints the analytical cost
+    of one round instead. Returns the numbers it prints.
+    """
+    from lilicorr_pl.checkpoint import UserInputError
+
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    args = argparse_spellings(sys.argv[1:] if argv is None else argv, type_hints(perf_options))
+    if not any(a in ("-c", "--config") or a.startswith("--config=") for a in args) and "--help" not in args:
+        raise UserInputError("-c/--config is required: the config file(s) of the run to measure, as for `lilicorr fit`")
+    cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
+                        save_config_callback=None)
+    options = cli.config
+    if options.cost_model:
         try:
-            checkpoint = read_checkpoint(args.ckpt)
-            check_class_paths(checkpoint.get("hyper_parameters") or {}, args.ckpt)
-        except CheckpointError as err:
-            sys.exit(f"lilicorr perf: {err}")
-    from lilicorr_pl.cli import LilicorrCLI
-    from lilicorr_pl.data.datamodule import DraftDataModule
-    from lilicorr_pl.system import DraftSystem
-
-    cli_args = [x for c in args.config for x in ("-c", c)] + list(args.overrides)
-    cli = LilicorrCLI(DraftSystem, DraftDataModule, args=cli_args, run=False,
-                      parser_kwargs={"parser_mode": "omegaconf"}, save_config_callback=None)
+            return cost_report([str(c) for c in options.config], options.target_config, options.context, options.tau,
+                               options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
+                               json_path=options.json)
+        except (ValueError, OSError) as err:
+            raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
     dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
     dm.prepare_data()
     dm.setup("fit")
-    if checkpoint is not None:
-        system.load_state_dict(checkpoint["state_dict"])
-    batches = [b for _, b in zip(range(max(4, args.steps)), dm.train_dataloader())]
-    if args.penalty_error:
-        result = penalty_cache_error(system, batches[: args.steps])
+    if cli.checkpoint is not None:
+        system.load_state_dict(cli.checkpoint["state_dict"])
+    batches = [b for _, b in zip(range(max(4, options.steps)), dm.train_dataloader())]
+    if options.penalty_error:
+        result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=2)
+        if options.json:
+            write_json_atomic(Path(options.json), result)
         return result
-    result = profile_steps(system, batches, args.steps, args.warmup)
+    result = profile_steps(system, batches, options.steps, options.warmup)
     total = result["step_total"]
-    print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={args.steps})")
+    print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={options.steps})")
     for k in ("target", "drafter", "head", "losses", "other_forward", "backward", "optimizer", "step_total"):
         if k in result:
             print(f"{k:<16} {1000 * result[k]:>10.1f} {100 * result[k] / total:>6.1f}%")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    if options.json:
+        write_json_atomic(Path(options.json), result)
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -11,13 +11,12 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lilicorr_pl.builtin import resolve_target_path
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     CheckpointError,
@@ -35,7 +34,7 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
-from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids
+from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
 
 TARGET_PREFIX = "target."
 
@@ -141,7 +140,7 @@ class DraftSystem(L.LightningModule):
         num_anchors: int = 512,
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
-        target_logits: str = "auto",
+        target_logits: Literal["auto", "cache", "exact"] = "auto",
         max_length: int | None = None,
         disabled_losses: list[str] | None = None,
         loss_weights: dict[str, float] | None = None,
@@ -179,7 +178,10 @@ class DraftSystem(L.LightningModule):
 
         from transformers import AutoConfig
 
-        path = resolve_target_path(target.name_or_path)
+        # `builtin:` names are resolved by the `lilicorr` command before anything is built: a constructor never
+        # starts the built-in target's build.
+        refuse_builtin_name(target.name_or_path, "model.target.name_or_path")
+        path = target.name_or_path
         self.target_path = path
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)

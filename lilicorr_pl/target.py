@@ -11,9 +11,10 @@ import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import restricted_string_type
 from torch import nn
 
 _DTYPES = {
@@ -24,6 +25,12 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+"""The weight dtypes a user may name (checked when a config or command line is parsed)."""
+DeviceName = restricted_string_type("DeviceName", r"^(cpu|cuda|mps)(:\d+)?$")
+"""``cpu``, ``cuda``, ``cuda:1`` or ``mps``, checked when parsed (whether this machine has it: before any work)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -84,13 +91,25 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
     return ids
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
+def refuse_builtin_name(name_or_path: str, setting: str) -> None:
+    """Raise for a ``builtin:`` name: only the ``lilicorr`` command resolves those (it may build the target)."""
+    if str(name_or_path).startswith(BUILTIN_PREFIX):
+        raise ValueError(
+            f"{setting} {name_or_path!r} is a built-in name, which the `lilicorr` command resolves before anything is "
+            "built; in Python pass a model directory (lilicorr_pl.builtin.resolve_target_path gives the built one)"
+        )
+
+
 @dataclass
 class TargetSpec:
     """How to load the frozen target. Stored in hyperparameters; the weights never enter checkpoints."""
 
     name_or_path: str
     """Hugging Face hub name or local directory of the target causal LM."""
-    dtype: str = "float32"
+    dtype: DTypeName = "float32"
     """Weights dtype of the frozen target: float32, bfloat16 or float16."""
     layer_ids: list[int] | None = None
     """0-based decoder layers whose outputs feed the drafter; None = DFlash default rule."""
@@ -202,9 +221,7 @@ class FrozenTarget(nn.Module):
         same settings wrap the same model (the data module's precompute and the training system's
         ``configure_model`` use it, so a fit reads the target once).
         """
-        from lilicorr_pl.builtin import resolve_target_path
-
-        name_or_path = resolve_target_path(name_or_path)
+        refuse_builtin_name(name_or_path, "name_or_path")
         key = _shared_key(name_or_path, resolve_dtype(dtype), trust_remote_code, load_tokenizer, load_kwargs) if shared else None
         if key in _SHARED:
             model, tokenizer = _SHARED[key]

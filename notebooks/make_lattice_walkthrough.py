@@ -94,7 +94,7 @@ CELLS: list[tuple[str, str, list[str], str]] = [
 
         A checkpoint holds the drafter and the head only. The frozen target is *configuration*: its name and
         layer ids are in the checkpoint's hyperparameters, and `configure_model()` loads its weights
-        (a built-in `builtin:` target is built once and cached).
+        (a `builtin:` target was resolved to its built, cached directory when the training run started).
         """),
     ("code", "load", ["load"], r"""
         ckpt_path = find(CKPT)

@@ -10,6 +10,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import lightning.pytorch  # noqa: F401 - its log handler binds to the session's stderr, not to one test's capsys
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -60,6 +61,24 @@ def tiny_target(request, tmp_path) -> FrozenTarget:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def user_error(capsys, argv: list[str]) -> str:
+    """Run ``lilicorr argv`` expecting a user error: exit status 2, no traceback; returns stderr.
+
+    A value refused when parsed gets jsonargparse's usage and ``error:`` lines; a refusal after parsing is the
+    single line ``lilicorr <subcommand>: error: ...``.
+    """
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("lilicorr")]
+    if lines:  # refused after parsing: exactly one line, and it names the subcommand
+        assert len(lines) == 1 and lines[0].startswith(f"lilicorr {argv[0]}: error: "), err
+    return err
 
 
 @pytest.fixture(scope="session")

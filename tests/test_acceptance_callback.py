@@ -21,10 +21,13 @@ from lilicorr_pl.decoding.speculative import speculative_generate
 from lilicorr_pl.heads import LiLiCorrHead, Top1Selector
 from lilicorr_pl.models import DFlashDrafter
 from lilicorr_pl.system import DraftSystem
+from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
 from lilicorr_pl.target import TargetSpec
 
 BLOCK = 4
-SPEC = TargetSpec(name_or_path="builtin:tiny", layer_ids=[1, 2])
+# Outside the `lilicorr` command, `builtin:` names are resolved explicitly (the core never builds a target).
+SPEC = TargetSpec(name_or_path=resolve_target_path("builtin:tiny"), layer_ids=[1, 2])
+DATA = resolve_data_file("builtin:stdlib-train:16")
 
 
 def make_system(head=None) -> DraftSystem:
@@ -51,7 +54,7 @@ def run(tmp_path_factory):
     """Four steps with validation (and the callback) every two, a sanity check, and a tau monitor."""
     root = tmp_path_factory.mktemp("acceptance")
     system = make_system(LiLiCorrHead(top_k=4, hidden_size=32, num_layers=1, num_heads=4))
-    data = DraftDataModule(["builtin:stdlib-train:16"], max_length=48, batch_size=4, logit_cache=False,
+    data = DraftDataModule([DATA], max_length=48, batch_size=4, logit_cache=False,
                            cache_dir=str(root / "cache"), target=SPEC, progress=False)
     callback = make_callback()
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", monitor="eval/tau", mode="max", save_top_k=1)
@@ -126,7 +129,7 @@ def test_ddp_ranks_decode_slices_and_log_the_pooled_tau(tmp_path, monkeypatch):
     # OraclePrefixCE trains the head too: DDP insists that every parameter gets a gradient.
     system = DraftSystem(SPEC, DFlashDrafter(num_layers=1, block_size=BLOCK), head=head,
                          losses=[DFlashCE(), OraclePrefixCE()], num_anchors=8, max_length=48)
-    data = DraftDataModule(["builtin:stdlib-train:16"], max_length=48, batch_size=2, val_fraction=0.2,
+    data = DraftDataModule([DATA], max_length=48, batch_size=2, val_fraction=0.2,
                            logit_cache=False, cache_dir=str(tmp_path / "cache"), target=SPEC, progress=False)
     trainer = L.Trainer(
         max_steps=2, strategy="ddp_spawn", devices=2, accelerator="cpu", val_check_interval=2, limit_val_batches=1,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from lilicorr_pl.bench import main as bench
+from conftest import user_error
 from lilicorr_pl.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +75,8 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
     out, plots = tmp_path / "results.json", tmp_path / "plots"
     prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n"
                     + json.dumps({"prompt": "class Stack:"}) + "\n")
-    bench([
-        "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "2", "--max-new-tokens", "16",
+    cli_main([
+        "bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "2", "--max-new-tokens", "16",
         "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "yes",
         "--output", str(out), "--plot", str(plots),
     ])
@@ -114,13 +115,18 @@ def write(path: Path, text: str) -> str:
     "case, message",
     [
         ("missing_ckpt", "does not exist"),
-        ("unknown_selector", "unknown selector"),
+        ("unknown_selector", r"unknown selector\(s\) \['top2'\]"),  # a name or a class path: checked by the registry
+        ("repeated_selector", "names a selector twice"),
         ("unknown_benchmark", "unknown benchmark"),
         ("malformed_jsonl", r"prompts.jsonl:2: malformed JSON"),
         ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
         ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
-        ("negative_temperature", "must be finite and >= 0"),
-        ("nan_temperature", "must be finite and >= 0"),
+        ("negative_temperature", r"-0.5 does not conform to restriction v>=0"),  # refused when parsed
+        ("nan_temperature", r"nan does not conform to restriction v>=0"),
+        ("inf_temperature", "must be finite and >= 0"),
+        ("zero_prompts", r"Parser key \"num_prompts\".*\n.*0 does not conform to restriction v>0"),
+        ("bad_chat_template", r"Parser key \"chat_template\""),
+        ("bad_draft_sampling", r"Parser key \"draft_sampling\""),
         ("output_is_a_directory", "is a directory"),
         ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
         ("plot_is_a_file", "--plot .* is a file"),
@@ -128,13 +134,15 @@ def write(path: Path, text: str) -> str:
         ("past_the_context", "exceeds the target's max_position_embeddings"),
     ],
 )
-def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, message):
+def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, case, message):
     _, ckpt = tiny_run
     args = {"--ckpt": str(ckpt), "--benchmark": "humaneval", "--selectors": "top1", "--temperature": "0"}
     if case == "missing_ckpt":
         args["--ckpt"] = str(tmp_path / "nope.ckpt")
     elif case == "unknown_selector":
         args["--selectors"] = "top1,top2"
+    elif case == "repeated_selector":
+        args["--selectors"] = "top1,top1"
     elif case == "unknown_benchmark":
         args["--benchmark"] = "gsm9k"
     elif case == "malformed_jsonl":
@@ -147,6 +155,14 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, 
         args["--temperature"] = "-0.5"
     elif case == "nan_temperature":
         args["--temperature"] = "nan"
+    elif case == "inf_temperature":
+        args["--temperature"] = "inf"
+    elif case == "zero_prompts":
+        args["--num-prompts"] = "0"
+    elif case == "bad_chat_template":
+        args["--chat-template"] = "maybe"
+    elif case == "bad_draft_sampling":
+        args["--draft-sampling"] = "greedy"
     elif case == "output_is_a_directory":
         args["--output"] = str(tmp_path)
     elif case == "output_parent_is_a_file":
@@ -159,17 +175,17 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, case, 
         args["--device"] = "cuda"
     elif case == "past_the_context":
         args["--max-new-tokens"] = "100000"
-    argv = [x for kv in args.items() for x in kv]
+    argv = ["bench", *(x for kv in args.items() for x in kv)]
     import lilicorr_pl.decoding.evaluate as evaluate
 
     calls = []
     real = evaluate.run_target_baseline
     evaluate.run_target_baseline = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
-        with pytest.raises(SystemExit, match=message):
-            bench(argv)
+        err = user_error(capsys, argv)
     finally:
         evaluate.run_target_baseline = real
+    assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import user_error
 from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint, state_checksum
 from lilicorr_pl.cli import main as cli_main
 
@@ -71,29 +72,23 @@ def test_reader_refuses_a_pickle_payload_with_one_line(evil):
 
 
 def test_bench_refuses_the_payload_before_it_runs(evil, capsys):
-    from lilicorr_pl.bench import main as bench
-
     path, marker = evil
-    with pytest.raises(SystemExit, match="pickled objects"):
-        bench(["--ckpt", str(path), "--benchmark", "humaneval", "--num-prompts", "1", "--max-new-tokens", "2"])
+    err = user_error(capsys, ["bench", "--ckpt", str(path), "--benchmark", "humaneval", "--num-prompts", "1",
+                              "--max-new-tokens", "2"])
+    assert "pickled objects" in err
     assert not marker.exists()
 
 
-def test_export_refuses_the_payload_before_it_runs(evil, tmp_path):
-    from lilicorr_pl.interop import main as export
-
+def test_export_refuses_the_payload_before_it_runs(evil, tmp_path, capsys):
     path, marker = evil
-    with pytest.raises(SystemExit, match="pickled objects"):
-        export(["--ckpt", str(path), "--output", str(tmp_path / "out")])
+    assert "pickled objects" in user_error(capsys, ["export", "--ckpt", str(path), "--output", str(tmp_path / "out")])
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_perf_refuses_the_payload_before_building_anything(evil):
-    from lilicorr_pl.perf import main as perf
-
+def test_perf_refuses_the_payload_before_building_anything(evil, capsys):
     path, marker = evil
-    with pytest.raises(SystemExit, match="pickled objects"):
-        perf(["-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1"])
+    err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1"])
+    assert "pickled objects" in err
     assert not marker.exists()
 
 
@@ -129,19 +124,17 @@ def _with_target(tmp_path: Path, good: Path, **changes) -> Path:
     return path
 
 
-def test_trust_remote_code_is_never_taken_from_a_checkpoint(tiny_run, tmp_path):
-    from lilicorr_pl.bench import main as bench
-    from lilicorr_pl.interop import main as export
+def test_trust_remote_code_is_never_taken_from_a_checkpoint(tiny_run, tmp_path, capsys):
     from lilicorr_pl.system import DraftSystem
 
     _, good = tiny_run
     path = _with_target(tmp_path, good, trust_remote_code=True)
     with pytest.raises(CheckpointError, match="trust_remote_code.*--trust-remote-code"):
         DraftSystem.from_checkpoint(path)
-    with pytest.raises(SystemExit, match="--trust-remote-code"):
-        bench(["--ckpt", str(path), "--num-prompts", "1", "--max-new-tokens", "2"])
-    with pytest.raises(SystemExit, match="--trust-remote-code"):
-        export(["--ckpt", str(path), "--output", str(tmp_path / "out")])
+    assert "--trust-remote-code" in user_error(capsys, ["bench", "--ckpt", str(path), "--num-prompts", "1",
+                                                        "--max-new-tokens", "2"])
+    assert "--trust-remote-code" in user_error(capsys, ["export", "--ckpt", str(path),
+                                                        "--output", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
     # The user's own flag enables it, for this run only; a checkpoint without it never turns it on.
     assert DraftSystem.from_checkpoint(path, trust_remote_code=True).target_spec.trust_remote_code is True
@@ -177,18 +170,17 @@ def _flip_bytes_in_largest_tensor(src: Path, dst: Path, count: int = 400) -> Non
 
 
 def test_flipped_bytes_are_refused_by_bench_export_and_resume(tiny_run, tmp_path, capsys):
-    from lilicorr_pl.bench import main as bench
-    from lilicorr_pl.interop import main as export
+    import re
 
     _, good = tiny_run
     bad = tmp_path / "flipped.ckpt"
     _flip_bytes_in_largest_tensor(good, bad)
     with pytest.raises(CheckpointError, match="corrupted|truncated"):
         read_checkpoint(bad)
-    with pytest.raises(SystemExit, match="corrupted|truncated"):
-        bench(["--ckpt", str(bad), "--num-prompts", "1", "--max-new-tokens", "2"])
-    with pytest.raises(SystemExit, match="corrupted|truncated"):
-        export(["--ckpt", str(bad), "--output", str(tmp_path / "out")])
+    assert re.search("corrupted|truncated",
+                     user_error(capsys, ["bench", "--ckpt", str(bad), "--num-prompts", "1", "--max-new-tokens", "2"]))
+    assert re.search("corrupted|truncated",
+                     user_error(capsys, ["export", "--ckpt", str(bad), "--output", str(tmp_path / "out")]))
     with pytest.raises(SystemExit) as exit_info:
         _resume(tmp_path, bad)
     assert exit_info.value.code == 2

@@ -105,9 +105,8 @@ def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
 
     # `lilicorr export` of the trained run: one LiLiCorrDraftModel directory that loads back identically.
     from lilicorr_pl.interop import load_drafter, load_head
-    from lilicorr_pl.interop import main as export_main
 
-    out = export_main(["--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
+    out = main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LiLiCorrDraftModel"]
     head, drafter = load_head(out), load_drafter(out)
     for ours, theirs in ((loaded.head, head), (loaded.drafter, drafter)):
@@ -156,3 +155,206 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     out = cli.trainer.predict_loop.predictions
     assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
     assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1
+
+
+# ---------------------------------------------------------------------------- one typed command line (issue 12.3)
+from conftest import user_error  # noqa: E402
+
+from lilicorr_pl.cli import LIGHTNING, OWN_PARSER, TOOLS  # noqa: E402
+
+SUBCOMMANDS = [*LIGHTNING, *TOOLS]
+
+
+def test_top_level_help_lists_every_subcommand_with_a_plain_description(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert "{" + ",".join(SUBCOMMANDS) + "}" in usage.replace("\n", "").replace(" ", "")
+    for name in SUBCOMMANDS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 10 and "``" not in line, line  # plain text, not reST
+    assert user_error(capsys, ["frobnicate"])  # an unknown subcommand: usage and exit status 2
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: lilicorr") and name in out.split("\n")[0]
+    assert "-c CONFIG, --config CONFIG" in out and "--print_config" in out
+    if name in TOOLS and name not in OWN_PARSER:
+        # Every parameter of the function is an option whose help is its docstring line, with its type.
+        from lilicorr_pl.cli import tool_function
+
+        import inspect
+
+        for param in inspect.signature(tool_function(name)).parameters:
+            assert f"--{param} " in out, param
+        assert "(type: " in out and "default: " in out
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.target_logits=exacct"], "model.target_logits"),
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.target.dtype=float8"], "model.target.dtype"),
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.drafter.init_args.attention=flexx"], "attention"),
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.head.init_args.decode=beam"], "decode"),
+    (["bench", "--ckpt", "x.ckpt", "--device", "gpu"], "device"),
+    (["bench", "--ckpt", "x.ckpt", "--draft_sampling", "greedy"], "draft_sampling"),
+    (["export", "--ckpt", "x.ckpt", "--output", "out", "--overwrite=maybe"], "overwrite"),
+    (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--dtype", "fp8"], "dtype"),
+    (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--limit", "-1"], "limit"),
+    (["demo", "--arms", "dflash,unknown_arm"], "arms"),
+    (["demo", "--temperatures", "0", "nan"], "temperatures"),
+    (["build-target", "--preset", "huge"], "preset"),
+    (["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--steps", "0"], "steps"),
+])
+def test_a_bad_value_is_rejected_when_parsed(argv, key, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = user_error(capsys, argv)
+    assert f'Parser key "{key}"' in err or f"Parser key \"{key.rsplit('.', 1)[-1]}\"" in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+def test_argparse_spellings_still_work():
+    from lilicorr_pl.bench import bench
+    from lilicorr_pl.command import argparse_spellings, type_hints
+
+    argv = ["--ckpt", "a.ckpt", "--num-prompts", "3", "--temperature", "0", "1.5", "--selectors", "top1,lilicorr",
+            "--allow-module", "mypkg", "--allow-module", "other", "--trust-remote-code", "--seed", "-1", "--", "--plot=p"]
+    assert argparse_spellings(argv, type_hints(bench)) == [
+        "--ckpt=a.ckpt", "--num_prompts=3", "--temperature=[0, 1.5]", "--selectors=[top1, lilicorr]",
+        "--allow_module=[mypkg, other]", "--trust_remote_code=true", "--seed=-1", "--plot=p",
+    ]
+    from lilicorr_pl.data.regenerate import regenerate_command
+
+    assert argparse_spellings(["--no-progress", "--enable-thinking", "false"], type_hints(regenerate_command)) == [
+        "--progress=false", "--enable_thinking=false"]
+
+
+def test_a_tool_reads_its_options_from_a_config_file(tmp_path, capsys):
+    config = tmp_path / "bench.yaml"
+    config.write_text("ckpt: some.ckpt\nnum_prompts: 3\ntemperature: [0, 1]\nselectors: [lilicorr]\n")
+    with pytest.raises(SystemExit):
+        main(["bench", "--config", str(config), "--num-prompts", "5", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["ckpt"] == "some.ckpt" and printed["num_prompts"] == 5  # the command line wins
+    assert printed["temperature"] == [0.0, 1.0] and printed["selectors"] == ["lilicorr"]
+
+
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`-c configs/tiny.yaml` names the shipped config when no such file exists here (an installed wheel)."""
+    from lilicorr_pl.command import shipped_configs
+
+    assert (shipped_configs() / "tiny.yaml").read_text() == (ROOT / "configs" / "tiny.yaml").read_text()
+    monkeypatch.chdir(tmp_path)
+    cfg = print_config(Path("configs/tiny.yaml"))
+    assert cfg["model"]["target"]["name_or_path"] == "builtin:tiny"
+    (tmp_path / "configs").mkdir()  # a file of that name here wins
+    (tmp_path / "configs" / "tiny.yaml").write_text((ROOT / "configs" / "tiny.yaml").read_text()
+                                                    .replace("max_steps: 50", "max_steps: 7"))
+    assert print_config(Path("configs/tiny.yaml"))["trainer"]["max_steps"] == 7
+
+
+# ---------------------------------------------------------------------------- bad input at the command edge (11.8/9)
+def test_a_yaml_error_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("trainer:\n  max_steps: [1\n")
+    for argv in (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(bad)], ["bench", "--config", str(bad)]):
+        err = user_error(capsys, argv)
+        assert f"config file {bad} is not valid YAML" in err and "line 3" in err, err
+    err = user_error(capsys, ["fit", "-c", str(tmp_path / "missing.yaml")])
+    assert f"config file {tmp_path / 'missing.yaml'} does not exist" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["test"], "`lilicorr test` needs a test split"),
+    (["validate", "--data.val_fraction=0"], "`lilicorr validate` reads the validation split, and there is none"),
+    (["predict", "--data.val_fraction=0"], "`lilicorr predict` reads the validation split, and there is none"),
+    (["fit", "--data.train_files=[nope.jsonl]"], "data file 'nope.jsonl' does not exist"),
+    # The Trainer refuses its own settings: one line too, not Lightning's traceback.
+    (["fit", "--trainer.enable_progress_bar=false", "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"],
+     "enable_progress_bar=False"),
+])
+def test_a_run_without_its_data_or_with_bad_settings_is_one_line_before_anything_starts(argv, message, tmp_path,
+                                                                                          monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    name, *rest = argv
+    err = user_error(capsys, [name, "-c", str(ROOT / "configs" / "tiny.yaml"), *rest])
+    assert message in err, err
+    if name != "fit" or "train_files" in rest[0]:
+        assert not (tmp_path / "runs").exists()  # no W&B run, no cache, no checkpoint folder
+
+
+def test_builtin_target_resolves_at_the_command_edge_with_progress(monkeypatch, tmp_path):
+    """A constructor never builds the built-in target; `lilicorr` does, before building anything, with progress."""
+    import lilicorr_pl.demo.tiny_target as tiny_target
+    from lilicorr_pl.lightning_cli import run_lightning
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+    from lilicorr_pl.target import TargetSpec
+
+    built = str(tiny_target.build_tiny_target("test", progress=False))  # cached: what builtin:tiny resolves to
+    calls = []
+
+    def fake_build(preset, cache_dir=None, force=False, progress=True):
+        calls.append((preset, progress))
+        return Path(built)
+
+    monkeypatch.setattr(tiny_target, "build_tiny_target", fake_build)
+    with pytest.raises(ValueError, match="built-in name, which the `lilicorr` command resolves"):
+        DraftSystem(TargetSpec(name_or_path="builtin:full"), DFlashDrafter(num_layers=1, block_size=4))
+    assert not calls
+    monkeypatch.chdir(tmp_path)
+    cli = run_lightning(["-c", str(ROOT / "configs" / "tiny.yaml"), "--model.target.name_or_path=builtin:full",
+                         "--trainer.logger=false"], run=False)
+    assert calls == [("full", True)]  # the 20-minute build shows its progress
+    assert cli.model.target_path == built and cli.datamodule.target.name_or_path == built
+    assert all(not f.startswith("builtin:") for f in cli.datamodule.train_files)
+
+
+# ---------------------------------------------------------------------------- progress bar (issue 11.9)
+def _bar_states(tmp_path: Path, max_steps: int, ckpt: Path | None = None, save: Path | None = None) -> list:
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    from lilicorr_pl.lightning_cli import StepProgressBar
+
+    class Model(BoringModel):
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 15), batch_size=1)
+
+        def val_dataloader(self):
+            return DataLoader(RandomDataset(32, 2), batch_size=1)
+
+    states = []
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            bar = trainer.progress_bar_callback
+            task = bar.progress.tasks[bar.train_progress_bar_id]
+            states.append((task.description.strip(), int(task.completed), task.total))
+
+        def on_train_end(self, trainer, *args):
+            self.on_train_batch_start(trainer)
+
+    trainer = L.Trainer(max_steps=max_steps, val_check_interval=5, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[StepProgressBar(), Spy()])
+    trainer.fit(Model(), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return states
+
+
+def test_progress_bar_reads_right_for_step_limited_and_resumed_runs(tmp_path):
+    """Lightning's bar showed `Epoch 0/-2` (max_epochs -1) and, resumed mid-epoch, `15/9`."""
+    states = _bar_states(tmp_path, max_steps=6, save=tmp_path / "step6.ckpt")
+    states += _bar_states(tmp_path, max_steps=20, ckpt=tmp_path / "step6.ckpt")
+    assert states and all("/-" not in description and description.startswith("Epoch") for description, *_ in states)
+    assert all(completed <= total for _, completed, total in states), states
+    assert states[-1][1] == states[-1][2]  # the last epoch ends full: 5 of 5 batches

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from conftest import user_error
 from lilicorr_pl.cli import main
 
 ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
@@ -76,7 +77,8 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
 
 
 def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["demo", "--quick", "--steps", "0", "--workdir", str(tmp_path / "demo")])
-    assert "must be >= 1" in capsys.readouterr().err
+    err = user_error(capsys, ["demo", "--quick", "--steps", "0", "--workdir", str(tmp_path / "demo")])
+    assert 'Parser key "steps"' in err and "does not conform to restriction v>0" in err  # refused when parsed
+    assert "unknown_arm" in user_error(capsys, ["demo", "--quick", "--arms", "dflash,unknown_arm",
+                                                "--workdir", str(tmp_path / "demo")])
     assert not (tmp_path / "demo").exists()

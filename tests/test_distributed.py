@@ -177,16 +177,16 @@ def test_ddp_two_processes_train_on_strides_resume_exactly_and_validate_like_one
 
 
 # ---------------------------------------------------------------------- lilicorr prepare over two processes
-TINY_TARGET = {"name_or_path": "builtin:tiny", "dtype": "float32", "layer_ids": [1, 2]}
-
-
 def _datamodule(cache_dir: Path):
+    from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
     from lilicorr_pl.data.datamodule import DraftDataModule
 
+    # Outside the `lilicorr` command, `builtin:` names are resolved explicitly (the core never builds a target).
+    target = {"name_or_path": resolve_target_path("builtin:tiny"), "dtype": "float32", "layer_ids": [1, 2]}
     # 64 examples of 64 tokens in shards of 512 tokens: 8 shards, 4 per process.
-    return DraftDataModule(train_files=["builtin:stdlib-train:64"], max_length=64, logit_top_m=16, feature_cache=True,
-                           precompute_batch_size=3, shard_tokens=512, cache_dir=str(cache_dir), target=TINY_TARGET,
-                           progress=False)
+    return DraftDataModule(train_files=[resolve_data_file("builtin:stdlib-train:64")], max_length=64, logit_top_m=16,
+                           feature_cache=True, precompute_batch_size=3, shard_tokens=512, cache_dir=str(cache_dir),
+                           target=target, progress=False)
 
 
 def test_prepare_over_two_processes_writes_the_bytes_of_prepare_data(tmp_path, monkeypatch):

@@ -313,14 +313,15 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
 
 
 def test_export_cli_refuses_the_checkpoint_folder_before_loading(tmp_path, capsys):
-    from lilicorr_pl.interop import main
+    from lilicorr_pl.cli import main
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     ckpt = folder / "last.ckpt"
     ckpt.write_bytes(b"not read: the destination is refused first")
-    with pytest.raises(SystemExit, match="not empty"):
-        main(["--ckpt", str(ckpt), "--output", str(folder)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--ckpt", str(ckpt), "--output", str(folder)])
+    assert exit_info.value.code == 2 and "not empty" in capsys.readouterr().err
     assert ckpt.read_bytes().startswith(b"not read")
 
 

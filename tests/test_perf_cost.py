@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import save_tiny_target
+from conftest import save_tiny_target, user_error
+from lilicorr_pl.cli import main as cli_main
 from lilicorr_pl.heads.base import SelectContext
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput
@@ -19,7 +20,6 @@ from lilicorr_pl.perf import (
     drafter_round_ops,
     head_round_ops,
     load_round_modules,
-    main as perf_main,
     round_cost,
     target_round_ops,
 )
@@ -186,8 +186,8 @@ def test_batch_scales_flops_but_weights_are_read_once(qwen3_8b):
 
 def test_cost_model_command_prints_the_qwen3_8b_round(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    result = perf_main(["--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"),
-                        "--target-config", str(QWEN3_8B), "--context", "4096", "--gpu", "h200", "--json", str(out)])
+    result = cli_main(["perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"),
+                       "--target-config", str(QWEN3_8B), "--context", "4096", "--gpu", "h200", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "head share of the round" in printed and "H200" in printed
     saved = json.loads(out.read_text())
@@ -203,10 +203,10 @@ def test_cost_model_command_prints_the_qwen3_8b_round(tmp_path, capsys):
     assert 0 < saved["head_share"] < saved["head_share_of_drafting"] < 1
 
 
-def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path):
-    with pytest.raises(SystemExit, match="needs model.head = LiLiCorrHead"):
-        perf_main(["--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "dflash.yaml"),
-                   "--target-config", str(QWEN3_8B)])
-    with pytest.raises(SystemExit, match="could not read the target config"):
-        perf_main(["--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"),
-                   "--target-config", str(tmp_path / "missing")])
+def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
+    assert "needs model.head = LiLiCorrHead" in user_error(capsys, [
+        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "dflash.yaml"), "--target-config",
+        str(QWEN3_8B)])
+    assert "could not read the target config" in user_error(capsys, [
+        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"), "--target-config",
+        str(tmp_path / "missing")])

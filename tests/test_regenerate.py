@@ -10,8 +10,10 @@ import torch
 from helpers import make_tiny_target_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
+from lilicorr_pl.cli import main as cli_main
 from lilicorr_pl.data.formats import load_examples
-from lilicorr_pl.data.regenerate import main, regenerate
+from lilicorr_pl.data.regenerate import regenerate
+
 
 @pytest.fixture(autouse=True)
 def _single_torch_thread():
@@ -182,15 +184,17 @@ def test_sampling_is_seeded(target_dir, input_file, tmp_path):
 
 def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     out = tmp_path / "cli.jsonl"
-    rc = main(["--target", target_dir, "--input", str(input_file), "--output", str(out), "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
+    rc = cli_main(["regenerate", "--target", target_dir, "--input", str(input_file), "--output", str(out),
+                   "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
     assert rc == 0 and len(read(out)) == 2
     assert "succeeded 2, failed 0, skipped 0" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*--input"):
         regenerate(target_dir, tmp_path / "missing.jsonl", out)
     with pytest.raises(ValueError, match="--output must differ"):
         regenerate(target_dir, input_file, input_file)
-    with pytest.raises(SystemExit):
-        main(["--input", "x"])  # --target is required
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["regenerate", "--input", "x"])  # --target is required: refused when parsed
+    assert exit_info.value.code == 2 and "required: target, output" in capsys.readouterr().err
     torch.manual_seed(0)  # keep global RNG use by other tests unaffected
 
 
@@ -223,6 +227,28 @@ def test_non_utf8_line_is_a_failed_record_with_its_line_number(target_dir, tmp_p
     stats = run(target_dir, path, tmp_path / "out.jsonl")
     assert (stats.succeeded, stats.failed) == (2, 1)
     assert "line 2: not valid UTF-8" in stats.errors[0][1]
+
+
+def test_every_failure_names_its_record_by_file_and_1_based_line(target_dir, tmp_path, capsys):
+    """Issue 11.9: "record 5" (0-based) next to "line 4" (1-based) in the same run; and "at at column"."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"text": "def f():\\n"}\n\n{"text": "class A:\\n"}\n{"text": ""}\n{"text": "a\tb"}\n'
+                    '{"text": "unterminated}')  # no newline: the string just ends
+    stats = run(target_dir, path, tmp_path / "out.jsonl")
+    assert (stats.succeeded, stats.failed) == (2, 3)
+    assert [message.split(":")[0] for _, message in stats.errors] == [
+        "mixed.jsonl line 4", "mixed.jsonl line 5", "mixed.jsonl line 6"]
+    assert "empty or non-string prompt" in stats.errors[0][1]
+    assert "Invalid control character at column 12" in stats.errors[1][1]  # not "... at at column"
+    assert "Unterminated string starting at column 10" in stats.errors[2][1]
+    err = capsys.readouterr().err
+    assert "record" not in err.replace("records", "") and " at at " not in err, err
+    # The training-data reader words its errors the same way.
+    from lilicorr_pl.data.formats import DataFormatError, read_records
+
+    with pytest.raises(DataFormatError, match=r"mixed.jsonl line 5: malformed JSON \(Invalid control character at "
+                                              r"column 12\)"):
+        list(read_records(path))
 
 
 @pytest.mark.parametrize("kwargs, message", [

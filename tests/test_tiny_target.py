@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lilicorr_pl.demo import corpus, tiny_target
+from lilicorr_pl.data import corpus
+from lilicorr_pl.demo import tiny_target
 from lilicorr_pl.demo.tiny_target import TinyTargetConfig, build_tiny_target, load_build_report
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
 from lilicorr_pl.data.dataset import CachedDraftDataset, collate_draft_batch, default_buckets
 from lilicorr_pl.data.fingerprint import (
     fingerprint,
@@ -157,9 +156,9 @@ class DraftDataModule(L.LightningDataModule):
             if list(length_buckets) != sorted(set(length_buckets)) or length_buckets[0] < 1 or length_buckets[-1] < max_length:
                 raise ValueError(f"data.length_buckets must be ascending positive lengths ending at >= data.max_length "
                                  f"{max_length}, got {length_buckets}")
-        # ``builtin:stdlib-train[:N]`` names resolve to cached jsonl files cut from the stdlib.
-        self.train_files = [resolve_data_file(f) for f in train_files]
-        self.val_files = [resolve_data_file(f) for f in val_files] if val_files else None
+        # ``builtin:stdlib-train[:N]`` names are resolved to files by the `lilicorr` command (lilicorr_pl.builtin).
+        self.train_files = list(train_files)
+        self.val_files = list(val_files) if val_files else None
         self.val_fraction = float(val_fraction)
         self.max_length = int(max_length)
         self.batch_size = int(batch_size)
@@ -213,7 +212,7 @@ class DraftDataModule(L.LightningDataModule):
 
             spec = self._spec()
             self._tokenizer = AutoTokenizer.from_pretrained(
-                resolve_target_path(spec.name_or_path), trust_remote_code=spec.trust_remote_code
+                spec.name_or_path, trust_remote_code=spec.trust_remote_code
             )
         return self._tokenizer
 

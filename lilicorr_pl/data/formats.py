@@ -133,6 +133,11 @@ def _require_pyarrow(path: Path) -> Any:
     return pq
 
 
+def json_error(err: json.JSONDecodeError) -> str:
+    """``Expecting value at column 7``; json's own messages may end in "at" ("Invalid control character at")."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_or_row_number, record)``; jsonl lines are numbered from 1, parquet rows from 1.
 
@@ -156,7 +161,7 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataFormatError(
-                    f"{path.name} line {i}: malformed JSON ({err.msg} at column {err.colno}); "
+                    f"{path.name} line {i}: malformed JSON ({json_error(err)}); "
                     f"each line of a .jsonl file must be one JSON object ({path})"
                 ) from None
             if not isinstance(record, dict):

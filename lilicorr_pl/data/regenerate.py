@@ -27,7 +27,6 @@ left-padded batches.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -35,17 +34,20 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
 from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.target import DeviceName, DTypeName
 from lilicorr_pl.data.formats import (
     DataFormatError,
     _require_pyarrow,
     detect_format,
     effective_chat_template,
+    json_error,
     record_messages,
     render_chat,
     resolve_chat_template,
@@ -76,12 +78,16 @@ class _Job:
 
 
 # ---------------------------------------------------------------------- input / output files
-def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
-    """``(source_index, record or the parse error)`` for every non-blank jsonl line / parquet row."""
+def _iter_input(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | Exception]]:
+    """``(source_index, where, record or the parse error)`` for every non-blank jsonl line / parquet row.
+
+    ``source_index`` (0-based, stored in the output) identifies a record for resuming; ``where`` names it for
+    people, 1-based like every other message (``data.jsonl line 4``, ``data.parquet row 4``).
+    """
     if path.suffix.lower() == ".parquet":
         pq = _require_pyarrow(path)
         for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield i, row
+            yield i, f"{path.name} row {i + 1}", row
         return
     index = 0
     with open(path, "rb") as f:
@@ -90,8 +96,9 @@ def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 # One bad line is a failed record (counted, reported with its line number), not an abort.
-                yield index, DataFormatError(f"{path.name} line {line_no}: not valid UTF-8 (byte {err.start}); "
-                                             "re-encode the file as UTF-8")
+                where = f"{path.name} line {line_no}"
+                yield index, where, DataFormatError(
+                    f"{where}: not valid UTF-8 (byte {err.start}); re-encode the file as UTF-8")
                 index += 1
                 continue
             if not line.strip():
@@ -100,11 +107,12 @@ def _iter_input(path: Path) -> Iterator[tuple[int, dict[str, Any] | Exception]]:
                 record = json.loads(line)
                 if not isinstance(record, dict):
                     raise DataFormatError(f"{path.name} line {line_no}: expected a JSON object")
-                yield index, record
+                yield index, f"{path.name} line {line_no}", record
             except json.JSONDecodeError as err:
-                yield index, DataFormatError(f"{path.name} line {line_no}: malformed JSON ({err.msg})")
+                yield index, f"{path.name} line {line_no}", DataFormatError(
+                    f"{path.name} line {line_no}: malformed JSON ({json_error(err)})")
             except DataFormatError as err:
-                yield index, err
+                yield index, f"{path.name} line {line_no}", err
             index += 1
 
 
@@ -178,8 +186,9 @@ def _make_job(
     enable_thinking: bool,
     chat_template: str | None,
     prefix_chars: int | None,
+    where: str | None = None,
 ) -> _Job:
-    where = f"record {index}"
+    where = where or f"record {index + 1}"
     fmt = detect_format(record, where)
     if fmt in ("messages", "sharegpt"):
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -349,17 +358,21 @@ def regenerate(
     if not provenance_path(output_path).is_file():
         write_json_atomic(provenance_path(output_path), provenance)
 
+    where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
+
     def fail(index: int, err: BaseException) -> None:
         stats.failed += 1
-        msg = f"{type(err).__name__}: {err}"
+        where, text = where_of[index], str(err)
+        msg = text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
         if len(stats.errors) < 50:
             stats.errors.append((index, msg))
-        print(f"[lilicorr] regenerate: input record {index + 1} failed: {msg}", file=sys.stderr)
+        print(f"[lilicorr] regenerate: failed, retried by the next run: {msg}", file=sys.stderr)
 
     records = []
-    for index, record in _iter_input(input_path):
+    for index, where, record in _iter_input(input_path):
         if limit is not None and index >= limit:
             break
+        where_of[index] = where
         records.append((index, record))
 
     bar = tqdm(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
@@ -415,6 +428,7 @@ def regenerate(
                         enable_thinking=enable_thinking,
                         chat_template=template,
                         prefix_chars=prefix_chars,
+                        where=where_of[index],
                     )
                 )
             except Exception as err:  # noqa: BLE001
@@ -432,50 +446,52 @@ def regenerate(
     return stats
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lilicorr regenerate",
-        description="Answer a dataset's prompts with the target model to make drafter training data (resumable).",
-    )
-    p.add_argument("--target", required=True, help="hub name or local directory of the target model")
-    p.add_argument("--input", required=True, help=".jsonl/.parquet of chat, text or prompt/completion records")
-    p.add_argument("--output", required=True, help=".jsonl to append to (existing records are skipped)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="generation budget per record")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampling")
-    p.add_argument("--batch-size", type=int, default=8, help="records per generate call")
-    p.add_argument("--limit", type=int, default=None, help="only the first N input records")
-    p.add_argument("--enable-thinking", action="store_true", help="pass enable_thinking=True to the chat template")
-    p.add_argument("--prefix-chars", type=int, default=None, help="text records: prompt = first N characters")
-    p.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) overriding the tokenizer's")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA when available)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
+def regenerate_command(
+    target: str,
+    input: str,  # noqa: A002 - the command line's --input
+    output: str,
+    max_new_tokens: PositiveInt = 1024,
+    temperature: NonNegativeFloat = 0.0,
+    batch_size: PositiveInt = 8,
+    limit: PositiveInt | None = None,
+    enable_thinking: bool = False,
+    prefix_chars: PositiveInt | None = None,
+    chat_template: str | None = None,
+    seed: int = 0,
+    dtype: Literal["auto"] | DTypeName = "auto",
+    device: DeviceName | None = None,
+    progress: bool = True,
+) -> int:
+    """Answer a dataset's prompts with the target model to make drafter training data (resumable).
 
+    Appends to the output and skips the records it already holds; refuses an output produced from another
+    input, target or sampling settings. Exit status 1 when some records failed (rerun to retry them).
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lilicorr regenerate`` entry point; exit code 1 when some records failed (rerun to retry them)."""
-    args = build_parser().parse_args(argv)
-    stats = regenerate(
-        args.target,
-        args.input,
-        args.output,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        batch_size=args.batch_size,
-        enable_thinking=args.enable_thinking,
-        limit=args.limit,
-        seed=args.seed,
-        progress=not args.no_progress,
-        prefix_chars=args.prefix_chars,
-        chat_template=args.chat_template,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    Args:
+        target: hub name or local directory of the target model.
+        input: .jsonl/.parquet of chat, text or prompt/completion records.
+        output: .jsonl to append to (existing records are skipped).
+        max_new_tokens: generation budget per record.
+        temperature: 0 = greedy, > 0 = sampling with that temperature.
+        batch_size: records per generate call.
+        limit: only the first N input records.
+        enable_thinking: pass enable_thinking=True to the chat template.
+        prefix_chars: text records: the prompt is the first N characters.
+        chat_template: Jinja chat template (text or file) overriding the tokenizer's.
+        seed: sampling seed.
+        dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16.
+        device: cuda, cuda:1 or cpu; default CUDA when available.
+        progress: show a progress bar.
+    """
+    from lilicorr_pl.checkpoint import UserInputError
+
+    try:
+        stats = regenerate(
+            target, input, output, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+            enable_thinking=enable_thinking, limit=limit, seed=seed, progress=progress, prefix_chars=prefix_chars,
+            chat_template=chat_template, dtype=dtype, device=device,
+        )
+    except (ValueError, FileNotFoundError) as err:  # settings, checked before the model loads
+        raise UserInputError(str(err)) from None
     print(f"regenerate: {stats}")
     return 1 if stats.failed else 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -96,11 +96,11 @@ def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_t
         texts = [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[-1]))]
         return texts[:num] if num else texts, "code"
     if name == "stdlib-heldout":
-        from lilicorr_pl.demo.corpus import heldout_prefixes
+        from lilicorr_pl.data.corpus import heldout_prefixes
 
         return heldout_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed), "raw"
     if name == "stdlib-train":
-        from lilicorr_pl.demo.corpus import code_prefixes
+        from lilicorr_pl.data.corpus import code_prefixes
 
         return code_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed + 7919, split="train"), "raw"
     if name in HUB_BENCHMARKS:

@@ -21,18 +21,22 @@ changed setting is never answered with a stale artifact. Nothing a previous run 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.command import shipped_configs
+
+CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
 BASE_CONFIG = "demo/base.yaml"
 ARMS = {
     # arm -> (overlays on configs/demo/base.yaml, selector used at inference)
@@ -50,44 +54,12 @@ SETTINGS = {
     "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=600, steps=240,
                  bench_prompts=40, bench_new_tokens=32),
 }
+ArmName = Literal[tuple(ARMS)]  # type: ignore[valid-type]
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
 
 
 def log(msg: str) -> None:
     print(f"[lilicorr demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
-def _temperature(value: str) -> float:
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return number
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lilicorr demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small target and budget (about 5 minutes)")
-    p.add_argument("--workdir", default="runs/demo", help="where data, caches, runs, checkpoints and plots go")
-    p.add_argument("--output", help="write the comparison JSON here (default: <workdir>/results.json)")
-    p.add_argument("--steps", type=_positive, help="training steps of each arm after the shared stage (default by mode)")
-    p.add_argument("--base-steps", type=_positive, help="steps of the shared DFlash stage (default by mode)")
-    p.add_argument("--arms", help=f"comma list of arms (default: all of {', '.join(ARMS)})")
-    p.add_argument("--bench-prompts", type=_positive, help="prompts per benchmark (default by mode)")
-    p.add_argument("--temperatures", type=_temperature, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--target-preset", choices=["test", "quick", "full"], help="override the mode's target build")
-    p.add_argument("--prompts", type=_positive, help="regeneration prompts (default by mode)")
-    p.add_argument("--regen-tokens", type=_positive, help="tokens regenerated per prompt (default by mode)")
-    p.add_argument("--prefix-tokens", type=_positive, help="prompt prefix length in tokens (default by mode)")
-    p.add_argument("--bench-new-tokens", type=_positive, help="tokens generated per benchmark prompt (default by mode)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def stage_key(**parts: Any) -> str:
@@ -121,7 +93,7 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
 
 
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int) -> None:
-    from lilicorr_pl.demo.corpus import code_prefixes
+    from lilicorr_pl.data.corpus import code_prefixes
 
     path.parent.mkdir(parents=True, exist_ok=True)
     prefixes = code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="train")
@@ -153,7 +125,7 @@ def target_overrides(target_dir: str) -> list[str]:
 def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: int, seed: int,
         target_dir: str, data_file: Path) -> Any:
     """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir)."""
-    from lilicorr_pl.cli import main as cli_main
+    from lilicorr_pl.lightning_cli import run_lightning
 
     run_dir = workdir / "runs" / name
     args = ["fit"]
@@ -174,7 +146,7 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
     ]
     log(f"   {name}: lilicorr {' '.join(args)}")
     try:
-        return cli_main(args)
+        return run_lightning(args)
     finally:
         try:
             import wandb
@@ -307,37 +279,79 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The mode's settings with the command line's overrides applied; validated before any work."""
-    cfg = dict(SETTINGS["quick" if args.quick else "full"])
-    for key, value in (("target", args.target_preset), ("prompts", args.prompts), ("new_tokens", args.regen_tokens),
-                       ("prefix_tokens", args.prefix_tokens), ("bench_new_tokens", args.bench_new_tokens),
-                       ("steps", args.steps), ("base_steps", args.base_steps), ("bench_prompts", args.bench_prompts)):
-        if value is not None:
-            cfg[key] = value
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(ARMS)
+def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str] | None,
+                     temperatures: Sequence[float]) -> dict[str, Any]:
+    """The mode's settings with the command line's overrides (those not None) applied; validated before any work."""
+    cfg = dict(SETTINGS["quick" if quick else "full"])
+    cfg.update({key: value for key, value in overrides.items() if value is not None})
+    arms = list(arms) if arms else list(ARMS)
     unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        raise SystemExit(f"lilicorr demo: unknown arm(s) {unknown or args.arms!r}; choose from {list(ARMS)}")
+    if unknown:
+        raise UserInputError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    if len(set(arms)) != len(arms):
+        raise UserInputError(f"--arms names an arm twice: {arms}")
+    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise UserInputError(f"--temperatures must be finite numbers >= 0, got {list(temperatures)}")
     cfg["arms"] = arms
-    cfg["temperatures"] = sorted(set(args.temperatures))
+    cfg["temperatures"] = sorted({float(t) for t in temperatures})
     return cfg
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    mode = "quick" if args.quick else "full"
-    cfg = resolve_settings(args)
+def demo(
+    quick: bool = False,
+    workdir: str = "runs/demo",
+    output: str | None = None,
+    steps: PositiveInt | None = None,
+    base_steps: PositiveInt | None = None,
+    arms: Sequence[ArmName] | None = None,
+    bench_prompts: PositiveInt | None = None,
+    temperatures: Sequence[NonNegativeFloat] = (0.0, 1.0),
+    target_preset: Literal["test", "quick", "full"] | None = None,
+    prompts: PositiveInt | None = None,
+    regen_tokens: PositiveInt | None = None,
+    prefix_tokens: PositiveInt | None = None,
+    bench_new_tokens: PositiveInt | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The paper's comparison, measured here on a laptop-sized real target.
+
+    Builds (or reuses) the stdlib target, regenerates training data with it, trains a shared DFlash stage and
+    then every arm (dflash, lilicorr, lilicorr_no_distractor, domino, dspark) from it on the same data and
+    budget, and benchmarks them with real speculative decoding against plain decoding (bootstrap intervals,
+    round-cost split, plots). Every stage is keyed by what produced it: a rerun reuses exactly the stages whose
+    settings are unchanged. Unset sizes take the mode's defaults (quick or full). Returns the results JSON.
+
+    Args:
+        quick: small target and budget (about 9 minutes on 2 CPU cores) instead of the full comparison.
+        workdir: where data, caches, runs, checkpoints and plots go.
+        output: write the comparison JSON here (default: <workdir>/results.json).
+        steps: training steps of each arm after the shared stage.
+        base_steps: steps of the shared DFlash stage.
+        arms: arms to train and compare, e.g. dflash,lilicorr (default: all five).
+        bench_prompts: prompts per benchmark.
+        temperatures: sampling temperatures of the benchmark, e.g. 0,1.
+        target_preset: override the mode's target build (test: seconds, quick: minutes, full: ~20 minutes).
+        prompts: regeneration prompts.
+        regen_tokens: tokens regenerated per prompt.
+        prefix_tokens: prompt prefix length in tokens.
+        bench_new_tokens: tokens generated per benchmark prompt.
+        seed: seed of every stage.
+    """
+    mode = "quick" if quick else "full"
+    cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts, "new_tokens": regen_tokens,
+                                   "prefix_tokens": prefix_tokens, "bench_new_tokens": bench_new_tokens,
+                                   "steps": steps, "base_steps": base_steps, "bench_prompts": bench_prompts},
+                           arms, temperatures)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    workdir = Path(args.workdir).resolve()
-    out = Path(args.output).resolve() if args.output else workdir / "results.json"
+    workdir = Path(workdir).resolve()
+    out = Path(output).resolve() if output else workdir / "results.json"
     from lilicorr_pl.files import check_output_paths
 
     try:
         check_output_paths(str(out), str(workdir / "plots"))
     except ValueError as err:
-        raise SystemExit(f"lilicorr demo: {err}") from None
+        raise UserInputError(str(err)) from None
     workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     timings: dict[str, float] = {}
@@ -345,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from lilicorr_pl.data.regenerate import regenerate
-    from lilicorr_pl.demo.corpus import corpus_fingerprint
+    from lilicorr_pl.data.corpus import corpus_fingerprint
     from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
 
     log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")
@@ -359,22 +373,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.time()
     data_key = stage_key(stage="data", target=Path(target_dir).name, corpus=corpus_fingerprint(),
                          prompts=cfg["prompts"], prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"],
-                         seed=args.seed)
+                         seed=seed)
     data_dir = workdir / "data" / data_key
     prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
     if not prompts_file.exists():
-        write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], args.seed)
+        write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed)
     stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                       batch_size=16, seed=args.seed)
+                       batch_size=16, seed=seed)
     log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
     timings["regenerate"] = time.time() - t0
 
     log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then {len(cfg['arms'])} arms x "
         f"{cfg['steps']} steps (same data, seed and total budget)")
     t0 = time.time()
-    base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], args.seed)
+    base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], seed)
     timings["train_base"] = time.time() - t0
-    trained = {arm: train_arm(arm, workdir, target_dir, data_file, base_dir, base_key, cfg["steps"], args.seed)
+    trained = {arm: train_arm(arm, workdir, target_dir, data_file, base_dir, base_key, cfg["steps"], seed)
                for arm in cfg["arms"]}
     timings["train_arms"] = time.time() - t0 - timings["train_base"]
     ckpts = {arm: path for arm, (path, _) in trained.items()}
@@ -382,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
     t0 = time.time()
     bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
-                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=args.seed)
+                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed)
     bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m) in trained.items()}, **bench_settings)
     bench_file = workdir / "bench" / f"{bench_key}.json"
     cached = _stage_done(bench_file, bench_key)
@@ -391,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = cached["rows"]
     else:
         rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
-                              cfg["prefix_tokens"], args.seed)
+                              cfg["prefix_tokens"], seed)
         _write_json(bench_file, {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
     timings["benchmark"] = time.time() - t0
     result = {
@@ -399,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tau_includes_bonus_token": True,
         "settings": {k: v for k, v in cfg.items()},
         "steps_per_arm": cfg["base_steps"] + cfg["steps"],
-        "seed": args.seed,
+        "seed": seed,
         "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
                    "arms": {a: m["key"] for a, (_, m) in trained.items()}, "bench": bench_key},
         "training": {a: {"seconds": m.get("seconds"), "diagnostics": m.get("diagnostics", {})}
@@ -456,10 +470,16 @@ def add_ratio_intervals(rows: list[dict[str, Any]], seed: int = 0) -> None:
         r.update(ratio_to_dflash=ratio, ci_low=low, ci_high=high)
 
 
+def arm_selector(arm: str, system: Any) -> Any:
+    """What an arm decodes with: per-slot top-1 for the DFlash arm, otherwise the head its config trained."""
+    from lilicorr_pl.heads.top1 import Top1Selector
+
+    return Top1Selector() if ARMS[arm][1] == "top1" else system.head
+
+
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
                    prefix_tokens: int, seed: int) -> list[dict[str, Any]]:
     """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0."""
-    from lilicorr_pl.bench import selector_for
     from lilicorr_pl.decoding.benchmarks import load_prompts
     from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
     from lilicorr_pl.heads.top1 import Top1Selector
@@ -480,12 +500,12 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
         for arm, system in systems.items():
-            warmup(shared, system.drafter, [selector_for(ARMS[arm][1], system)], prompts)
+            warmup(shared, system.drafter, [arm_selector(arm, system)], prompts)
         for temp in temperatures:
             reference, target_tps = run_target_baseline(shared, prompts, max_new_tokens, temp, seed=seed)
             log(f"   {bench} T={temp:g} plain target decoding: {target_tps:.1f} tok/s")
             for arm, system in systems.items():
-                selector = selector_for(ARMS[arm][1], system)
+                selector = arm_selector(arm, system)
                 r = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
                                  seed=seed, reference=reference)
                 row = arm_row(bench, temp, arm, r, target_tps)

@@ -3,7 +3,7 @@
 The embedded demo must run without a model hub, yet a drafter only learns something meaningful from a
 target that has learned something. :func:`build_tiny_target` trains one from scratch on CPU:
 
-1. a byte-level BPE (Qwen's pre-tokenizer regex) on the training split of :mod:`.corpus`, with
+1. a byte-level BPE (Qwen's pre-tokenizer regex) on the training split of :mod:`lilicorr_pl.data.corpus`, with
    ``<|endoftext|>`` (eos and pad), ``<|im_start|>`` and ``<|im_end|>`` appended after the learned
    vocabulary, as in Qwen;
 2. a ``Qwen3ForCausalLM`` whose embedding has more rows than the tokenizer has tokens (rounded up to
@@ -23,12 +23,11 @@ message). ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``. ``enab
 accepted so that Qwen3 callers work unchanged, but it changes nothing: the tiny target has no thinking
 mode and never emits a think block.
 
-Run ``python -m lilicorr_pl.demo.tiny_target --preset quick`` to build one and print its report.
+Run ``lilicorr build-target --preset quick`` to build one and print its report.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -43,12 +42,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from lilicorr_pl.demo import corpus
+from lilicorr_pl.data import corpus
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
 BUILDER_VERSION = 1
@@ -876,24 +875,27 @@ def build_tiny_target(
     return final
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Command-line entry: build a preset and print its path and report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     prog="python -m lilicorr_pl.demo.tiny_target")
-    parser.add_argument("--preset", choices=["quick", "full", "test"], default="quick",
-                        help="which TinyTargetConfig preset to build (default: quick)")
-    parser.add_argument("--cache-dir", default=None, help="cache root (default: $LILICORR_CACHE, "
-                        "$XDG_CACHE_HOME/lilicorr_pl or ~/.cache/lilicorr_pl)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a valid cached build exists")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
-    args = parser.parse_args(argv)
-    directory = build_tiny_target(args.preset, cache_dir=args.cache_dir, force=args.force, progress=not args.quiet)
+def build_target(
+    preset: Literal["quick", "full", "test"] = "quick",
+    cache_dir: str | None = None,
+    force: bool = False,
+    quiet: bool = False,
+) -> Path:
+    """Build (or reuse) the built-in stdlib target and print its directory and build report.
+
+    The ``builtin:tiny``/``builtin:quick``/``builtin:full`` names in configs are these builds (tiny = the test
+    preset); ``lilicorr fit`` builds a missing one itself, showing the same progress. Returns the directory.
+
+    Args:
+        preset: test (seconds), quick (2-3 minutes) or full (~20 minutes on 2 CPU cores).
+        cache_dir: cache root (default: $LILICORR_CACHE, $XDG_CACHE_HOME/lilicorr_pl or ~/.cache/lilicorr_pl).
+        force: rebuild even if a valid cached build exists.
+        quiet: no progress output.
+    """
+    directory = build_tiny_target(preset, cache_dir=cache_dir, force=force, progress=not quiet)
     report = load_build_report(directory)
     report.pop("files", None)
     report.pop("train_loss_curve", None)
     print(json.dumps(report, indent=2))
     print(f"\ntiny target: {directory}")
-
-
-if __name__ == "__main__":
-    main()
+    return directory

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -245,7 +245,7 @@ class DFlashDrafter(nn.Module):
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
-        attention: str = "auto",
+        attention: Literal["auto", "sdpa", "flex"] = "auto",
     ) -> None:
         super().__init__()
         if block_size < 2:

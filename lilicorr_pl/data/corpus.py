@@ -1,11 +1,11 @@
 """An offline code corpus: the Python standard library's own source.
 
-The embedded demo needs real text that every machine already has, without a network: the ``.py``
-files of the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``, about
-8 MB after filtering). The corpus is split by whole top-level module (``asyncio``, ``json``,
-``argparse.py`` …) so that held-out code is genuinely unseen: a module lands in the held-out split
-when a stable (salted sha1) hash of its name falls in the lowest ~10 %, independent of which other
-modules exist.
+The built-in target, the ``stdlib-heldout`` benchmark and the ``builtin:stdlib-*`` data need real text
+that every machine already has, without a network: the ``.py`` files of the running interpreter's
+standard library (``sysconfig.get_paths()["stdlib"]``, about 8 MB after filtering). The corpus is split
+by whole top-level module (``asyncio``, ``json``, ``argparse.py`` …) so that held-out code is genuinely
+unseen: a module lands in the held-out split when a stable (salted sha1) hash of its name falls in the
+lowest ~10 %, independent of which other modules exist.
 
 Everything here is deterministic (sorted paths, hashlib rather than ``hash()``, seeded sampling), so
 two machines with the same Python version see the same splits and the same benchmark prefixes.
@@ -85,7 +85,7 @@ def _all_files(root: Path) -> tuple[Path, ...]:
     if not files:
         raise FileNotFoundError(
             f"No Python sources found under the standard-library path {root} "
-            "(sysconfig.get_paths()['stdlib']). The demo corpus needs an interpreter installed with "
+            "(sysconfig.get_paths()['stdlib']). The stdlib corpus needs an interpreter installed with "
             "its .py sources; install the full Python distribution (e.g. the python3.X package "
             "rather than a sources-stripped runtime image)."
         )

@@ -1,0 +1,162 @@
+"""How a tool subcommand is parsed: its typed function *is* its command line (jsonargparse).
+
+``lilicorr bench``, ``export``, ``regenerate``, ``demo`` and ``build-target`` are plain functions; their
+signatures and docstrings are the interface. jsonargparse builds ``--help`` from them, adds ``-c/--config``
+(a YAML file with any of the same keys) and ``--print_config``, and rejects a value of the wrong type
+(a ``Literal`` choice, a negative count, a malformed device) before the function runs.
+``lilicorr prepare`` and ``lilicorr perf`` parse with ``fit``'s parser instead (``perf`` adds typed options of
+its own, :mod:`lilicorr_pl.perf`).
+
+Options are spelled as in the signature: ``--num_prompts 3``, ``--temperature [0,1]``, ``--overwrite true``.
+The argparse spellings of earlier versions keep working; :func:`argparse_spellings` rewrites them before
+jsonargparse parses (and validates) the result: ``--num-prompts 3``, ``--temperature 0 1``,
+``--selectors top1,lilicorr``, ``--allow-module A --allow-module B``, a bare ``--overwrite``, ``--no-progress``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import inspect
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+CONFIG_HELP = "a YAML file with any of the options below (later options override it)"
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+_PLAIN_SCALAR = re.compile(r"^[\w./-][\w.+\-/:@~]*$")
+_YAML_WORDS = {"null", "~", "true", "false", "yes", "no", "on", "off", "y", "n"}
+
+
+def _strip_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _is_bool(hint: Any) -> bool:
+    return _strip_optional(hint) is bool
+
+
+def _is_list(hint: Any) -> bool:
+    return typing.get_origin(_strip_optional(hint)) in (list, Sequence, typing.Sequence)
+
+
+def _is_value(token: str) -> bool:
+    """A command-line token that is a value, not an option (``-0.5`` is a value)."""
+    return not token.startswith("-") or bool(_NUMBER.match(token))
+
+
+def _yaml_item(token: str) -> str:
+    plain = _PLAIN_SCALAR.match(token) and token.lower() not in _YAML_WORDS
+    return token if plain else json.dumps(token)  # a JSON string is valid YAML
+
+
+def argparse_spellings(argv: Sequence[str], hints: Mapping[str, Any]) -> list[str]:
+    """Rewrite argparse-style spellings of the options in ``hints`` into the jsonargparse ones.
+
+    ``--a-b`` -> ``--a_b``; a bool option without a value -> ``--flag=true``; ``--no-flag`` -> ``--flag=false``;
+    a list option followed by several values, given several times, or as ``a,b`` -> one ``--opt=[a, b]``. Anything else
+    (including a lone ``--``, dropped) is passed through unchanged for jsonargparse to parse and validate.
+    """
+    out: list[str | None] = []
+    lists: dict[str, tuple[int, list[str]]] = {}  # list option -> (its slot in `out`, collected values)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            continue
+        if not token.startswith("--"):
+            out.append(token)
+            continue
+        name, eq, value = token[2:].partition("=")
+        key = name.replace("-", "_")
+        if key not in hints and key.startswith("no_") and _is_bool(hints.get(key[3:])) and not eq:
+            out.append(f"--{key[3:]}=false")
+            continue
+        if key not in hints:
+            out.append(token)
+            continue
+        hint = hints[key]
+        if eq:
+            values = [value]
+        elif _is_bool(hint):
+            if i < len(argv) and argv[i].lower() in _BOOL_WORDS:
+                values, i = [argv[i]], i + 1
+            else:
+                values = ["true"]
+        else:
+            values = []
+            while i < len(argv) and _is_value(argv[i]) and (_is_list(hint) or not values):
+                values.append(argv[i])
+                i += 1
+        if _is_list(hint) and not (len(values) == 1 and values[0].lstrip().startswith("[")):
+            if key not in lists:
+                lists[key] = (len(out), [])
+                out.append(None)
+            lists[key][1].extend(part for v in values for part in v.split(",") if part.strip())  # a,b = [a, b]
+            continue
+        out.append(f"--{key}" if not values else f"--{key}={values[0]}")
+    for key, (slot, values) in lists.items():
+        out[slot] = f"--{key}=[{', '.join(_yaml_item(v) for v in values)}]"
+    return [t for t in out if t is not None]
+
+
+def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(function)
+    return {name: hints.get(name, Any) for name in inspect.signature(function).parameters}
+
+
+def description(function: Callable[..., Any]) -> str:
+    """The docstring without its ``Args:`` section (that section becomes each option's help)."""
+    import docstring_parser
+
+    doc = docstring_parser.parse(inspect.getdoc(function) or "")
+    return "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
+
+
+def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
+    """``--help`` from the signature and docstring, ``-c/--config``, ``--print_config``, typed options."""
+    parser = ArgumentParser(prog=prog, description=description(function))
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help=CONFIG_HELP)
+    parser.add_function_arguments(function, as_group=False, fail_untyped=True, sub_configs=True)
+    return parser
+
+
+def run_function(function: Callable[..., Any], argv: Sequence[str], prog: str) -> Any:
+    """Parse ``argv`` for ``function`` (exit status 2 on a bad value) and call it with the parsed values."""
+    parser = function_parser(function, prog)
+    config = parser.parse_args(argparse_spellings(argv, type_hints(function)))
+    values = parser.instantiate_classes(config)
+    return function(**{name: values[name] for name in inspect.signature(function).parameters if name in values})
+
+
+def shipped_configs() -> Path:
+    """The ``configs/`` shipped inside the package: found through ``importlib.resources``, in a checkout (where
+    ``lilicorr_pl/configs`` links to the repository's ``configs/``) and in an installed wheel alike."""
+    path = Path(str(importlib.resources.files("lilicorr_pl").joinpath("configs")))
+    if not path.is_dir():
+        raise FileNotFoundError(f"the shipped configs are missing ({path}); reinstall lilicorr_pl")
+    return path
+
+
+def shipped_config_path(name: str) -> str:
+    """``configs/tiny.yaml`` -> that file in the shipped configs when no such file exists here; else ``name``.
+
+    So ``lilicorr fit -c configs/tiny.yaml`` works from a checkout and from any directory with an installed wheel;
+    a ``configs/...`` file of your own in the working directory always wins.
+    """
+    parts = Path(name).parts
+    if Path(name).exists() or len(parts) < 2 or parts[0] != "configs":
+        return name
+    candidate = shipped_configs().joinpath(*parts[1:])
+    return str(candidate) if candidate.is_file() else name

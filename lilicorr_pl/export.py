@@ -1,0 +1,61 @@
+"""``lilicorr export``: a trained checkpoint as the serving directory the engines load (layout: :mod:`.interop`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.interop import (
+    DFLASH_ARCHITECTURE,
+    LILICORR_ARCHITECTURE,
+    ExportError,
+    check_output_dir,
+    export_drafter,
+)
+
+
+def export(
+    ckpt: str,
+    output: str,
+    trust_remote_code: bool = False,
+    allow_module: Sequence[str] = (),
+    overwrite: bool = False,
+) -> Path:
+    """Export a trained drafter as a serving checkpoint directory.
+
+    DFlashDraftModel, or LiLiCorrDraftModel (drafter + LiLiCorr head in one model.safetensors) for SGLang,
+    vLLM and TensorRT-LLM. The destination is checked before the checkpoint is opened; nothing the exporter
+    did not write is ever deleted. Returns the directory.
+
+    Args:
+        ckpt: checkpoint written by `lilicorr fit`.
+        output: output directory: new or empty (see overwrite).
+        trust_remote_code: allow the target's own code (never taken from the checkpoint).
+        allow_module: also trust components from these packages when the checkpoint names them.
+        overwrite: allow a non-empty output; only the exported files are replaced, nothing else is touched.
+    """
+    if not Path(ckpt).is_file():
+        raise UserInputError(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
+    try:
+        check_output_dir(output, overwrite)
+    except ExportError as err:
+        raise UserInputError(str(err)) from None
+    from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+    from lilicorr_pl.system import DraftSystem
+
+    system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
+                                         allow_modules=list(allow_module))  # CheckpointError: one line
+    head = system.head if isinstance(system.head, LiLiCorrHead) else None
+    if head is None and any(True for _ in system.head.parameters()):
+        print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
+              "exporting the DFlash drafter alone", file=sys.stderr)
+    try:
+        out = export_drafter(system.drafter, output, head=head,
+                             extra={"target": system.target_spec.name_or_path}, overwrite=overwrite)
+    except ExportError as err:
+        raise UserInputError(str(err)) from None
+    kind = LILICORR_ARCHITECTURE if head is not None else DFLASH_ARCHITECTURE
+    print(f"exported {kind} to {out}")
+    return out

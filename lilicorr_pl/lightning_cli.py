@@ -1,0 +1,296 @@
+"""LightningCLI for ``lilicorr fit/validate/test/predict`` (and the parser ``lilicorr perf`` extends).
+
+``lilicorr fit -c configs/tiny.yaml`` trains; ``lilicorr fit -c base.yaml -c configs/ablations/no_distractor.yaml``
+ablates by overlay; ``lilicorr fit -c base.yaml --print_config`` shows the resolved config.
+
+This is the command-line edge of training, where what the user typed is checked before anything is built:
+``builtin:`` names become local paths here (building the built-in target with visible progress if it is
+missing), data files and the subcommand's data are checked, a resume checkpoint is opened safely and compared,
+and a setting that a constructor or the Trainer rejects becomes one line (``UserInputError``, exit status 2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+from lilicorr_pl import builtin
+from lilicorr_pl.checkpoint import CheckpointError, UserInputError, check_class_paths, read_checkpoint
+from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.data.formats import DataFormatError, check_data_files
+from lilicorr_pl.system import DraftSystem, check_resume_settings, plain_data
+
+# Lightning's ckpt_path keywords (not files).
+CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
+# Subcommands that read the validation split (predict: per-block diagnostics of it).
+VALIDATION_STAGES = ("validate", "predict")
+
+
+def git_commit() -> str | None:
+    """The current git commit of the working directory, if any (recorded with every run)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+class LoggerSaveConfigCallback(SaveConfigCallback):
+    """Writes ``config.yaml`` as usual and records the resolved config and git commit in W&B."""
+
+    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                config = self.parser.dump(self.config, skip_none=False, format="yaml")
+                import yaml
+
+                logger.experiment.config.update(
+                    {"lilicorr_config": yaml.safe_load(config), "git_commit": git_commit(), "stage": stage},
+                    allow_val_change=True,
+                )
+
+
+def _train_total(trainer: Trainer, batch_idx: int) -> int | float:
+    """Batches this epoch will run, counted from its first batch: ``batch_idx`` is where it (re)started."""
+    total = trainer.num_training_batches
+    if trainer.max_steps is not None and trainer.max_steps > 0 and math.isfinite(total):
+        remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+        total = min(total, batch_idx + remaining)
+    return total
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, right for step-limited runs.
+
+    ``max_steps`` runs have ``max_epochs = -1``, which the stock bar prints as ``Epoch 3/-2``; here it is
+    ``Epoch 3``. An epoch resumed mid-way starts at its saved batch, and the stock total (the remaining steps)
+    then ends below the count (``15/9``); here the total counts from the epoch's first batch (``15/15``).
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        return f"{description:{len(self.validation_description)}}"  # same width as the validation bar's
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.progress is None or self.train_progress_bar_id is None:
+            return
+        total = _train_total(trainer, batch_idx)
+        if self.progress.tasks[self.train_progress_bar_id].total != total:
+            self.progress.update(self.train_progress_bar_id, total=total)
+
+
+class StepTQDMProgressBar(TQDMProgressBar):
+    """The tqdm bar (used without ``rich``) with the same resumed-epoch total as :class:`StepProgressBar`."""
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        bar = self._train_progress_bar
+        total = _train_total(trainer, batch_idx)
+        if bar is not None and math.isfinite(total) and bar.total != total:
+            bar.total = total
+
+
+class LilicorrCLI(LightningCLI):
+    """LightningCLI with the links that keep model and data consistent and the edge checks above."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The data module tokenizes with, and precomputes logits from, the model's target.
+        parser.link_arguments("model.target", "data.target", apply_on="parse")
+        parser.link_arguments("data.max_length", "model.max_length", apply_on="parse")
+
+    # ------------------------------------------------------------------ before anything is built
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # `lilicorr` hands over the argv it has already checked (config files found, YAML readable), so LightningCLI's
+        # warning about passing args while sys.argv also has some does not apply.
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
+        subcommand = self.config.get("subcommand")
+        self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
+
+    def check_before_building(self, config: Any, subcommand: str | None) -> None:
+        """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
+        try:
+            self._resolve_builtin_data(config)
+            self._check_data(config, subcommand)
+            self._resolve_builtin_target(config)  # last: it may build the target (minutes)
+        except (ValueError, FileNotFoundError) as err:
+            raise UserInputError(str(err)) from None
+
+    @staticmethod
+    def _resolve_builtin_data(config: Any) -> None:
+        """``builtin:stdlib-*`` data become local jsonl files: the core only ever sees files."""
+        data = config.get("data")
+        for key in ("train_files", "val_files"):
+            files = data.get(key) if data is not None else None
+            if isinstance(files, str):
+                files = [files]
+            if files:
+                data[key] = [builtin.resolve_data_file(str(f)) for f in files]
+
+    @staticmethod
+    def _resolve_builtin_target(config: Any) -> None:
+        """A ``builtin:`` target becomes its built directory, built here (with progress) if missing."""
+        model, data = config.get("model"), config.get("data")
+        target = model.get("target") if model is not None else None
+        name = target.get("name_or_path") if target is not None else None
+        if name is not None and builtin.is_builtin(name):
+            path = builtin.resolve_target_path(name, progress=True)
+            target["name_or_path"] = path
+            if data is not None and data.get("target") is not None:
+                data["target"]["name_or_path"] = path
+
+    def _check_data(self, config: Any, subcommand: str | None) -> None:
+        """Data files exist, and the subcommand has the data it reads: one line before any model or run starts."""
+        data = config.get("data")
+        if data is None:
+            return
+        check_data_files(data.get("train_files") or [], "data.train_files")
+        if data.get("val_files"):
+            check_data_files(data["val_files"], "data.val_files")
+        if subcommand == "test":
+            raise ValueError(
+                "`lilicorr test` needs a test split, and DraftDataModule has none (it reads training and validation "
+                "files); measure held-out data with `lilicorr validate --data.val_files=[FILE]`"
+            )
+        if subcommand in VALIDATION_STAGES and not (data.get("val_files") or (data.get("val_fraction") or 0) > 0):
+            raise ValueError(
+                f"`lilicorr {subcommand}` reads the validation split, and there is none; set data.val_files or "
+                "data.val_fraction > 0"
+            )
+
+    def _parse_ckpt_path(self) -> None:
+        """Check a ``ckpt_path`` before anything is built, without letting it override the command line.
+
+        LightningCLI's own version loads the checkpoint's hyperparameters over the user's config, so a resume
+        with another head, target or ``num_anchors`` silently ran with the checkpoint's. Here the checkpoint is
+        opened weights-only (a pickled payload, a truncated file or untrusted components get one line), and its
+        settings are compared with this run's: weights-defining keys must agree, the rest is applied and shown.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        ckpt = self.config[subcommand].get("ckpt_path")
+        if not ckpt or (str(ckpt) in CKPT_SHORTCUTS and not os.path.exists(str(ckpt))):
+            return
+        checkpoint = read_checkpoint(ckpt, verify=False)  # the checksum is verified when Lightning restores it
+        saved = checkpoint.get("hyper_parameters") or {}
+        check_class_paths(saved, ckpt)
+        del checkpoint
+        current = plain_data(self.config[subcommand].get("model"))
+        if subcommand == "fit":
+            # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
+            check_resume_settings(saved, current)
+
+    # ------------------------------------------------------------------ building
+    def instantiate_classes(self) -> None:
+        # Constructors (and the Trainer) validate their settings before any heavy work; a bad value is the user's to
+        # fix, so it becomes one line, not a 70-line traceback. Errors after this point keep their tracebacks.
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            while err.__cause__ is not None and isinstance(err.__cause__, (ValueError, TypeError)):
+                err = err.__cause__
+            raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer as configured, with :class:`StepProgressBar` unless the config names a bar or disables it."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            bar = StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+            kwargs.setdefault("callbacks", [*callbacks, bar])
+        return super().instantiate_trainer(**kwargs)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if "weights_only" in self._subcommand_method_arguments[subcommand]:
+            if kwargs.get("weights_only") is False:
+                raise CheckpointError("--weights_only=false is refused: checkpoints are always opened weights-only")
+            kwargs["weights_only"] = True  # never unpickle objects from a checkpoint, whatever torch's env flag says
+        return kwargs
+
+    # ------------------------------------------------------------------ running
+    def before_fit(self) -> None:
+        self._wire_data()
+
+    def before_validate(self) -> None:
+        self._wire_data()
+
+    def before_test(self) -> None:
+        self._wire_data()
+
+    def _wire_data(self) -> None:
+        dm = self.datamodule
+        if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
+            # The logit cache is only worth computing when an active loss reads target logits.
+            dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
+            self.model.check_offline_features(dm.feature_cache)
+
+
+class PrepareCLI(LilicorrCLI):
+    """``fit``'s parser; builds the data module, and the system on the meta device only to ask which stores a fit
+    will read (no weights, no warm starts, no trainer or logger)."""
+
+    def instantiate_classes(self) -> None:
+        import torch
+        from jsonargparse import namespace_to_dict
+
+        model = self.config["model"].clone()
+        model.init_drafter_from = model.init_head_from = None
+        model.init_drafter_layers_from_target = False
+        parser = LightningArgumentParser(parser_mode="omegaconf")
+        parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
+        try:
+            self.datamodule = DraftDataModule(**namespace_to_dict(self.config["data"]))
+            with torch.device("meta"):
+                system = parser.instantiate_classes(Namespace(model=model)).model
+        except (ValueError, TypeError) as err:
+            raise UserInputError(str(err).strip().splitlines()[-1]) from None
+        self.datamodule.require_logit_cache(system.needs_logit_cache(offline_features=self.datamodule.feature_cache))
+
+
+def prepare_command(argv: Sequence[str]) -> Any:
+    """``lilicorr prepare -c CONFIG [--trainer.devices=N]``: the config's data stores on every device.
+
+    The training config's data module, precomputed with the devices of its ``trainer`` section by
+    :func:`lilicorr_pl.data.prepare.prepare`: the files ``fit``'s ``prepare_data`` would write.
+    """
+    from lilicorr_pl.data.prepare import prepare
+
+    cli = run_lightning(argv, description=prepare_command.__doc__ or "", cli_class=PrepareCLI, prog="lilicorr prepare",
+                        run=False, save_config_callback=None)
+    trainer = cli.config["trainer"]
+    return prepare(cli.datamodule, accelerator=trainer["accelerator"], devices=trainer["devices"],
+                   num_nodes=trainer["num_nodes"])
+
+
+CLI_KWARGS: dict[str, Any] = {
+    "save_config_callback": LoggerSaveConfigCallback,
+    "save_config_kwargs": {"overwrite": True},
+    "auto_configure_optimizers": False,
+}
+
+
+def run_lightning(args: Sequence[str] | None, description: str = "", cli_class: type[LilicorrCLI] = LilicorrCLI,
+                  prog: str = "lilicorr", **kwargs: Any) -> LilicorrCLI:
+    """``lilicorr fit|validate|test|predict ...``: parse, check, build and run; user errors raise ``UserInputError``."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser_kwargs = {"parser_mode": "omegaconf", "prog": prog, "description": description or __doc__}
+    try:
+        return cli_class(DraftSystem, DraftDataModule, args=None if args is None else list(args),
+                         parser_kwargs=parser_kwargs, **{**CLI_KWARGS, **kwargs})
+    except DataFormatError as err:  # a data file that cannot be read: what is wrong and where, in one line
+        raise UserInputError(str(err)) from None
