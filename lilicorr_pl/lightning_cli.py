@@ -235,9 +235,18 @@ class LilicorrCLI(LightningCLI):
     def _wire_data(self) -> None:
         dm = self.datamodule
         if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
-            # The logit cache is only worth computing when an active loss reads target logits.
-            dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
-            self.model.check_offline_features(dm.feature_cache)
+            try:
+                self.model.check_offline_features(dm.feature_cache)
+                wire_logit_cache(self.model, dm)
+            except ValueError as err:  # model and data settings that contradict each other: one line
+                raise UserInputError(str(err)) from None
+
+
+def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
+    """The logit store is worth computing only when an active loss reads it; a ``data.logit_cache`` set the other
+    way is refused or warned about, naming the model setting that decided."""
+    offline = dm.feature_cache
+    dm.require_logit_cache(system.needs_logit_cache(offline_features=offline), system.logit_cache_reason(offline))
 
 
 class PrepareCLI(LilicorrCLI):
@@ -259,7 +268,10 @@ class PrepareCLI(LilicorrCLI):
                 system = parser.instantiate_classes(Namespace(model=model)).model
         except (ValueError, TypeError) as err:
             raise UserInputError(str(err).strip().splitlines()[-1]) from None
-        self.datamodule.require_logit_cache(system.needs_logit_cache(offline_features=self.datamodule.feature_cache))
+        try:
+            wire_logit_cache(system, self.datamodule)
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
 
 
 def prepare_command(argv: Sequence[str]) -> Any:

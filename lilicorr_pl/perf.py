@@ -597,7 +597,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
-    dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
+    # The penalty check compares the store with exact logits, whatever the training run would read.
+    dm.require_logit_cache(system.needs_target_logits, "lilicorr perf's distractor-penalty check (store vs exact)")
     dm.prepare_data()
     dm.setup("fit")
     if cli.checkpoint is not None:

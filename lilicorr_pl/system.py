@@ -17,6 +17,10 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+# LightningCLI's record of the parsed config of the object being built (class_path/init_args of each injected
+# part); private to Lightning, but the mechanism its CLI uses; from_checkpoint sets it the same way.
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters, _given_hyperparameters_context
+
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     CheckpointError,
@@ -62,6 +66,8 @@ SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "
 
 # Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
+# Constructor arguments that are modules: recorded as their configs, never as objects.
+INJECTED_MODULES = ("drafter", "head", "losses")
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
 _RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target")
 
@@ -163,8 +169,11 @@ class DraftSystem(L.LightningModule):
                 f"model.drafter.block_size {drafter.block_size} exceeds data.max_length {max_length}: no block fits in "
                 "a training sequence; lower the block size or raise data.max_length"
             )
-        # Under LightningCLI these are the parsed class_path configs, so load_from_checkpoint rebuilds them.
-        self.save_hyperparameters()
+        # Hyperparameters are plain data, never the injected modules (their weights are in the state dict).
+        # Built by jsonargparse (LightningCLI, from_checkpoint) they are the parsed class_path/init_args configs,
+        # which load_from_checkpoint rebuilds; built in Python, the modules are left out (pass them to
+        # load_from_checkpoint).
+        self.save_hyperparameters(ignore=[] if _given_hyperparameters.get() is not None else list(INJECTED_MODULES))
         self.target_spec = spec
         target = spec
         self.num_anchors = num_anchors
@@ -317,6 +326,11 @@ class DraftSystem(L.LightningModule):
 
     def check_offline_features(self, offline_features: bool) -> None:
         """Refuse offline features (no target in training) when an active loss reads the target's full distribution."""
+        if offline_features and self.needs_target_logits and self.target_logits_mode == "exact":
+            raise ValueError(
+                "model.target_logits: exact reads logits from the online target, but data.feature_cache: true "
+                "trains without it; set model.target_logits: auto (the store) or data.feature_cache: false"
+            )
         needing = [l.name for l in self.losses if l.requires_target_distribution and l.weight > 0]
         if offline_features and needing:
             raise ValueError(
@@ -329,6 +343,17 @@ class DraftSystem(L.LightningModule):
         if not self.needs_target_logits:
             return False
         return self.target_logits_mode == "cache" or (self.target_logits_mode == "auto" and offline_features)
+
+    def logit_cache_reason(self, offline_features: bool) -> str:
+        """The settings behind :meth:`needs_logit_cache`, for messages that name both sides of a conflict."""
+        if not self.needs_target_logits:
+            return "no active loss in model.losses reads target logits"
+        mode = self.target_logits_mode
+        if mode == "auto":
+            where = "the store, in offline mode" if offline_features else "exact logits from the online target"
+            return f"model.target_logits: auto with data.feature_cache: {str(offline_features).lower()} reads {where}"
+        return f"model.target_logits: {mode} reads " + ("the store" if mode == "cache" else
+                                                         "exact logits from the online target")
 
     # ------------------------------------------------------------------ target lifecycle
     def configure_model(self) -> None:
@@ -469,9 +494,19 @@ class DraftSystem(L.LightningModule):
         meta = dict(checkpoint.get("lilicorr") or {})
         del checkpoint
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
-        system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target,
-                                          init_drafter_from=None, init_head_from=None,
-                                          init_drafter_layers_from_target=False)
+        overrides = dict(target=target, init_drafter_from=None, init_head_from=None,
+                         init_drafter_layers_from_target=False)
+        instantiator = hparams.get("_instantiator")
+        if instantiator is None:
+            raise CheckpointError(
+                f"checkpoint {path} does not record how to rebuild its drafter and head (it was not trained with "
+                "`lilicorr fit`); build the DraftSystem in Python and call DraftSystem.load_from_checkpoint"
+            )
+        # Lightning rebuilds the system with jsonargparse from the recorded configs; this context makes the rebuilt
+        # system record those configs again (as LightningCLI does), not the module objects it was given.
+        given = {k: v for k, v in {**hparams, **overrides}.items() if k != "_instantiator"}
+        with _given_hyperparameters_context(hparams=given, instantiator=instantiator):
+            system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, **overrides)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         return system
 

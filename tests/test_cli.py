@@ -316,6 +316,33 @@ def test_builtin_target_resolves_at_the_command_edge_with_progress(monkeypatch, 
     assert all(not f.startswith("builtin:") for f in cli.datamodule.train_files)
 
 
+def test_a_data_setting_the_system_would_override_is_an_error_or_a_warning_naming_both(monkeypatch, tmp_path):
+    """Issue 12.5: the system decides whether the logit store is read; an explicit data.logit_cache the other way
+    used to be switched silently."""
+    from lilicorr_pl.checkpoint import UserInputError
+    from lilicorr_pl.lightning_cli import run_lightning
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false"]
+    # Exact online logits: a store asked for explicitly is not built, with a warning naming both settings.
+    cli = run_lightning([*tiny, "--model.target_logits=exact", "--data.logit_cache=true"], run=False)
+    with pytest.warns(UserWarning, match=r"data\.logit_cache: true is ignored.*model\.target_logits: exact"):
+        cli._wire_data()
+    assert cli.datamodule.logit_cache is False
+    # tiny.yaml trains on the store (model.target_logits: cache): switching it off is refused, naming both.
+    cli = run_lightning([*tiny, "--data.logit_cache=false"], run=False)
+    with pytest.raises(UserInputError, match=r"data\.logit_cache: false, but model\.target_logits: cache reads"):
+        cli._wire_data()
+    # Left unset, the system decides without a word.
+    cli = run_lightning([*tiny, "--model.target_logits=exact"], run=False)
+    cli._wire_data()
+    assert cli.datamodule.logit_cache is False
+    # Exact logits need the online target: the offline feature store is refused at the same point.
+    cli = run_lightning([*tiny, "--model.target_logits=exact", "--data.feature_cache=true"], run=False)
+    with pytest.raises(UserInputError, match=r"model\.target_logits: exact .*data\.feature_cache: true"):
+        cli._wire_data()
+
+
 # ---------------------------------------------------------------------------- progress bar (issue 11.9)
 def _bar_states(tmp_path: Path, max_steps: int, ckpt: Path | None = None, save: Path | None = None) -> list:
     import lightning as L
