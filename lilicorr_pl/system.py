@@ -413,30 +413,7 @@ class DraftSystem(L.LightningModule):
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
-        # Exact resume: the global random streams (anchor sampling, dropout) of every rank, so a resumed run
-        # draws what the uninterrupted one would have. Lightning does not save them. Only tensors, ints and
-        # floats: the checkpoint still loads with torch.load(weights_only=True), as Trainer.fit(ckpt_path=) does.
-        import random
-
-        import numpy as np
-
-        _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-        py_version, py_state, py_gauss = random.getstate()
-        state = {
-            "torch": torch.get_rng_state(),
-            "torch.cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-            "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
-                       "gauss_next": py_gauss},
-        }
-        states = [state]
-        dist = torch.distributed
-        if self._trainer is not None and self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            # Every rank runs this hook (Trainer.save_checkpoint is collective); rank 0 writes all ranks' states.
-            states = [None] * dist.get_world_size()
-            dist.all_gather_object(states, state)
-        checkpoint["rng_states"] = states
+        # The global random streams travel with callbacks.RandomStateCheckpoint (in every shipped fit config).
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
@@ -445,31 +422,6 @@ class DraftSystem(L.LightningModule):
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
         elif self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
             self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
-        states = checkpoint.get("rng_states")
-        # Only a resumed fit takes over the random streams; load_from_checkpoint or validate leave the caller's alone.
-        if not states or self._trainer is None or self.trainer.state.fn != "fit":
-            return
-        import random
-        import warnings
-
-        import numpy as np
-
-        rank, world = self.trainer.global_rank, self.trainer.world_size
-        if len(states) != world:
-            warnings.warn(
-                f"the checkpoint holds the random states of {len(states)} process(es), this run has {world}; "
-                "anchor sampling continues from the saved streams but is not bit-exact with an uninterrupted run",
-                stacklevel=2,
-            )
-        state = states[rank % len(states)]
-        torch.set_rng_state(state["torch"].cpu())
-        if state["torch.cuda"] and torch.cuda.is_available() and len(state["torch.cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["torch.cuda"]])
-        np_state = state["numpy"]
-        np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                             np_state["has_gauss"], np_state["cached_gaussian"]))
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
 
     @classmethod
     def from_checkpoint(
