@@ -6,9 +6,9 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +16,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.profilers import Profiler
 
 # LightningCLI's record of the parsed config of the object being built (class_path/init_args of each injected
 # part); private to Lightning, but the mechanism its CLI uses; from_checkpoint sets it the same way.
@@ -41,6 +42,10 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
 
 TARGET_PREFIX = "target."
+# Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
+# "[DraftSystem]losses" (next to Lightning's own "[LightningModule]DraftSystem.training_step").
+PHASE_PREFIX = "[DraftSystem]"
+STEP_PHASES = ("target", "drafter", "head", "losses")
 
 
 def plain_data(value: Any) -> Any:
@@ -231,8 +236,8 @@ class DraftSystem(L.LightningModule):
         self.target: FrozenTarget | None = None
         self.train_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
         self.val_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
-        self._timings: dict[str, float] = {}
-        self.record_timings = False
+        # Times the step's phases when no Trainer is attached (lilicorr perf); under a Trainer, trainer.profiler does.
+        self.profiler: Profiler | None = None
         self.checkpoint_meta: dict[str, Any] = {}
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
 
@@ -474,19 +479,11 @@ class DraftSystem(L.LightningModule):
         assert self.target is not None
         return self.target
 
-    def _timed(self, name: str) -> Any:
-        system = self
-
-        class _T:
-            def __enter__(self) -> None:
-                if system.record_timings:
-                    self.t = time.perf_counter()
-
-            def __exit__(self, *exc: Any) -> None:
-                if system.record_timings:
-                    system._timings[name] = system._timings.get(name, 0.0) + time.perf_counter() - self.t
-
-        return _T()
+    def _profile(self, phase: str) -> Any:
+        """Time one phase of the step with the Trainer's profiler (``--trainer.profiler=simple``; a no-op by
+        default), or outside a Trainer with ``self.profiler`` (``lilicorr perf``)."""
+        profiler = self._trainer.profiler if self._trainer is not None else self.profiler
+        return profiler.profile(PHASE_PREFIX + phase) if profiler is not None else contextlib.nullcontext()
 
     def compute_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> dict[str, Any]:
         """One teacher-forced pass: features, drafter blocks, head lattice, losses and diagnostics."""
@@ -497,14 +494,14 @@ class DraftSystem(L.LightningModule):
         if attn is not None:
             loss_mask = loss_mask & attn.bool()
         normed = None
-        with self._timed("target"):
+        with self._profile("target"):
             if "features" in batch:
                 feats = batch["features"]
             else:
                 out = target(ids, attention_mask=attn)
                 feats, normed = out.features, out.normed_hidden
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
-        with self._timed("drafter"):
+        with self._profile("drafter"):
             draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head)
         labels, label_mask, label_pos = block_labels(ids, loss_mask, anchors, valid, self.drafter.block_size)
         # Keep only blocks with at least one supervised slot: padding anchors cost nothing further.
@@ -512,7 +509,7 @@ class DraftSystem(L.LightningModule):
         b_idx = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(keep)[keep]  # [M]
         slot_hidden, slot_logits = draft.slot_hidden[keep], draft.slot_logits[keep]  # [M, S, H], [M, S, V]
         labels, label_mask, label_pos = labels[keep], label_mask[keep], label_pos[keep]
-        with self._timed("head"):
+        with self._profile("head"):
             # Training call of the head: teacher forcing, slot k conditioned on the true token of slot k-1.
             anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
             blocks = DraftOutput(slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep])
@@ -526,7 +523,7 @@ class DraftSystem(L.LightningModule):
                             total_steps=self._total_steps())
         total = slot_logits.new_zeros(())
         logs: dict[str, torch.Tensor] = {}
-        with self._timed("losses"):
+        with self._profile("losses"):
             for component in self.losses:
                 out = component(inputs)
                 total = total + out.loss
@@ -632,7 +629,7 @@ class DraftSystem(L.LightningModule):
         g = torch.Generator().manual_seed(1_000_003 * (batch_idx + 1))
         step = self.compute_step(batch, generator=g)
         diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"],
-                                   step["selected"])
+                                   step["selected"], top_k=self._top_k())
         return {k: v.detach().cpu() for k, v in diag.items() if torch.is_tensor(v)}
 
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
@@ -649,10 +646,12 @@ class DraftSystem(L.LightningModule):
             mean.update(value.float(), batch_size)
             self.log(name, mean, on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=batch_size,
                      metric_attribute=f"epoch_means.{name}")
-        metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"])
+        # The diagnostics are computed once per step: the metric accumulates them, the step logs their means.
+        diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"],
+                                   step["selected"], top_k=metrics.top_k)
+        metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"],
+                       diagnostics=diag)
         if on_step:
-            diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"],
-                                       step["label_mask"], step["selected"])
             valid = diag["valid_block"]  # means over valid blocks only, as the lattice losses read them
             for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
                 if key in diag:
