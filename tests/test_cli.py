@@ -15,10 +15,13 @@ import yaml
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-# Overlays (ablations, demo arms) are parsed on top of their base, below.
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"ablations", "arms"} & set(p.parts))
+# Overlays (ablations, demo arms, recipe arms) are parsed on top of their base, below.
 ABLATIONS = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
 DEMO_ARMS = sorted((ROOT / "configs" / "demo" / "arms").glob("*.yaml"))
+RECIPE_BASES = sorted((ROOT / "configs").glob("qwen3-*/base.yaml"))
+RECIPE_ARMS = sorted(p for base in RECIPE_BASES for p in base.parent.glob("*.yaml") if p != base)
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")
+                 if not {"ablations", "arms"} & set(p.parts) and p not in RECIPE_ARMS)
 
 
 def print_config(*configs: Path, extra: list[str] | None = None) -> dict:
@@ -49,6 +52,28 @@ def test_demo_base_with_each_arm_overlay_parses(overlay):
         assert overlay.stem in head["class_path"].lower()
     assert cfg["model"]["init_drafter_layers_from_target"] is True
     assert any("AcceptanceEval" in c["class_path"] for c in cfg["trainer"]["callbacks"])
+
+
+@pytest.mark.parametrize("overlay", RECIPE_ARMS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_recipe_base_with_each_arm_overlay_parses_into_its_own_run_folder(overlay):
+    cfg = print_config(overlay.parent / "base.yaml", overlay)
+    head = cfg["model"]["head"]
+    assert (head is None) == (overlay.stem == "dflash")
+    if head is not None:
+        assert overlay.stem in head["class_path"].lower()
+    trainer = cfg["trainer"]
+    root = f"runs/{overlay.parent.name}-{overlay.stem}"  # one root per arm: checkpoints go to <root>/checkpoints
+    assert trainer["default_root_dir"] == root and trainer["logger"]["init_args"]["save_dir"] == root
+    assert trainer["logger"]["init_args"]["project"] == "lilicorr"  # the rest of the base's logger is kept
+    names = [c["class_path"] for c in trainer["callbacks"]]
+    assert "callbacks.RandomStateCheckpoint" in names and "callbacks.ModelCheckpoint" in names
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, *RECIPE_BASES], ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_shipped_fit_config_restores_the_random_streams_on_resume(config):
+    """A resume is bit-exact only with callbacks.RandomStateCheckpoint: every shipped fit config carries it."""
+    cfg = yaml.safe_load(config.read_text())
+    assert any(c["class_path"] == "callbacks.RandomStateCheckpoint" for c in cfg["trainer"]["callbacks"]), config
 
 
 @pytest.mark.parametrize("overlay", ABLATIONS, ids=lambda p: p.stem)
