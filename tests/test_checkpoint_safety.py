@@ -9,7 +9,6 @@ refused, not benchmarked.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -53,14 +52,10 @@ def evil(tmp_path, tiny_run) -> tuple[Path, Path]:
 
 
 def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
-                         "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
-                         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])
-    finally:
-        os.chdir(cwd)
+    return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
+                     f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}", "--trainer.max_steps=3",
+                     "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=3",
+                     "--trainer.limit_val_batches=1"])
 
 
 def test_reader_refuses_a_pickle_payload_with_one_line(evil):
@@ -245,13 +240,9 @@ def test_bad_settings_get_one_line_before_any_cache_is_built(tmp_path, capsys, c
 
         GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
         extra = [f"--model.target.name_or_path={tmp_path / 'gpt2'}"]
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra, "--trainer.max_steps=1"])
-    finally:
-        os.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra, "--trainer.max_steps=1",
+                  f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -89,18 +88,12 @@ def test_tiny_config_with_each_ablation_overlay_parses(overlay):
 
 
 def fit_tiny(tmp_path: Path, *extra: str, steps: int = 6) -> object:
-    """Run the tiny config from inside ``tmp_path`` (its output paths are relative)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        return main([
-            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra,
-            f"--trainer.max_steps={steps}", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
-            "--trainer.enable_progress_bar=false",
-        ])
-    finally:
-        os.chdir(cwd)
+    """Run the tiny config with every output under ``tmp_path/runs/tiny`` (its root; no chdir)."""
+    return main([
+        "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}",
+        *extra, f"--trainer.max_steps={steps}", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+    ])
 
 
 def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
@@ -155,7 +148,7 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
 def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     import csv
 
-    fit_tiny(tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir=csv",
+    fit_tiny(tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path / 'csv'}",
              "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=50", steps=50)
     rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
@@ -167,16 +160,12 @@ def test_tiny_loss_falls_over_fifty_steps(tmp_path):
 def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     fit_tiny(tmp_path, steps=2)
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
-                    "--trainer.enable_progress_bar=false"])
-        assert "val/loss" in cli.trainer.callback_metrics
-        cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
-                    "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
-    finally:
-        os.chdir(cwd)
+    root = f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}"  # reads the stores fit wrote there
+    cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                "--trainer.enable_progress_bar=false"])
+    assert "val/loss" in cli.trainer.callback_metrics
+    cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
     out = cli.trainer.predict_loop.predictions
     assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
     assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1

@@ -84,7 +84,8 @@ class DraftDataModule(L.LightningDataModule):
         logit_top_m: M, target logits kept per supervised token.
         feature_cache: also store the target's context features (bf16) so training can run without
             the full target (offline mode). Large: about ``n·H·2`` bytes per token.
-        cache_dir: root directory of the stores (``<cache_dir>/<kind>-<fingerprint>/``).
+        cache_dir: root directory of the stores (``<cache_dir>/<kind>-<fingerprint>/``). None: under
+            ``lilicorr`` commands ``<trainer.default_root_dir>/cache`` (the run's root), else ``cache``.
         shard_tokens: tokens per shard (the unit of work of ``lilicorr prepare`` and of an
             interrupted precompute's reuse); a shard never splits an example.
         target: the frozen target (linked from ``model.target`` by the CLI); its tokenizer is used
@@ -114,7 +115,7 @@ class DraftDataModule(L.LightningDataModule):
         logit_cache: bool | None = None,
         logit_top_m: int = 64,
         feature_cache: bool = False,
-        cache_dir: str = "cache",
+        cache_dir: str | None = None,
         shard_tokens: int = 1 << 16,
         target: TargetSpec | dict[str, Any] | None = None,
         precompute_batch_size: int = 8,
@@ -174,7 +175,7 @@ class DraftDataModule(L.LightningDataModule):
         self.logit_cache = True if logit_cache is None else bool(logit_cache)
         self.logit_top_m = int(logit_top_m)
         self.feature_cache = bool(feature_cache)
-        self.cache_dir = str(cache_dir)
+        self.cache_dir = str(cache_dir) if cache_dir is not None else "cache"
         self.shard_tokens = int(shard_tokens)
         self.target = _as_spec(target)
         self.hparams["target"] = asdict(self.target) if self.target is not None else None
