@@ -2,5 +2,6 @@
 
 from callbacks.acceptance import AcceptanceEval
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.random_state import RandomStateCheckpoint
 
-__all__ = ["AcceptanceEval", "ModelCheckpoint"]
+__all__ = ["AcceptanceEval", "ModelCheckpoint", "RandomStateCheckpoint"]

@@ -122,11 +122,29 @@ class LilicorrCLI(LightningCLI):
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
         """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
         try:
+            self._place_outputs_under_the_root(config)
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
+
+    @staticmethod
+    def _place_outputs_under_the_root(config: Any) -> None:
+        """Outputs not placed explicitly go under ``trainer.default_root_dir``, so one setting moves a whole run:
+        the data stores to ``<root>/cache`` and a logger left at its default ``save_dir`` to ``<root>``
+        (checkpoints: ``callbacks.ModelCheckpoint`` writes ``<root>/checkpoints``)."""
+        trainer, data = config.get("trainer"), config.get("data")
+        root = trainer.get("default_root_dir") if trainer is not None else None
+        if not root:
+            return
+        if data is not None and data.get("cache_dir") is None:
+            data["cache_dir"] = os.path.join(str(root), "cache")
+        loggers = trainer.get("logger")
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init = logger.get("init_args") if isinstance(logger, Namespace) else None
+            if init is not None and "save_dir" in init and init.get("save_dir") in (None, "."):
+                init["save_dir"] = str(root)
 
     @staticmethod
     def _resolve_builtin_data(config: Any) -> None:
@@ -235,9 +253,18 @@ class LilicorrCLI(LightningCLI):
     def _wire_data(self) -> None:
         dm = self.datamodule
         if isinstance(dm, DraftDataModule) and isinstance(self.model, DraftSystem):
-            # The logit cache is only worth computing when an active loss reads target logits.
-            dm.require_logit_cache(self.model.needs_logit_cache(offline_features=dm.feature_cache))
-            self.model.check_offline_features(dm.feature_cache)
+            try:
+                self.model.check_offline_features(dm.feature_cache)
+                wire_logit_cache(self.model, dm)
+            except ValueError as err:  # model and data settings that contradict each other: one line
+                raise UserInputError(str(err)) from None
+
+
+def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
+    """The logit store is worth computing only when an active loss reads it; a ``data.logit_cache`` set the other
+    way is refused or warned about, naming the model setting that decided."""
+    offline = dm.feature_cache
+    dm.require_logit_cache(system.needs_logit_cache(offline_features=offline), system.logit_cache_reason(offline))
 
 
 class PrepareCLI(LilicorrCLI):
@@ -259,7 +286,10 @@ class PrepareCLI(LilicorrCLI):
                 system = parser.instantiate_classes(Namespace(model=model)).model
         except (ValueError, TypeError) as err:
             raise UserInputError(str(err).strip().splitlines()[-1]) from None
-        self.datamodule.require_logit_cache(system.needs_logit_cache(offline_features=self.datamodule.feature_cache))
+        try:
+            wire_logit_cache(system, self.datamodule)
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
 
 
 def prepare_command(argv: Sequence[str]) -> Any:

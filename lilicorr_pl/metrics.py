@@ -61,14 +61,21 @@ class LatticeMetrics(Metric):
         labels: torch.Tensor,
         label_mask: torch.Tensor,
         selected_tokens: torch.Tensor | None = None,
+        diagnostics: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Accumulate one batch; same inputs as :func:`lattice_diagnostics`."""
+        """Accumulate one batch; same inputs as :func:`lattice_diagnostics`.
+
+        ``diagnostics``: that function's result on these inputs with this metric's ``top_k``, when the caller
+        has computed it already (the system logs per-step values from it too: one computation per step).
+        """
         if labels.dim() != 2 or labels.shape[1] != self.num_slots:
             raise ValueError(
                 f"LatticeMetrics was built for {self.num_slots} slots but labels have shape "
                 f"{tuple(labels.shape)}; construct it with num_slots = block_size - 1 = {labels.shape[-1]}"
             )
-        d = lattice_diagnostics(lattice, drafter_logits, labels, label_mask, selected_tokens, top_k=self.top_k)
+        d = diagnostics
+        if d is None:
+            d = lattice_diagnostics(lattice, drafter_logits, labels, label_mask, selected_tokens, top_k=self.top_k)
         f64 = torch.float64
         valid = d["valid_block"]  # [M]; invalid blocks carry zeros everywhere below
         self.blocks += valid.sum().to(f64)

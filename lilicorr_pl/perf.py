@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,34 +33,41 @@ from lilicorr_pl.models.dflash import DFlashDrafter
 
 
 def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
-    """Mean seconds per step for each phase over ``steps`` steps after ``warmup`` untimed ones."""
+    """Mean seconds per step for each phase over ``steps`` steps after ``warmup`` untimed ones.
+
+    Timed with Lightning's ``SimpleProfiler``, through the same profiler actions the system reports under a
+    Trainer (``lilicorr fit --trainer.profiler=simple``): the phases of ``compute_step``, then backward and
+    optimizer.
+    """
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+    from lilicorr_pl.system import PHASE_PREFIX, STEP_PHASES
+
     system.configure_model()
     system.train()
     opt = torch.optim.AdamW(system.trainable_parameters(), lr=1e-4)
-    totals: dict[str, float] = {}
-    for i in range(warmup + steps):
-        batch = batches[i % len(batches)]
-        system._timings = {}
-        system.record_timings = i >= warmup
-        t0 = time.perf_counter()
-        out = system.compute_step(batch)
-        t1 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        out["loss"].backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if i < warmup:
-            continue
-        timed = dict(system._timings)
-        timed["other_forward"] = (t1 - t0) - sum(timed.values())
-        timed["backward"] = t2 - t1
-        timed["optimizer"] = t3 - t2
-        timed["step_total"] = t3 - t0
-        for k, v in timed.items():
-            totals[k] = totals.get(k, 0.0) + v
-    system.record_timings = False
-    return {k: v / steps for k, v in totals.items()}
+    profiler, untimed = SimpleProfiler(), PassThroughProfiler()
+    try:
+        for i in range(warmup + steps):
+            batch = batches[i % len(batches)]
+            active = profiler if i >= warmup else untimed
+            system.profiler = active
+            with active.profile("step_total"):
+                with active.profile("forward"):
+                    out = system.compute_step(batch)
+                opt.zero_grad(set_to_none=True)
+                with active.profile("backward"):
+                    out["loss"].backward()
+                with active.profile("optimizer"):
+                    opt.step()
+    finally:
+        system.profiler = None
+    durations = {name.removeprefix(PHASE_PREFIX): sum(times) / steps
+                 for name, times in profiler.recorded_durations.items()}
+    forward = durations.pop("forward")
+    timed = {phase: durations.pop(phase) for phase in STEP_PHASES if phase in durations}
+    timed["other_forward"] = forward - sum(timed.values())
+    return {**timed, **durations}
 
 
 def penalty_cache_error(system: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -597,7 +603,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
-    dm.require_logit_cache(system.needs_target_logits)  # the penalty check compares cache and exact
+    # The penalty check compares the store with exact logits, whatever the training run would read.
+    dm.require_logit_cache(system.needs_target_logits, "lilicorr perf's distractor-penalty check (store vs exact)")
     dm.prepare_data()
     dm.setup("fit")
     if cli.checkpoint is not None:

@@ -6,9 +6,9 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +16,11 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.profilers import Profiler
+
+# LightningCLI's record of the parsed config of the object being built (class_path/init_args of each injected
+# part); private to Lightning, but the mechanism its CLI uses; from_checkpoint sets it the same way.
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters, _given_hyperparameters_context
 
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
@@ -37,6 +42,10 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
 
 TARGET_PREFIX = "target."
+# Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
+# "[DraftSystem]losses" (next to Lightning's own "[LightningModule]DraftSystem.training_step").
+PHASE_PREFIX = "[DraftSystem]"
+STEP_PHASES = ("target", "drafter", "head", "losses")
 
 
 def plain_data(value: Any) -> Any:
@@ -62,6 +71,8 @@ SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "
 
 # Settings that define what the weights (and the restored optimizer state) mean: resuming with other values
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
+# Constructor arguments that are modules: recorded as their configs, never as objects.
+INJECTED_MODULES = ("drafter", "head", "losses")
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
 _RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target")
 
@@ -163,8 +174,11 @@ class DraftSystem(L.LightningModule):
                 f"model.drafter.block_size {drafter.block_size} exceeds data.max_length {max_length}: no block fits in "
                 "a training sequence; lower the block size or raise data.max_length"
             )
-        # Under LightningCLI these are the parsed class_path configs, so load_from_checkpoint rebuilds them.
-        self.save_hyperparameters()
+        # Hyperparameters are plain data, never the injected modules (their weights are in the state dict).
+        # Built by jsonargparse (LightningCLI, from_checkpoint) they are the parsed class_path/init_args configs,
+        # which load_from_checkpoint rebuilds; built in Python, the modules are left out (pass them to
+        # load_from_checkpoint).
+        self.save_hyperparameters(ignore=[] if _given_hyperparameters.get() is not None else list(INJECTED_MODULES))
         self.target_spec = spec
         target = spec
         self.num_anchors = num_anchors
@@ -222,8 +236,8 @@ class DraftSystem(L.LightningModule):
         self.target: FrozenTarget | None = None
         self.train_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
         self.val_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
-        self._timings: dict[str, float] = {}
-        self.record_timings = False
+        # Times the step's phases when no Trainer is attached (lilicorr perf); under a Trainer, trainer.profiler does.
+        self.profiler: Profiler | None = None
         self.checkpoint_meta: dict[str, Any] = {}
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
 
@@ -317,6 +331,11 @@ class DraftSystem(L.LightningModule):
 
     def check_offline_features(self, offline_features: bool) -> None:
         """Refuse offline features (no target in training) when an active loss reads the target's full distribution."""
+        if offline_features and self.needs_target_logits and self.target_logits_mode == "exact":
+            raise ValueError(
+                "model.target_logits: exact reads logits from the online target, but data.feature_cache: true "
+                "trains without it; set model.target_logits: auto (the store) or data.feature_cache: false"
+            )
         needing = [l.name for l in self.losses if l.requires_target_distribution and l.weight > 0]
         if offline_features and needing:
             raise ValueError(
@@ -329,6 +348,17 @@ class DraftSystem(L.LightningModule):
         if not self.needs_target_logits:
             return False
         return self.target_logits_mode == "cache" or (self.target_logits_mode == "auto" and offline_features)
+
+    def logit_cache_reason(self, offline_features: bool) -> str:
+        """The settings behind :meth:`needs_logit_cache`, for messages that name both sides of a conflict."""
+        if not self.needs_target_logits:
+            return "no active loss in model.losses reads target logits"
+        mode = self.target_logits_mode
+        if mode == "auto":
+            where = "the store, in offline mode" if offline_features else "exact logits from the online target"
+            return f"model.target_logits: auto with data.feature_cache: {str(offline_features).lower()} reads {where}"
+        return f"model.target_logits: {mode} reads " + ("the store" if mode == "cache" else
+                                                         "exact logits from the online target")
 
     # ------------------------------------------------------------------ target lifecycle
     def configure_model(self) -> None:
@@ -388,30 +418,7 @@ class DraftSystem(L.LightningModule):
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
-        # Exact resume: the global random streams (anchor sampling, dropout) of every rank, so a resumed run
-        # draws what the uninterrupted one would have. Lightning does not save them. Only tensors, ints and
-        # floats: the checkpoint still loads with torch.load(weights_only=True), as Trainer.fit(ckpt_path=) does.
-        import random
-
-        import numpy as np
-
-        _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-        py_version, py_state, py_gauss = random.getstate()
-        state = {
-            "torch": torch.get_rng_state(),
-            "torch.cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-            "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
-                       "gauss_next": py_gauss},
-        }
-        states = [state]
-        dist = torch.distributed
-        if self._trainer is not None and self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            # Every rank runs this hook (Trainer.save_checkpoint is collective); rank 0 writes all ranks' states.
-            states = [None] * dist.get_world_size()
-            dist.all_gather_object(states, state)
-        checkpoint["rng_states"] = states
+        # The global random streams travel with callbacks.RandomStateCheckpoint (in every shipped fit config).
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
@@ -420,31 +427,6 @@ class DraftSystem(L.LightningModule):
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
         elif self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
             self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
-        states = checkpoint.get("rng_states")
-        # Only a resumed fit takes over the random streams; load_from_checkpoint or validate leave the caller's alone.
-        if not states or self._trainer is None or self.trainer.state.fn != "fit":
-            return
-        import random
-        import warnings
-
-        import numpy as np
-
-        rank, world = self.trainer.global_rank, self.trainer.world_size
-        if len(states) != world:
-            warnings.warn(
-                f"the checkpoint holds the random states of {len(states)} process(es), this run has {world}; "
-                "anchor sampling continues from the saved streams but is not bit-exact with an uninterrupted run",
-                stacklevel=2,
-            )
-        state = states[rank % len(states)]
-        torch.set_rng_state(state["torch"].cpu())
-        if state["torch.cuda"] and torch.cuda.is_available() and len(state["torch.cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["torch.cuda"]])
-        np_state = state["numpy"]
-        np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                             np_state["has_gauss"], np_state["cached_gaussian"]))
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
 
     @classmethod
     def from_checkpoint(
@@ -469,9 +451,19 @@ class DraftSystem(L.LightningModule):
         meta = dict(checkpoint.get("lilicorr") or {})
         del checkpoint
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
-        system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, target=target,
-                                          init_drafter_from=None, init_head_from=None,
-                                          init_drafter_layers_from_target=False)
+        overrides = dict(target=target, init_drafter_from=None, init_head_from=None,
+                         init_drafter_layers_from_target=False)
+        instantiator = hparams.get("_instantiator")
+        if instantiator is None:
+            raise CheckpointError(
+                f"checkpoint {path} does not record how to rebuild its drafter and head (it was not trained with "
+                "`lilicorr fit`); build the DraftSystem in Python and call DraftSystem.load_from_checkpoint"
+            )
+        # Lightning rebuilds the system with jsonargparse from the recorded configs; this context makes the rebuilt
+        # system record those configs again (as LightningCLI does), not the module objects it was given.
+        given = {k: v for k, v in {**hparams, **overrides}.items() if k != "_instantiator"}
+        with _given_hyperparameters_context(hparams=given, instantiator=instantiator):
+            system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, **overrides)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         return system
 
@@ -487,19 +479,11 @@ class DraftSystem(L.LightningModule):
         assert self.target is not None
         return self.target
 
-    def _timed(self, name: str) -> Any:
-        system = self
-
-        class _T:
-            def __enter__(self) -> None:
-                if system.record_timings:
-                    self.t = time.perf_counter()
-
-            def __exit__(self, *exc: Any) -> None:
-                if system.record_timings:
-                    system._timings[name] = system._timings.get(name, 0.0) + time.perf_counter() - self.t
-
-        return _T()
+    def _profile(self, phase: str) -> Any:
+        """Time one phase of the step with the Trainer's profiler (``--trainer.profiler=simple``; a no-op by
+        default), or outside a Trainer with ``self.profiler`` (``lilicorr perf``)."""
+        profiler = self._trainer.profiler if self._trainer is not None else self.profiler
+        return profiler.profile(PHASE_PREFIX + phase) if profiler is not None else contextlib.nullcontext()
 
     def compute_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> dict[str, Any]:
         """One teacher-forced pass: features, drafter blocks, head lattice, losses and diagnostics."""
@@ -510,14 +494,14 @@ class DraftSystem(L.LightningModule):
         if attn is not None:
             loss_mask = loss_mask & attn.bool()
         normed = None
-        with self._timed("target"):
+        with self._profile("target"):
             if "features" in batch:
                 feats = batch["features"]
             else:
                 out = target(ids, attention_mask=attn)
                 feats, normed = out.features, out.normed_hidden
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
-        with self._timed("drafter"):
+        with self._profile("drafter"):
             draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head)
         labels, label_mask, label_pos = block_labels(ids, loss_mask, anchors, valid, self.drafter.block_size)
         # Keep only blocks with at least one supervised slot: padding anchors cost nothing further.
@@ -525,7 +509,7 @@ class DraftSystem(L.LightningModule):
         b_idx = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(keep)[keep]  # [M]
         slot_hidden, slot_logits = draft.slot_hidden[keep], draft.slot_logits[keep]  # [M, S, H], [M, S, V]
         labels, label_mask, label_pos = labels[keep], label_mask[keep], label_pos[keep]
-        with self._timed("head"):
+        with self._profile("head"):
             # Training call of the head: teacher forcing, slot k conditioned on the true token of slot k-1.
             anchor_ids = ids.gather(1, anchors.clamp(0, ids.shape[1] - 1))[keep]  # [M]
             blocks = DraftOutput(slot_hidden, slot_logits, draft.anchor_feature[keep], draft.anchor_feature_valid[keep])
@@ -539,7 +523,7 @@ class DraftSystem(L.LightningModule):
                             total_steps=self._total_steps())
         total = slot_logits.new_zeros(())
         logs: dict[str, torch.Tensor] = {}
-        with self._timed("losses"):
+        with self._profile("losses"):
             for component in self.losses:
                 out = component(inputs)
                 total = total + out.loss
@@ -645,7 +629,7 @@ class DraftSystem(L.LightningModule):
         g = torch.Generator().manual_seed(1_000_003 * (batch_idx + 1))
         step = self.compute_step(batch, generator=g)
         diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"],
-                                   step["selected"])
+                                   step["selected"], top_k=self._top_k())
         return {k: v.detach().cpu() for k, v in diag.items() if torch.is_tensor(v)}
 
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
@@ -662,10 +646,12 @@ class DraftSystem(L.LightningModule):
             mean.update(value.float(), batch_size)
             self.log(name, mean, on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=batch_size,
                      metric_attribute=f"epoch_means.{name}")
-        metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"])
+        # The diagnostics are computed once per step: the metric accumulates them, the step logs their means.
+        diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"],
+                                   step["selected"], top_k=metrics.top_k)
+        metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"],
+                       diagnostics=diag)
         if on_step:
-            diag = lattice_diagnostics(step["lattice"], step["slot_logits"], step["labels"],
-                                       step["label_mask"], step["selected"])
             valid = diag["valid_block"]  # means over valid blocks only, as the lattice losses read them
             for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
                 if key in diag:

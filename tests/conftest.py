@@ -83,17 +83,12 @@ def user_error(capsys, argv: list[str]) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """Two steps of configs/tiny.yaml, run from inside a temp dir (its output paths are relative)."""
-    root = tmp_path_factory.mktemp("tiny")
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        cli = cli_main([
-            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-        ])
-    finally:
-        os.chdir(cwd)
-    ckpt = root / "runs" / "tiny" / "checkpoints" / "last.ckpt"
-    assert ckpt.is_file()
+    """Two steps of configs/tiny.yaml with every output under a temp root (trainer.default_root_dir; no chdir)."""
+    root = tmp_path_factory.mktemp("tiny") / "runs" / "tiny"
+    cli = cli_main([
+        "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}", "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+    ])
+    ckpt = root / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file() and (root / "cache").is_dir() and (root / "config.yaml").is_file()
     return cli, ckpt

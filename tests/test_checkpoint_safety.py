@@ -9,7 +9,6 @@ refused, not benchmarked.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -53,14 +52,10 @@ def evil(tmp_path, tiny_run) -> tuple[Path, Path]:
 
 
 def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
-                         "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
-                         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"])
-    finally:
-        os.chdir(cwd)
+    return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
+                     f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}", "--trainer.max_steps=3",
+                     "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=3",
+                     "--trainer.limit_val_batches=1"])
 
 
 def test_reader_refuses_a_pickle_payload_with_one_line(evil):
@@ -245,14 +240,51 @@ def test_bad_settings_get_one_line_before_any_cache_is_built(tmp_path, capsys, c
 
         GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
         extra = [f"--model.target.name_or_path={tmp_path / 'gpt2'}"]
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra, "--trainer.max_steps=1"])
-    finally:
-        os.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra, "--trainer.max_steps=1",
+                  f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "runs" / "tiny" / "cache").exists()
+
+
+def _modules_in(value) -> list[str]:
+    """Paths of nn.Module objects inside a (nested) hyperparameter value."""
+    if isinstance(value, torch.nn.Module):
+        return [type(value).__name__]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    return [f"{k}.{m}" for k, v in items for m in _modules_in(v)]
+
+
+def test_hyperparameters_hold_configs_never_the_injected_modules(tiny_run, tmp_path):
+    """Issue 12.5: every load warned that `drafter` and `head` were saved twice (as hparams and as weights)."""
+    import warnings
+
+    from conftest import save_tiny_target
+    from lilicorr_pl.heads import LiLiCorrHead
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    saved = read_checkpoint(good)["hyper_parameters"]
+    assert saved["drafter"]["class_path"] == "lilicorr_pl.models.DFlashDrafter"
+    assert saved["head"]["init_args"]["top_k"] == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = DraftSystem.from_checkpoint(good)
+    assert not [str(w.message) for w in caught if "nn.Module" in str(w.message)]
+    hparams = dict(loaded.hparams)
+    assert not _modules_in(hparams)
+    # The loaded system records the same rebuildable configs, so a checkpoint it writes loads the same way.
+    for key in ("drafter", "head", "losses", "optimizer"):
+        assert hparams[key] == saved[key], key
+    assert hparams["init_drafter_from"] is None and "_instantiator" in hparams
+    # Built in Python: the modules stay out of the hyperparameters (Lightning's advice), with no warning.
+    target = save_tiny_target(tmp_path / "target", layers=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        system = DraftSystem({"name_or_path": target, "layer_ids": [1, 2]}, DFlashDrafter(num_layers=1, block_size=4),
+                             head=LiLiCorrHead(top_k=2, hidden_size=16, num_layers=1, num_heads=2, factor_dim=16))
+    assert not [str(w.message) for w in caught if "nn.Module" in str(w.message)]
+    assert not _modules_in(dict(system.hparams)) and "drafter" not in system.hparams

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,13 @@ import yaml
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-# Overlays (ablations, demo arms) are parsed on top of their base, below.
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not {"ablations", "arms"} & set(p.parts))
+# Overlays (ablations, demo arms, recipe arms) are parsed on top of their base, below.
 ABLATIONS = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
 DEMO_ARMS = sorted((ROOT / "configs" / "demo" / "arms").glob("*.yaml"))
+RECIPE_BASES = sorted((ROOT / "configs").glob("qwen3-*/base.yaml"))
+RECIPE_ARMS = sorted(p for base in RECIPE_BASES for p in base.parent.glob("*.yaml") if p != base)
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")
+                 if not {"ablations", "arms"} & set(p.parts) and p not in RECIPE_ARMS)
 
 
 def print_config(*configs: Path, extra: list[str] | None = None) -> dict:
@@ -51,6 +53,28 @@ def test_demo_base_with_each_arm_overlay_parses(overlay):
     assert any("AcceptanceEval" in c["class_path"] for c in cfg["trainer"]["callbacks"])
 
 
+@pytest.mark.parametrize("overlay", RECIPE_ARMS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_recipe_base_with_each_arm_overlay_parses_into_its_own_run_folder(overlay):
+    cfg = print_config(overlay.parent / "base.yaml", overlay)
+    head = cfg["model"]["head"]
+    assert (head is None) == (overlay.stem == "dflash")
+    if head is not None:
+        assert overlay.stem in head["class_path"].lower()
+    trainer = cfg["trainer"]
+    root = f"runs/{overlay.parent.name}-{overlay.stem}"  # one root per arm: checkpoints go to <root>/checkpoints
+    assert trainer["default_root_dir"] == root and trainer["logger"]["init_args"]["save_dir"] == root
+    assert trainer["logger"]["init_args"]["project"] == "lilicorr"  # the rest of the base's logger is kept
+    names = [c["class_path"] for c in trainer["callbacks"]]
+    assert "callbacks.RandomStateCheckpoint" in names and "callbacks.ModelCheckpoint" in names
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, *RECIPE_BASES], ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_shipped_fit_config_restores_the_random_streams_on_resume(config):
+    """A resume is bit-exact only with callbacks.RandomStateCheckpoint: every shipped fit config carries it."""
+    cfg = yaml.safe_load(config.read_text())
+    assert any(c["class_path"] == "callbacks.RandomStateCheckpoint" for c in cfg["trainer"]["callbacks"]), config
+
+
 @pytest.mark.parametrize("overlay", ABLATIONS, ids=lambda p: p.stem)
 def test_tiny_config_with_each_ablation_overlay_parses(overlay):
     cfg = print_config(ROOT / "configs" / "tiny.yaml", overlay)
@@ -64,18 +88,12 @@ def test_tiny_config_with_each_ablation_overlay_parses(overlay):
 
 
 def fit_tiny(tmp_path: Path, *extra: str, steps: int = 6) -> object:
-    """Run the tiny config from inside ``tmp_path`` (its output paths are relative)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        return main([
-            "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), *extra,
-            f"--trainer.max_steps={steps}", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
-            "--trainer.enable_progress_bar=false",
-        ])
-    finally:
-        os.chdir(cwd)
+    """Run the tiny config with every output under ``tmp_path/runs/tiny`` (its root; no chdir)."""
+    return main([
+        "fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}",
+        *extra, f"--trainer.max_steps={steps}", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+    ])
 
 
 def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
@@ -130,7 +148,7 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
 def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     import csv
 
-    fit_tiny(tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir=csv",
+    fit_tiny(tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path / 'csv'}",
              "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=50", steps=50)
     rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
@@ -142,16 +160,12 @@ def test_tiny_loss_falls_over_fifty_steps(tmp_path):
 def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     fit_tiny(tmp_path, steps=2)
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
-                    "--trainer.enable_progress_bar=false"])
-        assert "val/loss" in cli.trainer.callback_metrics
-        cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}",
-                    "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
-    finally:
-        os.chdir(cwd)
+    root = f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}"  # reads the stores fit wrote there
+    cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                "--trainer.enable_progress_bar=false"])
+    assert "val/loss" in cli.trainer.callback_metrics
+    cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
     out = cli.trainer.predict_loop.predictions
     assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
     assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1
@@ -314,6 +328,33 @@ def test_builtin_target_resolves_at_the_command_edge_with_progress(monkeypatch, 
     assert calls == [("full", True)]  # the 20-minute build shows its progress
     assert cli.model.target_path == built and cli.datamodule.target.name_or_path == built
     assert all(not f.startswith("builtin:") for f in cli.datamodule.train_files)
+
+
+def test_a_data_setting_the_system_would_override_is_an_error_or_a_warning_naming_both(monkeypatch, tmp_path):
+    """Issue 12.5: the system decides whether the logit store is read; an explicit data.logit_cache the other way
+    used to be switched silently."""
+    from lilicorr_pl.checkpoint import UserInputError
+    from lilicorr_pl.lightning_cli import run_lightning
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false"]
+    # Exact online logits: a store asked for explicitly is not built, with a warning naming both settings.
+    cli = run_lightning([*tiny, "--model.target_logits=exact", "--data.logit_cache=true"], run=False)
+    with pytest.warns(UserWarning, match=r"data\.logit_cache: true is ignored.*model\.target_logits: exact"):
+        cli._wire_data()
+    assert cli.datamodule.logit_cache is False
+    # tiny.yaml trains on the store (model.target_logits: cache): switching it off is refused, naming both.
+    cli = run_lightning([*tiny, "--data.logit_cache=false"], run=False)
+    with pytest.raises(UserInputError, match=r"data\.logit_cache: false, but model\.target_logits: cache reads"):
+        cli._wire_data()
+    # Left unset, the system decides without a word.
+    cli = run_lightning([*tiny, "--model.target_logits=exact"], run=False)
+    cli._wire_data()
+    assert cli.datamodule.logit_cache is False
+    # Exact logits need the online target: the offline feature store is refused at the same point.
+    cli = run_lightning([*tiny, "--model.target_logits=exact", "--data.feature_cache=true"], run=False)
+    with pytest.raises(UserInputError, match=r"model\.target_logits: exact .*data\.feature_cache: true"):
+        cli._wire_data()
 
 
 # ---------------------------------------------------------------------------- progress bar (issue 11.9)

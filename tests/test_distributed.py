@@ -46,6 +46,7 @@ trainer:
     class_path: lightning.pytorch.loggers.CSVLogger
     init_args: {{save_dir: csv, name: run, version: 0}}
   callbacks:
+    - class_path: callbacks.RandomStateCheckpoint
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: ckpt, filename: "{{step}}", save_last: true, every_n_train_steps: 2, save_top_k: -1}}
 model:

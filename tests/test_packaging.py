@@ -41,7 +41,8 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_every_shipped_config(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
-    assert shipped and "configs/demo/base.yaml" in shipped and "configs/qwen3-8b/lilicorr.yaml" in shipped
+    assert shipped and "configs/demo/base.yaml" in shipped and "configs/qwen3-8b/base.yaml" in shipped
+    assert {f"configs/qwen3-8b/{arm}.yaml" for arm in ("dflash", "lilicorr", "domino", "dspark")} <= set(shipped)
     missing = [c for c in shipped if f"lilicorr_pl/{c}" not in names]
     assert not missing, f"configs missing from the wheel: {missing}"
     assert "callbacks/acceptance.py" in names and "lilicorr_pl/cli.py" in names
@@ -60,7 +61,7 @@ def test_the_installed_package_resolves_the_demo_and_recipe_configs(wheel, tmp_p
         "overlays = sorted({o for arm in ARMS.values() for o in arm[0]})\n"
         "print(json.dumps({'package': lilicorr_pl.__file__, 'root': str(shipped_configs()),\n"
         "  'demo': [str(CONFIG_DIR / c) for c in [BASE_CONFIG, *overlays]],\n"
-        "  'recipe': shipped_config_path('configs/qwen3-8b/lilicorr.yaml')}))\n"
+        "  'recipe': [shipped_config_path(f'configs/qwen3-8b/{c}.yaml') for c in ('base', 'lilicorr')]}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site), "WANDB_MODE": "disabled"}
     out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
@@ -69,10 +70,11 @@ def test_the_installed_package_resolves_the_demo_and_recipe_configs(wheel, tmp_p
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(found["package"]).is_relative_to(site)  # the unpacked wheel, not this checkout
     assert Path(found["root"]).is_relative_to(site)
-    for path in [*found["demo"], found["recipe"]]:
+    for path in [*found["demo"], *found["recipe"]]:
         assert Path(path).is_relative_to(site) and Path(path).is_file(), path
     # `lilicorr fit -c configs/<recipe>` from a directory without configs/: parsed from the packaged file.
-    out = subprocess.run([sys.executable, "-m", "lilicorr_pl", "fit", "-c", "configs/qwen3-8b/lilicorr.yaml",
-                          "--print_config"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "lilicorr_pl", "fit", "-c", "configs/qwen3-8b/base.yaml",
+                          "-c", "configs/qwen3-8b/lilicorr.yaml", "--print_config"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert "Qwen/Qwen3-8B" in out.stdout
+    assert "Qwen/Qwen3-8B" in out.stdout and "LiLiCorrHead" in out.stdout

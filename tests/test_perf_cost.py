@@ -26,7 +26,8 @@ from lilicorr_pl.perf import (
 from lilicorr_pl.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
-QWEN3_8B = ROOT / "configs" / "qwen3-8b" / "Qwen3-8B.config.json"
+RECIPES = ROOT / "configs" / "qwen3-8b"  # base.yaml plus one overlay per arm
+QWEN3_8B = RECIPES / "Qwen3-8B.config.json"
 
 # The tiny shapes of the hand computation: target H 32, 4 layers, 4 query heads / 2 KV heads of 8, MLP 64, V 96.
 H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 32, 4, 4, 2, 8, 64, 96
@@ -146,7 +147,7 @@ def test_head_select_flops_equal_torch_flop_counter(tiny, width, batch, top_k):
 # ---------------------------------------------------------------------------------- Qwen3-8B
 @pytest.fixture(scope="module")
 def qwen3_8b():
-    return load_round_modules([str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml")], str(QWEN3_8B))
+    return load_round_modules([str(RECIPES / "base.yaml"), str(RECIPES / "lilicorr.yaml")], str(QWEN3_8B))
 
 
 def test_qwen3_8b_shapes_come_from_the_configs(qwen3_8b):
@@ -186,7 +187,7 @@ def test_batch_scales_flops_but_weights_are_read_once(qwen3_8b):
 
 def test_cost_model_command_prints_the_qwen3_8b_round(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    result = cli_main(["perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"),
+    result = cli_main(["perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"),
                        "--target-config", str(QWEN3_8B), "--context", "4096", "--gpu", "h200", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "head share of the round" in printed and "H200" in printed
@@ -205,8 +206,8 @@ def test_cost_model_command_prints_the_qwen3_8b_round(tmp_path, capsys):
 
 def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
     assert "needs model.head = LiLiCorrHead" in user_error(capsys, [
-        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "dflash.yaml"), "--target-config",
+        "perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "dflash.yaml"), "--target-config",
         str(QWEN3_8B)])
     assert "could not read the target config" in user_error(capsys, [
-        "perf", "--cost-model", "-c", str(ROOT / "configs" / "qwen3-8b" / "lilicorr.yaml"), "--target-config",
+        "perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"), "--target-config",
         str(tmp_path / "missing")])

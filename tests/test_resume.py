@@ -32,6 +32,7 @@ trainer:
   val_check_interval: 3
   limit_val_batches: 1
   callbacks:
+    - class_path: callbacks.RandomStateCheckpoint
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: ckpt, filename: "{{step}}", save_last: true, every_n_train_steps: 1, save_top_k: -1}}
 """

@@ -77,13 +77,15 @@ class DraftDataModule(L.LightningDataModule):
             a few compilations.
         length_buckets: ascending lengths for ``pad_to: buckets``, the last at least ``max_length``;
             None = four evenly spaced lengths up to ``max_length`` (multiples of 8).
-        logit_cache: precompute the target-logit store (top-M logits per supervised token) needed by
-            the distractor penalty. The training system turns it off when no loss needs it
-            (``require_logit_cache``).
+        logit_cache: precompute the target-logit store (top-M logits per supervised token) read by
+            the distractor penalty. None (default) = exactly when the training system reads it
+            (``require_logit_cache``; standalone: yes). ``false`` while the system needs it is an error;
+            ``true`` while nothing reads it is skipped with a warning naming the model setting.
         logit_top_m: M, target logits kept per supervised token.
         feature_cache: also store the target's context features (bf16) so training can run without
             the full target (offline mode). Large: about ``n·H·2`` bytes per token.
-        cache_dir: root directory of the stores (``<cache_dir>/<kind>-<fingerprint>/``).
+        cache_dir: root directory of the stores (``<cache_dir>/<kind>-<fingerprint>/``). None: under
+            ``lilicorr`` commands ``<trainer.default_root_dir>/cache`` (the run's root), else ``cache``.
         shard_tokens: tokens per shard (the unit of work of ``lilicorr prepare`` and of an
             interrupted precompute's reuse); a shard never splits an example.
         target: the frozen target (linked from ``model.target`` by the CLI); its tokenizer is used
@@ -110,10 +112,10 @@ class DraftDataModule(L.LightningDataModule):
         pack: bool = False,
         pad_to: Literal["longest", "buckets", "max_length"] = "longest",
         length_buckets: list[int] | None = None,
-        logit_cache: bool = True,
+        logit_cache: bool | None = None,
         logit_top_m: int = 64,
         feature_cache: bool = False,
-        cache_dir: str = "cache",
+        cache_dir: str | None = None,
         shard_tokens: int = 1 << 16,
         target: TargetSpec | dict[str, Any] | None = None,
         precompute_batch_size: int = 8,
@@ -169,10 +171,11 @@ class DraftDataModule(L.LightningDataModule):
         self.pack = bool(pack)
         self.pad_to = pad_to
         self.length_buckets = [int(n) for n in length_buckets] if length_buckets is not None else None
-        self.logit_cache = bool(logit_cache)
+        self.logit_cache_setting = logit_cache  # what the user asked for; None = whatever the system reads
+        self.logit_cache = True if logit_cache is None else bool(logit_cache)
         self.logit_top_m = int(logit_top_m)
         self.feature_cache = bool(feature_cache)
-        self.cache_dir = str(cache_dir)
+        self.cache_dir = str(cache_dir) if cache_dir is not None else "cache"
         self.shard_tokens = int(shard_tokens)
         self.target = _as_spec(target)
         self.hparams["target"] = asdict(self.target) if self.target is not None else None
@@ -192,8 +195,24 @@ class DraftDataModule(L.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ configuration
-    def require_logit_cache(self, flag: bool) -> None:
-        """Called by the training system: build/read the target-logit store only if a loss needs it."""
+    def require_logit_cache(self, flag: bool, reason: str = "the training system") -> None:
+        """Called by the training system: build/read the target-logit store only if a loss reads it.
+
+        ``reason`` names the model setting that decided (for the messages): a ``data.logit_cache`` set
+        explicitly the other way is an error (off, but read) or a warning (on, but unused), never overridden
+        silently.
+        """
+        if self.logit_cache_setting is False and flag:
+            raise ValueError(
+                f"data.logit_cache: false, but {reason} reads the target-logit store; remove data.logit_cache "
+                "(or set it true), or change the model setting"
+            )
+        if self.logit_cache_setting is True and not flag:
+            warnings.warn(
+                f"data.logit_cache: true is ignored (no store is built): {reason}; remove data.logit_cache to "
+                "silence this, or set model.target_logits: cache to train on the store",
+                stacklevel=2,
+            )
         self.logit_cache = bool(flag)
 
     def _spec(self) -> TargetSpec:

@@ -1,0 +1,42 @@
+"""Issue 12.5: the step's phases are timed by Lightning's profiler (the same actions for `lilicorr fit` and
+`lilicorr perf`), and the lattice diagnostics are computed once per training step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import lilicorr_pl.metrics
+import lilicorr_pl.system
+from lilicorr_pl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("target", "drafter", "head", "losses")
+
+
+def test_fit_profiles_each_phase_and_computes_diagnostics_once_per_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    original = lilicorr_pl.system.lattice_diagnostics
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("top_k"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lilicorr_pl.system, "lattice_diagnostics", counting)
+    monkeypatch.setattr(lilicorr_pl.metrics, "lattice_diagnostics", counting)
+    cli = main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                "--trainer.profiler=simple"])
+    assert len(calls) == 2 and set(calls) == {4}  # one per step, at the head's lattice width (top_k 4)
+    durations = cli.trainer.profiler.recorded_durations
+    for phase in PHASES:
+        assert len(durations[f"[DraftSystem]{phase}"]) == 2, phase  # one per training step
+    assert "train/oracle_prefix" in cli.trainer.callback_metrics  # the per-step diagnostics are still logged
+
+    # `lilicorr perf` reads the same profiler actions.
+    result = main(["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--steps", "2", "--warmup", "1"])
+    assert set(PHASES) <= set(result) and result["step_total"] > 0
+    parts = sum(result[k] for k in (*PHASES, "other_forward", "backward", "optimizer"))
+    assert parts == pytest.approx(result["step_total"], rel=0.2)
