@@ -115,6 +115,25 @@ def test_interrupted_write_leaves_nothing_under_the_real_name_and_keeps_finished
     assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
 
 
+def test_two_independent_runs_sharing_a_cache_both_finish_with_one_valid_store(tmp_path):
+    """Two runs (not cooperating) compute the same store at once: the first to finish publishes it, the
+    other's later writes and its finalize stand down without error, and a live writer's temp file is
+    never deleted by the other's finalize."""
+    dest = tmp_path / "c"
+    a, b = StoreWriter(dest, "features", {"a": 1}), StoreWriter(dest, "features", {"a": 1})
+    a.write(0, (0, 2), {"features": FEATURES[:5]})
+    b.write(0, (0, 2), {"features": FEATURES[:5]})
+    live = b.partial / f".{shard_name(1)}.{socket.gethostname()}-{os.getpid()}-live.tmp"
+    live.write_bytes(b"b is writing")  # b's write in flight while a finalizes
+    a.write(1, (2, 3), {"features": FEATURES[5:]})
+    a.finalize(2)
+    assert (dest / live.name).is_file()  # moved with the directory, not deleted under b
+    assert b.done(1)  # b sees the finished store ...
+    b.write(1, (2, 3), {"features": FEATURES[5:]})  # ... and its remaining writes and finalize stand down
+    assert b.finalize(2) == dest and not b.partial.exists()
+    assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
+
+
 def test_truncated_shard_is_refused_with_one_line(tmp_path):
     dest = _write(tmp_path / "c")
     shard = dest / shard_name(1)

@@ -90,6 +90,22 @@ def provenance(**extra: Any) -> dict[str, Any]:
     }
 
 
+def _writer_is_gone(tmp: Path) -> bool:
+    """Whether the process that named temp file ``tmp`` (``.<shard>.<host>-<pid>-<rand>.tmp``) has exited.
+
+    A writer on this host is checked by its pid; one on another host counts as gone after a day."""
+    try:
+        host, pid = tmp.name.rsplit(".", 2)[-2].rsplit("-", 2)[:2]
+        if host == socket.gethostname():
+            os.kill(int(pid), 0)
+            return False
+        return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400
+    except (ValueError, ProcessLookupError, FileNotFoundError):
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False
+
+
 class StoreWriter:
     """Writes the shards of one store into ``.<name>.partial/`` and finalizes it (see the module docstring)."""
 
@@ -102,8 +118,14 @@ class StoreWriter:
         self.fingerprint = fingerprint(self.parts)
         self.partial = self.dest.parent / f".{self.dest.name}.partial"
 
+    def finished_elsewhere(self) -> bool:
+        """Whether another, independent process already completed this store (its manifest is in place)."""
+        return (self.dest / MANIFEST_NAME).is_file()
+
     def done(self, index: int) -> bool:
         """Whether shard ``index`` was already written (by this or an interrupted earlier run)."""
+        if self.finished_elsewhere():
+            return True
         path = self.partial / shard_name(index)
         if not path.is_file():
             return False
@@ -122,6 +144,8 @@ class StoreWriter:
                 "examples": f"{int(examples[0])}:{int(examples[1])}"}
         data = safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                                  metadata={METADATA_KEY: canonical_json(meta)})
+        if self.finished_elsewhere():
+            return self.dest / shard_name(index)
         self.partial.mkdir(parents=True, exist_ok=True)
         path = self.partial / shard_name(index)
         tmp = self.partial / f".{path.name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
@@ -131,6 +155,12 @@ class StoreWriter:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+        except FileNotFoundError:
+            # Another process finalized the same store while this shard was being written: theirs stands.
+            if self.finished_elsewhere():
+                (self.dest / tmp.name).unlink(missing_ok=True)  # moved along with the finished directory
+                return self.dest / shard_name(index)
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -139,6 +169,9 @@ class StoreWriter:
     def finalize(self, num_shards: int, meta: Mapping[str, Any] | None = None,
                  provenance: Mapping[str, Any] | None = None) -> Path:
         """Check that shards ``0..num_shards-1`` are all there, write the manifest, rename into place."""
+        if self.finished_elsewhere():  # an independent run sharing this cache completed it first
+            open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
+            return self.dest
         shards, end = [], 0
         for index in range(num_shards):
             path = self.partial / shard_name(index)
@@ -162,8 +195,9 @@ class StoreWriter:
             "provenance": dict(provenance or {}),
         }
         write_json_atomic(self.partial / MANIFEST_NAME, json.loads(json.dumps(manifest, default=_json_default)))
-        for leftover in self.partial.glob(".*.tmp"):  # temp files of killed writers
-            leftover.unlink(missing_ok=True)
+        for leftover in self.partial.glob(".*.tmp"):  # temp files of killed writers (never a live writer's)
+            if _writer_is_gone(leftover):
+                leftover.unlink(missing_ok=True)
         try:
             os.replace(self.partial, self.dest)
         except OSError:
