@@ -15,7 +15,7 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics
 __all__ = ["LatticeMetrics", "lattice_diagnostics"]
 
 _BLOCK_SUMS = ("top1_prefix", "selected_prefix", "oracle_prefix")
-_SLOT_SUMS = ("slot_supervised", "slot_covered", "slot_correct_top1", "slot_correct_selected")
+_SLOT_SUMS = ("slot_supervised", "slot_covered", "slot_correct_top1", "slot_correct_selected", "slot_off_top1")
 
 
 class LatticeMetrics(Metric):
@@ -26,7 +26,9 @@ class LatticeMetrics(Metric):
     valid blocks seen of ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``,
     ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle`` (τ = 1 + prefix, bonus token
     included) and ``exact_block_rate``; per-slot ``slot_coverage``, ``slot_accuracy`` (selected) and
-    ``slot_accuracy_top1`` ``[S]``; and ``logfactor_spread`` when any update carried a lattice.
+    ``slot_accuracy_top1`` ``[S]``; ``off_top1_rate``, the share of supervised slots where the selector left the
+    drafter's top-1 (0 for top-1; near 0 for a head that has collapsed onto the drafter's ranking); and
+    ``logfactor_spread`` when any update carried a lattice.
     """
 
     full_state_update = False
@@ -86,6 +88,7 @@ class LatticeMetrics(Metric):
         self.slot_covered += (d["covered"] & d["supervised"]).sum(dim=0).to(f64)
         self.slot_correct_top1 += d["top1_correct"].sum(dim=0).to(f64)
         self.slot_correct_selected += d["selected_correct"].sum(dim=0).to(f64)
+        self.slot_off_top1 += d["off_top1"].sum(dim=0).to(f64)
         if "logfactor_spread" in d:
             self.spread_sum += d["logfactor_spread"].sum().to(f64)
             self.spread_blocks += valid.sum().to(f64)
@@ -106,6 +109,7 @@ class LatticeMetrics(Metric):
             "slot_coverage": self.slot_covered / supervised,
             "slot_accuracy": self.slot_correct_selected / supervised,
             "slot_accuracy_top1": self.slot_correct_top1 / supervised,
+            "off_top1_rate": self.slot_off_top1.sum() / self.slot_supervised.sum().clamp_min(1),
         }
         if self.spread_blocks > 0:
             out["logfactor_spread"] = self.spread_sum / self.spread_blocks

@@ -57,6 +57,9 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     runs = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "demo" / "runs").iterdir())
     assert runs == sorted(["base", *ARMS])
     assert set(result["training"]) == set(ARMS)
+    # Why a head leads or trails: how often its selection left the drafter's top-1 (0 for the dflash arm).
+    assert result["training"]["dflash"]["diagnostics"]["val/off_top1_rate"] == 0.0
+    assert 0.0 <= result["training"]["lilicorr"]["diagnostics"]["val/off_top1_rate"] <= 1.0
 
     # A rerun with the same settings reuses every stage, the measured comparison included.
     capsys.readouterr()
@@ -74,6 +77,17 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert third["steps_per_arm"] == 5 and third["settings"]["steps"] == 3
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
+
+
+def test_stage_keys_carry_the_code(monkeypatch):
+    """A changed default changes no config file: the code is part of every stage's key."""
+    from lilicorr_pl.demo import run
+
+    key = run.stage_key(stage="arm", steps=3)
+    assert run.stage_key(stage="arm", steps=3) == key and run.stage_key(stage="arm", steps=4) != key
+    assert run.code_fingerprint() == run.code_fingerprint()
+    monkeypatch.setattr(run, "code_fingerprint", lambda: "an-edited-checkout")
+    assert run.stage_key(stage="arm", steps=3) != key
 
 
 def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):

@@ -528,6 +528,27 @@ def test_same_slot_bias_covers_the_node_itself():
     assert (bias.diagonal(dim1=-2, dim2=-1) == 1).all()  # the node itself gets the same-slot bias
 
 
+def test_decoding_reuses_the_attention_bias_until_a_parameter_changes(embedding):
+    head = _head()
+    with torch.no_grad():
+        first = head._bias_for(3, 2)
+        assert head._bias_for(3, 2) is first  # decoding: built once per shape
+        assert head._bias_for(2, 2).shape[-1] == 4  # another shape: built for it
+        head.same_slot_bias.add_(1.0)  # an in-place update (an optimizer step) bumps the version
+        torch.testing.assert_close(head._bias_for(3, 2), head.attention_bias(3, 2))
+        assert not torch.equal(head._bias_for(3, 2), first)
+        state = {k: v.clone() for k, v in head.state_dict().items()}
+        state["relative_slot_bias"] += 2.0
+        head.load_state_dict(state)
+        torch.testing.assert_close(head._bias_for(3, 2), head.attention_bias(3, 2))
+    # With gradient recorded the bias is built live, so training sends gradient into its parameters.
+    head.train()
+    slot_hidden, slot_logits, anchor, valid = _inputs(m=2, s=3)
+    lattice = head.score_lattice(slot_hidden, slot_logits, anchor, valid, embedding)
+    (lattice.start.sum() + lattice.pair.sum()).backward()
+    assert head.relative_slot_bias.grad is not None and head.relative_slot_bias.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_candidate_log_probs_matches_log_softmax_and_its_gradient(chunked, monkeypatch):
     from lilicorr_pl.heads import candidate_log_probs, lattice as lattice_module

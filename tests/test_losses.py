@@ -230,6 +230,7 @@ def test_lattice_diagnostics_hand_computed():
     assert d["exact_block"].tolist() == [True, False, False]
     assert d["supervised"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
     assert d["covered"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
+    assert d["off_top1"].tolist() == [[True, False, False]] * 2 + [[False] * 3]  # rank 1 at slot 0; block 2 skipped
     torch.testing.assert_close(d["logfactor_spread"], torch.tensor([1 / 5, 1 / 5, 0.0]))  # (1 + 0·4) / 5 rows
     flat = Lattice(lattice.candidates, torch.zeros(3, 2), lattice.pair, lattice.candidate_logprobs)
     assert lattice_diagnostics(flat, logits, labels, mask)["logfactor_spread"].abs().max() == 0
@@ -249,12 +250,14 @@ def test_lattice_metrics_compute_and_no_lattice_mode():
     torch.testing.assert_close(out["slot_accuracy"], torch.tensor([1 / 2, 1.0, 1 / 2]))
     torch.testing.assert_close(out["slot_accuracy_top1"], torch.tensor([1 / 2, 1.0, 1 / 2]))
     assert out["logfactor_spread"].item() == pytest.approx(0.2)
+    assert out["off_top1_rate"].item() == pytest.approx(2 / 6)  # one slot of three left top-1, in each valid block
 
     plain = LatticeMetrics(num_slots=3, top_k=2)
     plain.update(None, logits, labels, mask)  # selected = top-1, oracle from the drafter's own top-2
     p = plain.compute()
     assert p["selected_prefix"] == p["top1_prefix"] and p["oracle_prefix"].item() == pytest.approx(3.0)
     assert "logfactor_spread" not in p
+    assert p["off_top1_rate"].item() == 0.0
     with pytest.raises(ValueError, match="built for 4 slots"):
         LatticeMetrics(num_slots=4).update(lattice, logits, labels, mask)
 

@@ -63,10 +63,34 @@ def log(msg: str) -> None:
 
 
 def stage_key(**parts: Any) -> str:
-    """A short hash of everything a stage depends on; its artifacts live under this key."""
+    """A short hash of everything a stage depends on; its artifacts live under this key.
+
+    The code that runs a stage is part of what produced it: a changed default (a loss's decay, a head's
+    init) changes no config file, so every key also carries :func:`code_fingerprint`.
+    """
     from lilicorr_pl.data.fingerprint import fingerprint
 
-    return fingerprint(parts)[:12]
+    return fingerprint({**parts, "code": code_fingerprint()})[:12]
+
+
+def code_fingerprint() -> str:
+    """A hash of the Python sources of ``lilicorr_pl`` and the ``callbacks`` package, path by path.
+
+    Demo stages are reused only when this matches: after an upgrade (or any edit of the code) every stage
+    retrains instead of answering with an artifact an older version produced. The target build keeps its
+    own key (its build settings and report)."""
+    import hashlib
+
+    import callbacks
+    import lilicorr_pl
+
+    digest = hashlib.sha256()
+    for package in (lilicorr_pl, callbacks):
+        root = Path(package.__file__).resolve().parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def file_digest(path: Path) -> str:

@@ -321,7 +321,7 @@ class LiLiCorrHead(Selector):
 
         # 3. Lattice transformer over all S·K nodes.
         h = nodes.reshape(m, s * k, d)  # [M, N=S·K, D]
-        bias = self.attention_bias(s, k).unsqueeze(0)  # [1, heads, N, N]
+        bias = self._bias_for(s, k).unsqueeze(0)  # [1, heads, N, N]
         for layer in self.layers:
             h = layer(h, bias)
         h = self.output_norm(h).view(m, s, k, d)  # [M, S, K, D]
@@ -383,6 +383,21 @@ class LiLiCorrHead(Selector):
         return Selection(tokens=lattice.tokens_at(index), q=q, lattice_index=index, lattice=lattice)
 
     # ------------------------------------------------------------------ helpers
+
+    def _bias_for(self, num_slots: int, k: int) -> torch.Tensor:
+        """:meth:`attention_bias`, built once per shape when no gradient is recorded (decoding calls the head
+        every round with the same ``S`` and ``k``). The cache is keyed by the bias parameters' in-place version
+        counters, so an optimizer step or ``load_state_dict`` is never answered with a stale bias."""
+        if torch.is_grad_enabled() and (self.relative_slot_bias.requires_grad or self.same_slot_bias.requires_grad):
+            return self.attention_bias(num_slots, k)
+        key = (num_slots, k, self.relative_slot_bias.device, self.relative_slot_bias.dtype,
+               self.relative_slot_bias._version, self.same_slot_bias._version, torch.is_inference_mode_enabled())
+        cached = self.__dict__.get("_bias_cache")
+        if cached is None or cached[0] != key or cached[2] is not self.relative_slot_bias:
+            with torch.no_grad():
+                cached = (key, self.attention_bias(num_slots, k), self.relative_slot_bias)
+            self.__dict__["_bias_cache"] = cached
+        return cached[1]
 
     def attention_bias(self, num_slots: int, k: int) -> torch.Tensor:
         """``[heads, N, N]`` additive attention bias over the ``N = S·k`` nodes (slot-major).

@@ -58,7 +58,9 @@ def lattice_diagnostics(
         (oracle − selected), ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``,
         ``exact_block`` (valid block, every selected token right), and ``logfactor_spread`` when a
         lattice is given. Per block and slot ``[M, S]`` bool: ``supervised`` (slots of valid blocks),
-        ``covered`` (true token among the candidates), ``top1_correct``, ``selected_correct``.
+        ``covered`` (true token among the candidates), ``top1_correct``, ``selected_correct``, and
+        ``off_top1`` (the selector chose something other than the drafter's top-1: a head that never
+        does so is a per-slot argmax, whatever its score spread says).
     """
     valid_block = label_mask.bool().all(dim=-1)  # [M]
     mask = label_mask.bool() & valid_block.unsqueeze(-1)  # [M, S]: invalid blocks are skipped whole
@@ -96,6 +98,7 @@ def lattice_diagnostics(
         "covered": true_rank >= 0,
         "top1_correct": top1_correct,
         "selected_correct": selected_correct,
+        "off_top1": (selected_tokens != top1) & mask,
     }
     if lattice is not None:
         spread = logfactor_spread(lattice)
