@@ -69,12 +69,16 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
-    third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr")
+    third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_head_stage")
     log = capsys.readouterr().out
     assert "shared DFlash stage: reusing" in log and "dflash: reusing" not in log
     assert third["stages"]["base"] == result["stages"]["base"]
     assert third["stages"]["arms"]["dflash"] != result["stages"]["arms"]["dflash"]
     assert third["steps_per_arm"] == 5 and third["settings"]["steps"] == 3
+    # The opt-in head-stage arm: the head alone on the frozen shared drafter, from the feature and logit stores.
+    arms3 = {r["arm"] for r in third["results"]}
+    assert {"lilicorr_head_stage", "lilicorr_head_stage_drafter_top1"} <= arms3 and "lilicorr" not in arms3
+    assert "val/off_top1_rate" in third["training"]["lilicorr_head_stage"]["diagnostics"]
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
 

@@ -14,7 +14,7 @@
    reported both ways: sampled drafts verified with ``min(1, p/q)`` (the row's ``tau``) and the
    point-mass rule (``tau_point_mass``).
 
-Every stage is keyed by what produced it (target build, data settings, config file contents, steps,
+Every stage is keyed by what produced it (target build, data settings, config file contents, code, steps,
 seed): a rerun reuses exactly the stages whose key matches and retrains the rest under a new key, so a
 changed setting is never answered with a stale artifact. Nothing a previous run wrote is deleted.
 """
@@ -45,7 +45,11 @@ ARMS = {
     "lilicorr_no_distractor": (["demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml"], "lilicorr"),
     "domino": (["demo/arms/domino.yaml"], "domino"),
     "dspark": (["demo/arms/dspark.yaml"], "dspark"),
+    # Opt-in (--arms): the LiLiCorr head alone on the shared stage's frozen drafter, blocks drawn across 64
+    # sequences per step from the feature and logit stores (see configs/demo/arms/head_stage.yaml).
+    "lilicorr_head_stage": (["demo/arms/lilicorr.yaml", "demo/arms/head_stage.yaml"], "lilicorr"),
 }
+DEFAULT_ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 SETTINGS = {
     # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B).
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
@@ -308,7 +312,7 @@ def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str]
     """The mode's settings with the command line's overrides (those not None) applied; validated before any work."""
     cfg = dict(SETTINGS["quick" if quick else "full"])
     cfg.update({key: value for key, value in overrides.items() if value is not None})
-    arms = list(arms) if arms else list(ARMS)
+    arms = list(arms) if arms else list(DEFAULT_ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise UserInputError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
@@ -351,7 +355,8 @@ def demo(
         output: write the comparison JSON here (default: <workdir>/results.json).
         steps: training steps of each arm after the shared stage.
         base_steps: steps of the shared DFlash stage.
-        arms: arms to train and compare, e.g. dflash,lilicorr (default: all five).
+        arms: arms to train and compare, e.g. dflash,lilicorr (default: the five of the README table; add
+            lilicorr_head_stage for the LiLiCorr head trained on the frozen shared drafter).
         bench_prompts: prompts per benchmark.
         temperatures: sampling temperatures of the benchmark, e.g. 0,1.
         target_preset: override the mode's target build (test: seconds, quick: minutes, full: ~20 minutes).
@@ -542,12 +547,14 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 rows.append(row)
                 log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
+            for arm in ("lilicorr", "lilicorr_head_stage"):
+                if temp == 0 and arm in systems:
+                    # Same drafter, per-slot top-1: separates the head's effect from the drafter's training.
+                    r = evaluate_arm(shared, systems[arm].drafter, Top1Selector(), prompts, max_new_tokens, temp,
+                                     seed=seed, reference=reference)
+                    rows.append(arm_row(bench, temp, f"{arm}_drafter_top1", r, target_tps))
             if temp == 0 and "lilicorr" in systems:
                 lil = systems["lilicorr"]
-                # Same drafter, per-slot top-1: separates the head's effect from joint training's.
-                r = evaluate_arm(shared, lil.drafter, Top1Selector(), prompts, max_new_tokens, temp,
-                                 seed=seed, reference=reference)
-                rows.append(arm_row(bench, temp, "lilicorr_drafter_top1", r, target_tps))
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k))
                 rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
                              "tokens_per_s": None, "speedup_vs_target": None,
