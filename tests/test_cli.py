@@ -85,6 +85,9 @@ def test_tiny_config_with_each_ablation_overlay_parses(overlay):
         assert model["head"] is None
     if overlay.stem == "margin":
         assert model["loss_weights"] == {"oracle_prefix_ce": 0.125, "margin_hinge": 0.125}
+    if overlay.stem == "head_stage":  # frozen drafter, blocks across many sequences, from the data module's stores
+        assert model["freeze_drafter"] is True and model["num_anchors"] == 2 and model["target_logits"] == "cache"
+        assert cfg["data"]["batch_size"] == 64 and cfg["data"]["feature_cache"] and cfg["data"]["logit_cache"]
 
 
 def fit_tiny(tmp_path: Path, *extra: str, steps: int = 6) -> object:

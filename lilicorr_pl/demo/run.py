@@ -46,8 +46,8 @@ ARMS = {
     "domino": (["demo/arms/domino.yaml"], "domino"),
     "dspark": (["demo/arms/dspark.yaml"], "dspark"),
     # Opt-in (--arms): the LiLiCorr head alone on the shared stage's frozen drafter, blocks drawn across 64
-    # sequences per step from the feature and logit stores (see configs/demo/arms/head_stage.yaml).
-    "lilicorr_head_stage": (["demo/arms/lilicorr.yaml", "demo/arms/head_stage.yaml"], "lilicorr"),
+    # sequences per step from the feature and logit stores (see configs/ablations/head_stage.yaml).
+    "lilicorr_head_stage": (["demo/arms/lilicorr.yaml", "ablations/head_stage.yaml"], "lilicorr"),
 }
 DEFAULT_ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 SETTINGS = {
