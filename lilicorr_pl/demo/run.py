@@ -84,15 +84,18 @@ def code_fingerprint() -> str:
     retrains instead of answering with an artifact an older version produced. The target build keeps its
     own key (its build settings and report)."""
     import hashlib
-
-    import callbacks
-    import lilicorr_pl
+    import importlib.util
 
     digest = hashlib.sha256()
-    for package in (lilicorr_pl, callbacks):
-        root = Path(package.__file__).resolve().parent
+    for name in ("lilicorr_pl", "callbacks"):
+        # Located, not imported: the core never imports the callbacks package (it is the layer above).
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            digest.update(f"{name}: absent\n".encode())
+            continue
+        root = Path(next(iter(spec.submodule_search_locations))).resolve()
         for path in sorted(root.rglob("*.py")):
-            digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\n".encode())
+            digest.update(f"{name}/{path.relative_to(root).as_posix()}\n".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
