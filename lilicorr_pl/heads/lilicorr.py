@@ -390,14 +390,15 @@ class LiLiCorrHead(Selector):
         counters, so an optimizer step or ``load_state_dict`` is never answered with a stale bias."""
         if torch.is_grad_enabled() and (self.relative_slot_bias.requires_grad or self.same_slot_bias.requires_grad):
             return self.attention_bias(num_slots, k)
-        key = (num_slots, k, self.relative_slot_bias.device, self.relative_slot_bias.dtype,
-               self.relative_slot_bias._version, self.same_slot_bias._version, torch.is_inference_mode_enabled())
-        cached = self.__dict__.get("_bias_cache")
-        if cached is None or cached[0] != key or cached[2] is not self.relative_slot_bias:
+        params = (self.relative_slot_bias, self.same_slot_bias)
+        key = (num_slots, k, params[0].device, params[0].dtype, torch.is_inference_mode_enabled(),
+               *(p._version for p in params))
+        cached = self.__dict__.get("_bias_cache")  # (key, the parameters it was built from, bias)
+        if cached is None or cached[0] != key or any(a is not b for a, b in zip(cached[1], params)):
             with torch.no_grad():
-                cached = (key, self.attention_bias(num_slots, k), self.relative_slot_bias)
+                cached = (key, params, self.attention_bias(num_slots, k))
             self.__dict__["_bias_cache"] = cached
-        return cached[1]
+        return cached[2]
 
     def attention_bias(self, num_slots: int, k: int) -> torch.Tensor:
         """``[heads, N, N]`` additive attention bias over the ``N = S·k`` nodes (slot-major).
