@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,8 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     for bench in ("humaneval", "stdlib-heldout"):
         tau = {r["arm"]: r["tau"] for r in rows if r["benchmark"] == bench and r["temperature"] == 0.0}
         assert tau["oracle"] + 1e-9 >= tau["lilicorr"] or math.isclose(tau["oracle"], tau["lilicorr"])
-    assert (tmp_path / "demo" / "plots" / "acceptance_curves.png").stat().st_size > 1000
+    plot = tmp_path / "demo" / "plots" / result["stages"]["bench"] / "acceptance_curves.png"
+    assert result["plots"] == [str(plot)] and plot.stat().st_size > 1000
     # One folder per demo: every run's W&B files and checkpoints under <workdir>/runs/<stage>.
     runs = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "demo" / "runs").iterdir())
     assert runs == sorted(["base", *ARMS])
@@ -79,6 +81,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     arms3 = {r["arm"] for r in third["results"]}
     assert {"lilicorr_head_stage", "lilicorr_head_stage_drafter_top1"} <= arms3 and "lilicorr" not in arms3
     assert "val/off_top1_rate" in third["training"]["lilicorr_head_stage"]["diagnostics"]
+    assert Path(third["plots"][0]).parent != plot.parent and plot.is_file()  # the first run's plot stands
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
 
@@ -89,7 +92,7 @@ def test_stage_keys_carry_the_code(monkeypatch):
 
     key = run.stage_key(stage="arm", steps=3)
     assert run.stage_key(stage="arm", steps=3) == key and run.stage_key(stage="arm", steps=4) != key
-    assert run.code_fingerprint() == run.code_fingerprint()
+    assert run.code_fingerprint.__wrapped__() == run.code_fingerprint()  # recomputed: same sources, same hash
     monkeypatch.setattr(run, "code_fingerprint", lambda: "an-edited-checkout")
     assert run.stage_key(stage="arm", steps=3) != key
 

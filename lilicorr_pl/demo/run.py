@@ -21,6 +21,7 @@ changed setting is never answered with a stale artifact. Nothing a previous run 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -49,7 +50,8 @@ ARMS = {
     # sequences per step from the feature and logit stores (see configs/ablations/head_stage.yaml).
     "lilicorr_head_stage": (["demo/arms/lilicorr.yaml", "ablations/head_stage.yaml"], "lilicorr"),
 }
-DEFAULT_ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
+OPT_IN_ARMS = frozenset({"lilicorr_head_stage"})  # trained and compared only when --arms names them
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
 SETTINGS = {
     # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B).
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
@@ -77,12 +79,13 @@ def stage_key(**parts: Any) -> str:
     return fingerprint({**parts, "code": code_fingerprint()})[:12]
 
 
+@functools.lru_cache(maxsize=1)
 def code_fingerprint() -> str:
     """A hash of the Python sources of ``lilicorr_pl`` and the ``callbacks`` package, path by path.
 
     Demo stages are reused only when this matches: after an upgrade (or any edit of the code) every stage
     retrains instead of answering with an artifact an older version produced. The target build keeps its
-    own key (its build settings and report)."""
+    own key (its build settings and report). Computed once per process: one process runs one version."""
     import hashlib
     import importlib.util
 
@@ -463,7 +466,8 @@ def demo(
         "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
         "wall_seconds": round(time.time() - t_start, 1),
     }
-    plots = plot_curves(rows, workdir / "plots")
+    # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
+    plots = plot_curves(rows, workdir / "plots" / bench_key)
     result["plots"] = [str(p) for p in plots]
     _write_json(out, result)
     print(format_table(rows))
