@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import user_error
 from lilicorr_pl.cli import main
@@ -18,7 +19,7 @@ ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 def demo(tmp_path, *extra: str) -> dict:
     out = tmp_path / "results.json"
     main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"), "--output", str(out),
-          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--base-steps", "2", "--steps", "2",
+          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--base-steps", "2", "--steps", "2", "--head-steps", "2",
           "--bench-prompts", "2", "--bench-new-tokens", "8", *extra])
     return json.loads(out.read_text())
 
@@ -33,7 +34,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     for bench in ("humaneval", "stdlib-heldout"):
         for arm in ARMS:
             assert (bench, 0.0, arm) in seen and (bench, 1.0, arm) in seen
-        assert (bench, 0.0, "oracle") in seen and (bench, 0.0, "lilicorr_drafter_top1") in seen
+        assert (bench, 0.0, "oracle") in seen
     for r in rows:
         assert set(r) >= {"benchmark", "temperature", "arm", "tau", "tokens_per_s", "speedup_vs_target",
                           "per_position_acceptance", "per_prompt_tau", "per_prompt_rounds"}
@@ -62,6 +63,11 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     # Why a head leads or trails: how often its selection left the drafter's top-1 (0 for the dflash arm).
     assert result["training"]["dflash"]["diagnostics"]["val/off_top1_rate"] == 0.0
     assert 0.0 <= result["training"]["lilicorr"]["diagnostics"]["val/off_top1_rate"] <= 1.0
+    # The LiLiCorr arms train their head alone on the dflash arm's drafter: both arms decode with the same drafter.
+    for arm in ("lilicorr", "lilicorr_no_distractor"):
+        assert result["training"][arm]["head_stage_of"] == "dflash" and result["training"][arm]["steps"] == 2
+        assert_same_drafter(tmp_path / "demo", result["stages"]["arms"]["dflash"], arm, result["stages"]["arms"][arm])
+    assert result["training"]["domino"]["head_stage_of"] is None and result["head_steps"] == 2
 
     # A rerun with the same settings reuses every stage, the measured comparison included.
     capsys.readouterr()
@@ -71,19 +77,34 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
-    third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_head_stage")
+    third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_joint")
     log = capsys.readouterr().out
     assert "shared DFlash stage: reusing" in log and "dflash: reusing" not in log
     assert third["stages"]["base"] == result["stages"]["base"]
     assert third["stages"]["arms"]["dflash"] != result["stages"]["arms"]["dflash"]
     assert third["steps_per_arm"] == 5 and third["settings"]["steps"] == 3
-    # The opt-in head-stage arm: the head alone on the frozen shared drafter, from the feature and logit stores.
+    # The opt-in joint arm (the reference's recipe): its own drafter, so its top-1 is measured beside it.
     arms3 = {r["arm"] for r in third["results"]}
-    assert {"lilicorr_head_stage", "lilicorr_head_stage_drafter_top1"} <= arms3 and "lilicorr" not in arms3
-    assert "val/off_top1_rate" in third["training"]["lilicorr_head_stage"]["diagnostics"]
+    assert {"lilicorr_joint", "lilicorr_joint_drafter_top1", "oracle"} <= arms3 and "lilicorr" not in arms3
+    assert "val/off_top1_rate" in third["training"]["lilicorr_joint"]["diagnostics"]
     assert Path(third["plots"][0]).parent != plot.parent and plot.is_file()  # the first run's plot stands
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
+    # A head-stage arm asked for alone: its source arm is trained (here reused) but not compared.
+    capsys.readouterr()
+    fourth = demo(tmp_path, "--temperatures", "0", "--head-steps", "3", "--arms", "lilicorr")
+    log = capsys.readouterr().out
+    assert "dflash: reusing" in log and "lilicorr: reusing" not in log
+    assert {r["arm"] for r in fourth["results"]} == {"lilicorr", "oracle"} and set(fourth["training"]) == {"lilicorr"}
+    assert fourth["stages"]["arms"]["lilicorr"] != result["stages"]["arms"]["lilicorr"]
+
+
+def assert_same_drafter(workdir: Path, source_key: str, arm: str, arm_key: str) -> None:
+    from safetensors.torch import load_file
+
+    source = load_file(workdir / "stages" / f"dflash-{source_key}" / "drafter" / "model.safetensors")
+    frozen = load_file(workdir / "stages" / f"{arm}-{arm_key}" / "drafter" / "model.safetensors")
+    assert source.keys() == frozen.keys() and all(torch.equal(source[k], frozen[k]) for k in source)
 
 
 def test_stage_keys_carry_the_code(monkeypatch):

@@ -344,7 +344,7 @@ def _finish(result: GenerationResult, start: float) -> GenerationResult:
 
 
 # ---------------------------------------------------------------------------------------- decoding
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(
     target: FrozenTarget,
     drafter: Any,
@@ -468,7 +468,7 @@ def speculative_generate(
     return _finish(result, start)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def target_generate(
     target: FrozenTarget,
     input_ids: torch.Tensor | Sequence[int],

@@ -5,8 +5,11 @@
    drafter's training data (the same ``regenerate`` users run on chat prompts).
 3. Train: one shared DFlash stage (``configs/demo/base.yaml``: drafter layers start as the target's top
    layers, DFlash CE) for ``base_steps``, then every arm continues from it for ``steps`` more with its own
-   head and losses (``configs/demo/arms/<arm>.yaml``): vanilla DFlash (CE alone), DFlash + LiLiCorr,
-   LiLiCorr without the distractor penalty, Domino and DSpark. Same data, seed and total budget for all.
+   head and losses (``configs/demo/arms/<arm>.yaml``): vanilla DFlash (CE alone), Domino and DSpark. The
+   LiLiCorr arms (with and without the distractor penalty) keep the dflash arm's drafter, frozen, and train
+   their head for ``head_steps`` with blocks drawn across 64 sequences per step
+   (``configs/ablations/head_stage.yaml``): same drafter and drafter budget as DFlash, so their ratio to
+   DFlash is the head's. Same data and seed for all.
 4. Benchmark with real speculative decoding on HumanEval prompts and held-out stdlib prefixes,
    at T = 0 and T = 1, against plain target decoding in the same process, plus the top-K lattice
    oracle (T = 0), with a paired bootstrap 95 % interval on every τ ratio to DFlash and the measured
@@ -28,6 +31,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,26 +43,45 @@ from lilicorr_pl.command import shipped_configs
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
 BASE_CONFIG = "demo/base.yaml"
+
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the comparison: its config overlays on ``configs/demo/base.yaml``, the selector it decodes
+    with, and where its drafter starts. ``head_stage_of`` names the arm whose trained drafter this arm keeps
+    frozen while only its head trains (``head_steps``, blocks drawn across 64 sequences per step from the
+    feature and logit stores: ``configs/ablations/head_stage.yaml``); otherwise the arm continues the shared
+    stage jointly for ``steps``."""
+
+    overlays: tuple[str, ...]
+    selector: str
+    head_stage_of: str | None = None
+
+
+HEAD_STAGE = "ablations/head_stage.yaml"
 ARMS = {
-    # arm -> (overlays on configs/demo/base.yaml, selector used at inference)
-    "dflash": (["demo/arms/dflash.yaml"], "top1"),
-    "lilicorr": (["demo/arms/lilicorr.yaml"], "lilicorr"),
-    "lilicorr_no_distractor": (["demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml"], "lilicorr"),
-    "domino": (["demo/arms/domino.yaml"], "domino"),
-    "dspark": (["demo/arms/dspark.yaml"], "dspark"),
-    # Opt-in (--arms): the LiLiCorr head alone on the shared stage's frozen drafter, blocks drawn across 64
-    # sequences per step from the feature and logit stores (see configs/ablations/head_stage.yaml).
-    "lilicorr_head_stage": (["demo/arms/lilicorr.yaml", "ablations/head_stage.yaml"], "lilicorr"),
+    "dflash": Arm(("demo/arms/dflash.yaml",), "top1"),
+    # LiLiCorr on the dflash arm's drafter (same drafter, same drafter steps): the ratio to DFlash is the head's.
+    "lilicorr": Arm(("demo/arms/lilicorr.yaml", HEAD_STAGE), "lilicorr", head_stage_of="dflash"),
+    "lilicorr_no_distractor": Arm(("demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml", HEAD_STAGE),
+                                  "lilicorr", head_stage_of="dflash"),
+    "domino": Arm(("demo/arms/domino.yaml",), "domino"),
+    "dspark": Arm(("demo/arms/dspark.yaml",), "dspark"),
+    # Opt-in (--arms): the reference's joint recipe (drafter and head together from the shared stage, 4
+    # sequences x 32 anchors per step), which collapses onto the drafter's top-1 on this looping target.
+    "lilicorr_joint": Arm(("demo/arms/lilicorr.yaml",), "lilicorr"),
 }
-OPT_IN_ARMS = frozenset({"lilicorr_head_stage"})  # trained and compared only when --arms names them
+OPT_IN_ARMS = frozenset({"lilicorr_joint"})  # trained and compared only when --arms names them
 DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
 SETTINGS = {
-    # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B).
+    # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B);
+    # a head-stage arm keeps its source arm's drafter and trains its head for head_steps on top.
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
     "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, base_steps=60, steps=40,
-                  bench_prompts=6, bench_new_tokens=32),
+                  head_steps=60, bench_prompts=6, bench_new_tokens=32),
     "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=600, steps=240,
-                 bench_prompts=40, bench_new_tokens=32),
+                 head_steps=480, bench_prompts=40, bench_new_tokens=32),
 }
 ArmName = Literal[tuple(ARMS)]  # type: ignore[valid-type]
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
@@ -219,30 +242,50 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, s
     return drafter_dir, key
 
 
-def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, base_dir: Path, base_key: str,
-              steps: int, seed: int) -> tuple[Path, dict[str, Any]]:
-    """Stage B: the arm's own head and losses for ``steps`` more, warm-started from the shared stage."""
-    overlays, _ = ARMS[arm]
-    key = stage_key(stage="arm", arm=arm, base=base_key, steps=steps, seed=seed,
+def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_dir: Path, init_key: str,
+              steps: int, seed: int) -> tuple[Path, dict[str, Any], Path]:
+    """Stage B: the arm's own head and losses for ``steps`` more, warm-started from the drafter in ``init_dir``
+    (the shared stage's, or for a head-stage arm the drafter its source arm trained, kept frozen).
+
+    Returns the checkpoint, its metadata and the arm's exported drafter (what a head-stage arm starts from)."""
+    from lilicorr_pl.interop import export_drafter
+
+    overlays = ARMS[arm].overlays
+    key = stage_key(stage="arm", arm=arm, init=init_key, steps=steps, seed=seed,
                     configs=[file_digest(CONFIG_DIR / BASE_CONFIG), *(file_digest(CONFIG_DIR / o) for o in overlays)])
     ckpt = workdir / "checkpoints" / f"{arm}-{key}.ckpt"
     meta_path = ckpt.with_suffix(".json")
-    meta = _stage_done(meta_path, key, ckpt)
+    drafter_dir = workdir / "stages" / f"{arm}-{key}" / "drafter"
+    meta = _stage_done(meta_path, key, ckpt, drafter_dir / "model.safetensors")
     if meta is not None:
         log(f"   {arm}: reusing {ckpt} (key {key})")
-        return ckpt, meta
+        return ckpt, meta, drafter_dir
     started = time.time()
-    extra = [f"--model.init_drafter_from={base_dir}", "--model.init_drafter_layers_from_target=false"]
+    extra = [f"--model.init_drafter_from={init_dir}", "--model.init_drafter_layers_from_target=false"]
     cli = fit(f"{arm}-{key}", [BASE_CONFIG, *overlays], extra, workdir, steps, seed, target_dir, data_file)
     produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt.with_suffix(".tmp")
     shutil.copyfile(produced, tmp)
     os.replace(tmp, ckpt)  # atomic: a half-copied checkpoint is never reused
-    meta = {"key": key, "arm": arm, "base": base_key, "steps": steps, "seed": seed,
-            "seconds": round(time.time() - started, 1), "diagnostics": _diagnostics(cli)}
-    _write_json(meta_path, meta)
-    return ckpt, meta
+    export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
+    meta = {"key": key, "arm": arm, "init": init_key, "steps": steps, "seed": seed,
+            "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
+            "diagnostics": _diagnostics(cli)}
+    _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
+    return ckpt, meta, drafter_dir
+
+
+def training_order(arms: Sequence[str]) -> list[str]:
+    """The arms to train, each after the arm whose drafter it keeps (added when not asked for)."""
+    order: list[str] = []
+    for arm in arms:
+        source = ARMS[arm].head_stage_of
+        if source is not None and source not in order:
+            order.append(source)
+        if arm not in order:
+            order.append(arm)
+    return order
 
 
 def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tokens: int, top_k: int) -> dict[str, Any]:
@@ -337,6 +380,7 @@ def demo(
     output: str | None = None,
     steps: PositiveInt | None = None,
     base_steps: PositiveInt | None = None,
+    head_steps: PositiveInt | None = None,
     arms: Sequence[ArmName] | None = None,
     bench_prompts: PositiveInt | None = None,
     temperatures: Sequence[NonNegativeFloat] = (0.0, 1.0),
@@ -361,8 +405,9 @@ def demo(
         output: write the comparison JSON here (default: <workdir>/results.json).
         steps: training steps of each arm after the shared stage.
         base_steps: steps of the shared DFlash stage.
+        head_steps: head-only steps of the LiLiCorr arms on the dflash arm's frozen drafter.
         arms: arms to train and compare, e.g. dflash,lilicorr (default: the five of the README table; add
-            lilicorr_head_stage for the LiLiCorr head trained on the frozen shared drafter).
+            lilicorr_joint for the reference's joint recipe, drafter and head trained together).
         bench_prompts: prompts per benchmark.
         temperatures: sampling temperatures of the benchmark, e.g. 0,1.
         target_preset: override the mode's target build (test: seconds, quick: minutes, full: ~20 minutes).
@@ -375,7 +420,8 @@ def demo(
     mode = "quick" if quick else "full"
     cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts, "new_tokens": regen_tokens,
                                    "prefix_tokens": prefix_tokens, "bench_new_tokens": bench_new_tokens,
-                                   "steps": steps, "base_steps": base_steps, "bench_prompts": bench_prompts},
+                                   "steps": steps, "base_steps": base_steps, "head_steps": head_steps,
+                                   "bench_prompts": bench_prompts},
                            arms, temperatures)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -418,21 +464,30 @@ def demo(
     log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
     timings["regenerate"] = time.time() - t0
 
-    log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then {len(cfg['arms'])} arms x "
-        f"{cfg['steps']} steps (same data, seed and total budget)")
+    log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
+        f"from it, or a head stage of {cfg['head_steps']} steps on the dflash arm's frozen drafter (same data, seed "
+        "and drafter budget)")
     t0 = time.time()
     base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], seed)
     timings["train_base"] = time.time() - t0
-    trained = {arm: train_arm(arm, workdir, target_dir, data_file, base_dir, base_key, cfg["steps"], seed)
-               for arm in cfg["arms"]}
+    trained: dict[str, tuple[Path, dict[str, Any], Path]] = {}
+    for arm in training_order(cfg["arms"]):
+        source = ARMS[arm].head_stage_of
+        if source is None:
+            trained[arm] = train_arm(arm, workdir, target_dir, data_file, base_dir, base_key, cfg["steps"], seed)
+        else:  # the head alone, on the source arm's trained drafter
+            _, source_meta, source_drafter = trained[source]
+            trained[arm] = train_arm(arm, workdir, target_dir, data_file, source_drafter, source_meta["key"],
+                                     cfg["head_steps"], seed)
     timings["train_arms"] = time.time() - t0 - timings["train_base"]
-    ckpts = {arm: path for arm, (path, _) in trained.items()}
+    trained = {arm: trained[arm] for arm in cfg["arms"]}  # the comparison: the arms asked for
+    ckpts = {arm: path for arm, (path, _, _) in trained.items()}
 
     log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
     t0 = time.time()
     bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
                           new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed)
-    bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m) in trained.items()}, **bench_settings)
+    bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
     bench_file = workdir / "bench" / f"{bench_key}.json"
     cached = _stage_done(bench_file, bench_key)
     if cached is not None:
@@ -447,12 +502,14 @@ def demo(
         "mode": mode,
         "tau_includes_bonus_token": True,
         "settings": {k: v for k, v in cfg.items()},
-        "steps_per_arm": cfg["base_steps"] + cfg["steps"],
+        "steps_per_arm": cfg["base_steps"] + cfg["steps"],  # drafter steps of every arm
+        "head_steps": cfg["head_steps"],  # head-only steps of the head-stage arms, on top of their source's drafter
         "seed": seed,
         "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
-                   "arms": {a: m["key"] for a, (_, m) in trained.items()}, "bench": bench_key},
-        "training": {a: {"seconds": m.get("seconds"), "diagnostics": m.get("diagnostics", {})}
-                     for a, (_, m) in trained.items()},
+                   "arms": {a: m["key"] for a, (_, m, _) in trained.items()}, "bench": bench_key},
+        # Per arm: its own stage's steps and seconds; head-stage arms add head_steps on their source's drafter.
+        "training": {a: {"seconds": m.get("seconds"), "steps": m.get("steps"), "head_stage_of": m.get("head_stage_of"),
+                         "diagnostics": m.get("diagnostics", {})} for a, (_, m, _) in trained.items()},
         "target": {
             "path_name": Path(target_dir).name,
             "num_params": report.get("num_params"),
@@ -510,7 +567,7 @@ def arm_selector(arm: str, system: Any) -> Any:
     """What an arm decodes with: per-slot top-1 for the DFlash arm, otherwise the head its config trained."""
     from lilicorr_pl.heads.top1 import Top1Selector
 
-    return Top1Selector() if ARMS[arm][1] == "top1" else system.head
+    return Top1Selector() if ARMS[arm].selector == "top1" else system.head
 
 
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
@@ -554,19 +611,20 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 rows.append(row)
                 log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
-            for arm in ("lilicorr", "lilicorr_head_stage"):
-                if temp == 0 and arm in systems:
+            for arm in systems:
+                if temp == 0 and ARMS[arm].selector == "lilicorr" and ARMS[arm].head_stage_of is None:
                     # Same drafter, per-slot top-1: separates the head's effect from the drafter's training.
                     r = evaluate_arm(shared, systems[arm].drafter, Top1Selector(), prompts, max_new_tokens, temp,
                                      seed=seed, reference=reference)
                     rows.append(arm_row(bench, temp, f"{arm}_drafter_top1", r, target_tps))
-            if temp == 0 and "lilicorr" in systems:
-                lil = systems["lilicorr"]
+            lattice_arm = next((a for a in systems if ARMS[a].selector == "lilicorr"), None)
+            if temp == 0 and lattice_arm is not None:
+                lil = systems[lattice_arm]
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k))
                 rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
                              "tokens_per_s": None, "speedup_vs_target": None,
                              "per_position_acceptance": o["per_position_acceptance"],
                              "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
-                log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, lilicorr drafter): tau {o['tau']:.2f}")
+                log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, {lattice_arm} drafter): tau {o['tau']:.2f}")
     add_ratio_intervals(rows, seed=seed)
     return rows
