@@ -563,6 +563,34 @@ def test_candidate_log_probs_matches_log_softmax_and_its_gradient(chunked, monke
     out = candidate_log_probs(half, half.topk(2, dim=-1).indices)
     assert out.dtype == torch.float32  # at least fp32 even for bf16 logits
     torch.testing.assert_close(out, half.float().log_softmax(-1).gather(-1, half.topk(2, dim=-1).indices))
+    # Without gradient (a decoding round) a small block takes one fused log_softmax; a large one still streams.
+    with torch.no_grad():
+        direct = candidate_log_probs(x, ids)
+        monkeypatch.setattr(lattice_module, "_DIRECT_MAX_ELEMENTS", 0)
+        streamed = candidate_log_probs(x, ids)
+    torch.testing.assert_close(direct, streamed, rtol=0, atol=1e-12)
+    assert direct.dtype == streamed.dtype == torch.float64
+
+
+def test_rms_norm_is_qwen3s_bit_for_bit():
+    """The fused RMSNorm of the drafter and the head: Qwen3RMSNorm's parameter and output, bit for bit, with gradient."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from lilicorr_pl.models.norm import RMSNorm
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours, ref = RMSNorm(48, eps=1e-6).to(dtype), Qwen3RMSNorm(48, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            ours.weight.copy_(torch.randn(48))
+        ref.load_state_dict(ours.state_dict())
+        x = (torch.randn(5, 7, 48) * torch.rand(5, 7, 1) * 10).to(dtype).requires_grad_(True)
+        out, expected = ours(x), ref(x)
+        assert torch.equal(out, expected) and out.dtype == expected.dtype
+        g_ours = torch.autograd.grad(out.float().square().sum(), (x, ours.weight))
+        g_ref = torch.autograd.grad(expected.float().square().sum(), (x, ref.weight))
+        for a, b in zip(g_ours, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- sampled drafts (T > 0)

@@ -259,4 +259,11 @@ def candidate_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
     Equals ``logits.float().log_softmax(-1).gather(-1, ids)`` but never materialises a full fp32 copy
     of the logits.
     """
+    if not (torch.is_grad_enabled() and logits.requires_grad) and logits.numel() <= _DIRECT_MAX_ELEMENTS:
+        # Nothing to save for backward and a small block (a decoding round): one fused op, no chunk loop.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return logits.to(dtype).log_softmax(dim=-1).gather(-1, ids)
     return _CandidateLogProbs.apply(logits, ids)
+
+
+_DIRECT_MAX_ELEMENTS = 1 << 22  # 16 MiB of fp32: a decoding round's [1, S, V] logits, even at V = 152k

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lilicorr_pl.heads.base import EmbedFn, HeadOutput, Lattice, Selection, SelectContext, Selector, TeacherForcing
 from lilicorr_pl.heads.lattice import DECODERS, Decode, candidate_log_probs, sample_walk
 from lilicorr_pl.models.dflash import DraftOutput
+from lilicorr_pl.models.norm import RMSNorm
 
 NUM_CONFIDENCE_FEATURES = 5
 """Per-candidate features, in the order the first feature Linear reads them: log-prob (full-vocabulary
@@ -71,9 +71,9 @@ class _LatticeLayer(nn.Module):
 
     def __init__(self, width: int, num_heads: int, mlp_ratio: float, rms_norm_eps: float, dropout: float) -> None:
         super().__init__()
-        self.attn_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
+        self.attn_norm = RMSNorm(width, eps=rms_norm_eps)
         self.attn = _LatticeAttention(width, num_heads, dropout)
-        self.mlp_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
+        self.mlp_norm = RMSNorm(width, eps=rms_norm_eps)
         self.mlp = _MLP(width, int(width * mlp_ratio), width)  # int(): the engines' rounding
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -238,8 +238,8 @@ class LiLiCorrHead(Selector):
             _LatticeLayer(d, self.num_heads, self.mlp_ratio, self.rms_norm_eps, self.dropout)
             for _ in range(self.num_layers)
         )
-        self.output_norm = Qwen3RMSNorm(d, eps=self.rms_norm_eps)
-        self.anchor_norm = Qwen3RMSNorm(d, eps=self.rms_norm_eps)
+        self.output_norm = RMSNorm(d, eps=self.rms_norm_eps)
+        self.anchor_norm = RMSNorm(d, eps=self.rms_norm_eps)
         # Factor heads: z = SiLU(factor_input_proj([h, a, h ⊙ a])), then unit out/in/anchor vectors.
         self.factor_input_proj = nn.Linear(3 * d, d)
         self.out_head = nn.Linear(d, self.factor_dim)

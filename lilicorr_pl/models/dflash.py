@@ -20,7 +20,9 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
+
+from lilicorr_pl.models.norm import RMSNorm
 
 EmbedFn = Callable[[torch.Tensor], torch.Tensor]
 LMHeadFn = Callable[[torch.Tensor], torch.Tensor]
@@ -62,8 +64,8 @@ class DFlashAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         # Qwen3 order: per-head RMSNorm on q and k, *before* RoPE; V is never normed.
-        self.q_norm = Qwen3RMSNorm(d, eps=dims.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(d, eps=dims.rms_norm_eps)
+        self.q_norm = RMSNorm(d, eps=dims.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=dims.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -131,9 +133,9 @@ class DFlashLayer(nn.Module):
 
     def __init__(self, dims: DrafterDims, mlp_config: Any) -> None:
         super().__init__()
-        self.input_layernorm = Qwen3RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps)
+        self.input_layernorm = RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps)
         self.self_attn = DFlashAttention(dims)
-        self.post_attention_layernorm = Qwen3RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps)
         self.mlp = Qwen3MLP(mlp_config)
 
     def forward(self, h, cos_q, sin_q, ctx_k, ctx_v, mask=None, cache=None) -> torch.Tensor:  # noqa: ANN001
@@ -317,9 +319,9 @@ class DFlashDrafter(nn.Module):
         mlp_config.hidden_act = getattr(tc, "hidden_act", "silu")
         h = dims.hidden_size
         self.fc = nn.Linear(dims.num_features * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=dims.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps=dims.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(dims, mlp_config) for _ in range(self.num_layers))
-        self.norm = Qwen3RMSNorm(h, eps=dims.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=dims.rms_norm_eps)
         rope_config = copy.deepcopy(tc)
         rope_config.head_dim = dims.head_dim
         self.rotary_emb = Qwen3RotaryEmbedding(rope_config)  # the target's θ / scaling; buffer not saved
