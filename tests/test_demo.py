@@ -35,6 +35,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         for arm in ARMS:
             assert (bench, 0.0, arm) in seen and (bench, 1.0, arm) in seen
         assert (bench, 0.0, "oracle") in seen
+        # Heads trained with their own drafter are also measured on that drafter's top-1; the LiLiCorr arms'
+        # drafter is the dflash arm's, whose row that is.
+        assert {(bench, 0.0, "domino_drafter_top1"), (bench, 0.0, "dspark_drafter_top1")} <= seen
+        assert (bench, 0.0, "lilicorr_drafter_top1") not in seen and (bench, 1.0, "domino_drafter_top1") not in seen
     for r in rows:
         assert set(r) >= {"benchmark", "temperature", "arm", "tau", "tokens_per_s", "speedup_vs_target",
                           "per_position_acceptance", "per_prompt_tau", "per_prompt_rounds"}

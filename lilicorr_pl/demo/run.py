@@ -45,7 +45,6 @@ CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also 
 BASE_CONFIG = "demo/base.yaml"
 
 
-
 @dataclass(frozen=True)
 class Arm:
     """One arm of the comparison: its config overlays on ``configs/demo/base.yaml``, the selector it decodes
@@ -68,8 +67,7 @@ ARMS = {
                                   "lilicorr", head_stage_of="dflash"),
     "domino": Arm(("demo/arms/domino.yaml",), "domino"),
     "dspark": Arm(("demo/arms/dspark.yaml",), "dspark"),
-    # Opt-in (--arms): the reference's joint recipe (drafter and head together from the shared stage, 4
-    # sequences x 32 anchors per step), which collapses onto the drafter's top-1 on this looping target.
+    # Opt-in (--arms): the reference's joint recipe, drafter and head trained together from the shared stage.
     "lilicorr_joint": Arm(("demo/arms/lilicorr.yaml",), "lilicorr"),
 }
 OPT_IN_ARMS = frozenset({"lilicorr_joint"})  # trained and compared only when --arms names them
@@ -400,7 +398,7 @@ def demo(
     settings are unchanged. Unset sizes take the mode's defaults (quick or full). Returns the results JSON.
 
     Args:
-        quick: small target and budget (about 9 minutes on 2 CPU cores) instead of the full comparison.
+        quick: small target and budget (minutes on 2 CPU cores) instead of the full comparison.
         workdir: where data, caches, runs, checkpoints and plots go.
         output: write the comparison JSON here (default: <workdir>/results.json).
         steps: training steps of each arm after the shared stage.
@@ -612,8 +610,9 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
             for arm in systems:
-                if temp == 0 and ARMS[arm].selector == "lilicorr" and ARMS[arm].head_stage_of is None:
-                    # Same drafter, per-slot top-1: separates the head's effect from the drafter's training.
+                if temp == 0 and ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None:
+                    # A head trained with its own drafter (domino, dspark, lilicorr_joint): the same drafter with
+                    # per-slot top-1 separates the head's effect from what its training did to the drafter.
                     r = evaluate_arm(shared, systems[arm].drafter, Top1Selector(), prompts, max_new_tokens, temp,
                                      seed=seed, reference=reference)
                     rows.append(arm_row(bench, temp, f"{arm}_drafter_top1", r, target_tps))
