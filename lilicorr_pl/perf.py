@@ -603,6 +603,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
+    if options.penalty_error and dm.feature_cache:
+        # Exact candidate logits come from the online target, which offline features replace: refuse before any work.
+        raise UserInputError("--penalty_error compares the logit store with exact logits from the online target, but "
+                             "data.feature_cache: true runs without it; add --data.feature_cache=false")
     # The penalty check compares the store with exact logits, whatever the training run would read.
     dm.require_logit_cache(system.needs_target_logits, "lilicorr perf's distractor-penalty check (store vs exact)")
     dm.prepare_data()

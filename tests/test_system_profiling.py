@@ -40,3 +40,12 @@ def test_fit_profiles_each_phase_and_computes_diagnostics_once_per_step(tmp_path
     assert set(PHASES) <= set(result) and result["step_total"] > 0
     parts = sum(result[k] for k in (*PHASES, "other_forward", "backward", "optimizer"))
     assert parts == pytest.approx(result["step_total"], rel=0.2)
+
+
+def test_perf_penalty_error_refuses_offline_features_before_any_work(capsys):
+    """Exact logits need the online target: with the feature store on, the check stops in one line, up front."""
+    from conftest import user_error
+
+    err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--penalty_error", "true",
+                              "--data.feature_cache=true", "--steps", "1"])
+    assert "data.feature_cache: true" in err and "--data.feature_cache=false" in err
