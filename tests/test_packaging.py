@@ -58,7 +58,7 @@ def test_the_installed_package_resolves_the_demo_and_recipe_configs(wheel, tmp_p
         "import json, lilicorr_pl\n"
         "from lilicorr_pl.command import shipped_configs, shipped_config_path\n"
         "from lilicorr_pl.demo.run import ARMS, BASE_CONFIG, CONFIG_DIR\n"
-        "overlays = sorted({o for arm in ARMS.values() for o in arm[0]})\n"
+        "overlays = sorted({o for arm in ARMS.values() for o in arm.overlays})\n"
         "print(json.dumps({'package': lilicorr_pl.__file__, 'root': str(shipped_configs()),\n"
         "  'demo': [str(CONFIG_DIR / c) for c in [BASE_CONFIG, *overlays]],\n"
         "  'recipe': [shipped_config_path(f'configs/qwen3-8b/{c}.yaml') for c in ('base', 'lilicorr')]}))\n"
