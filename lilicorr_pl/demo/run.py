@@ -51,11 +51,12 @@ class Arm:
     with, and where its drafter starts. ``head_stage_of`` names the arm whose trained drafter this arm keeps
     frozen while only its head trains (``head_steps``, blocks drawn across 64 sequences per step from the
     feature and logit stores: ``configs/ablations/head_stage.yaml``); otherwise the arm continues the shared
-    stage jointly for ``steps``."""
+    stage jointly for ``steps``. An ``opt_in`` arm is trained and compared only when ``--arms`` names it."""
 
     overlays: tuple[str, ...]
     selector: str
     head_stage_of: str | None = None
+    opt_in: bool = False
 
 
 HEAD_STAGE = "ablations/head_stage.yaml"
@@ -68,10 +69,9 @@ ARMS = {
     "domino": Arm(("demo/arms/domino.yaml",), "domino"),
     "dspark": Arm(("demo/arms/dspark.yaml",), "dspark"),
     # Opt-in (--arms): the reference's joint recipe, drafter and head trained together from the shared stage.
-    "lilicorr_joint": Arm(("demo/arms/lilicorr.yaml",), "lilicorr"),
+    "lilicorr_joint": Arm(("demo/arms/lilicorr.yaml",), "lilicorr", opt_in=True),
 }
-OPT_IN_ARMS = frozenset({"lilicorr_joint"})  # trained and compared only when --arms names them
-DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in OPT_IN_ARMS)
+DEFAULT_ARMS = tuple(arm for arm, spec in ARMS.items() if not spec.opt_in)
 SETTINGS = {
     # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B);
     # a head-stage arm keeps its source arm's drafter and trains its head for head_steps on top.

@@ -253,17 +253,18 @@ def _row_chunks(logits: torch.Tensor, max_elements: int = 1 << 26) -> list[slice
     return [slice(i, i + step) for i in range(0, logits.shape[0], step)]
 
 
+_DIRECT_MAX_ELEMENTS = 1 << 22  # 16 MiB of fp32: a decoding round's [1, S, V] logits, even at V = 152k
+
+
 def candidate_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Drafter log-probabilities of ``ids`` ``[M, S, J]`` under ``logits`` ``[M, S, V]`` (fp32 or wider), with gradient.
 
-    Equals ``logits.float().log_softmax(-1).gather(-1, ids)`` but never materialises a full fp32 copy
-    of the logits.
+    Equals ``logits.float().log_softmax(-1).gather(-1, ids)``. With gradient, or for more than
+    ``_DIRECT_MAX_ELEMENTS`` logits, it never materialises a full fp32 copy of them; a small block without
+    gradient (a decoding round) takes that one fused op.
     """
     if not (torch.is_grad_enabled() and logits.requires_grad) and logits.numel() <= _DIRECT_MAX_ELEMENTS:
         # Nothing to save for backward and a small block (a decoding round): one fused op, no chunk loop.
         dtype = torch.promote_types(logits.dtype, torch.float32)
         return logits.to(dtype).log_softmax(dim=-1).gather(-1, ids)
     return _CandidateLogProbs.apply(logits, ids)
-
-
-_DIRECT_MAX_ELEMENTS = 1 << 22  # 16 MiB of fp32: a decoding round's [1, S, V] logits, even at V = 152k
