@@ -34,23 +34,17 @@ Decode = Literal["greedy", "viterbi"]
 DECODERS: tuple[str, ...] = get_args(Decode)
 
 
-def _walk(
-    start: torch.Tensor, pair: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _walk(start: torch.Tensor, pair: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Left-to-right walk: ``choose`` picks a candidate from the start row, then from the pair row
-    leaving the previous pick. Returns ``(path [M, S], rows [M, S, K])``, ``rows[:, s]`` the score row
-    slot ``s`` was chosen from. Only this ``K``-wide step is sequential over slots."""
+    leaving the previous pick. Returns the path ``[M, S]``. Only this ``K``-wide step is sequential over slots."""
     _check_scores(start, pair)
     blocks = torch.arange(start.shape[0], device=start.device)
-    row = start  # [M, K]
-    index = choose(row)  # [M]
-    path, rows = [index], [row]
+    index = choose(start)  # [M]
+    path = [index]
     for s in range(pair.shape[1]):
-        row = pair[blocks, s, index]  # the row leaving the current pick: [M, K]
-        index = choose(row)
+        index = choose(pair[blocks, s, index])  # from the row leaving the current pick: [M, K]
         path.append(index)
-        rows.append(row)
-    return torch.stack(path, dim=1), torch.stack(rows, dim=1)
+    return torch.stack(path, dim=1)
 
 
 def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
@@ -66,7 +60,7 @@ def greedy_walk(start: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[M, S]`` long: the chosen candidate rank at every slot.
     """
-    return _walk(start, pair, lambda row: row.argmax(dim=-1))[0]
+    return _walk(start, pair, lambda row: row.argmax(dim=-1))
 
 
 def sample_walk(start: torch.Tensor, pair: torch.Tensor, sampling: DraftSampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +92,7 @@ def sample_walk(start: torch.Tensor, pair: torch.Tensor, sampling: DraftSampling
         drawn.append(q)
         return index
 
-    path, _ = _walk(start, pair, choose)
+    path = _walk(start, pair, choose)
     return path, torch.stack(drawn, dim=1)
 
 

@@ -75,7 +75,8 @@ class _LatticeLayer(nn.Module):
         self.attn = _LatticeAttention(width, num_heads, dropout)
         self.mlp_norm = RMSNorm(width, eps=rms_norm_eps)
         self.mlp = _MLP(width, int(width * mlp_ratio), width)  # int(): the engines' rounding
-        self.resid_dropout = nn.Dropout(dropout)
+        # No dropout module at all when p = 0 (the recipe): one op less per residual in every decoding round.
+        self.resid_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         x = x + self.resid_dropout(self.attn(self.attn_norm(x), bias))
