@@ -464,6 +464,26 @@ def test_nodes_see_the_other_slots(embedding):
     assert not torch.allclose(lat.start, lat2.start)
 
 
+def test_residual_dropout_acts_only_in_training_and_costs_nothing_at_zero(embedding):
+    """With dropout the lattice transformer's residual branches are masked in training and not in eval; at the
+    recipe's p = 0 the head holds no dropout module at all (one op less per residual in every decoding round)."""
+    sh, sl, a, valid = _inputs()
+    dropped = _head(dropout=0.5)
+    assert sum(isinstance(m, nn.Dropout) for m in dropped.modules()) == 2
+    with torch.no_grad():
+        eval_scores = [dropped.score_lattice(sh, sl, a, valid, embedding).pair for _ in range(2)]
+        dropped.train()
+        torch.manual_seed(1)
+        train_scores = [dropped.score_lattice(sh, sl, a, valid, embedding).pair for _ in range(2)]
+    assert torch.equal(*eval_scores) and not torch.allclose(*train_scores)
+    plain = _head()
+    assert not any(isinstance(m, nn.Dropout) for m in plain.modules())
+    with torch.no_grad():
+        before = plain.score_lattice(sh, sl, a, valid, embedding).pair
+        after = plain.train().score_lattice(sh, sl, a, valid, embedding).pair
+    assert torch.equal(before, after)
+
+
 def test_build_validates_sizes_and_is_idempotent():
     head = LiLiCorrHead(top_k=8, hidden_size=16, num_heads=4, factor_dim=8)
     with pytest.raises(ValueError, match=r"top_k 8 is larger than the target vocabulary \(5 rows\)"):
