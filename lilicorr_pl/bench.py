@@ -90,7 +90,7 @@ def run_bench(
     if draft_sampling not in DRAFT_SAMPLING_CHOICES:
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_CHOICES}, got {draft_sampling!r}")
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
+    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
 
     system.eval()
     target = system._require_target()
@@ -101,7 +101,14 @@ def run_bench(
     warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
-        reference, target_tps = run_target_baseline(target, prompts, max_new_tokens, temp, seed=seed, timing=timing)
+        rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]
+        # Plain decoding and every selector (under each rule) interleaved prompt by prompt: drift slows them alike.
+        specs = {name: ArmSpec(system.drafter, selector, rules[0] if rules else "proposal")
+                 for name, selector in arms.items()}
+        specs.update({f"{name}@{rule}": ArmSpec(system.drafter, selector, rule)
+                      for rule in rules[1:] for name, selector in arms.items()})
+        reference, results = evaluate_arms(target, specs, prompts, max_new_tokens, temp, seed=seed, timing=timing)
+        target_tps = sum(len(r.tokens) for r in reference) / max(sum(r.total for r in reference), 1e-12)
         out: dict[str, Any] = {
             "benchmark": benchmark,
             "temperature": temp,
@@ -114,15 +121,13 @@ def run_bench(
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
             "synchronized_timing": timing,
+            "interleaved": True,
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
-        rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
-        for name, selector in arms.items():
-            r = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
-                             reference=reference, timing=timing,
-                             draft_sampling=rules[0] if rules else "proposal")
+        for name in arms:
+            r = results[name]
             out["selectors"][name] = {
                 "tau": r.tau,
                 "tokens_per_s": r.tokens_per_s,
@@ -143,8 +148,7 @@ def run_bench(
                 "num_tokens": r.num_tokens,
             }
             for rule in rules[1:]:  # the other rule, same prompts and seeds
-                o = evaluate_arm(target, system.drafter, selector, prompts, max_new_tokens, temp, seed=seed,
-                                 reference=reference, timing=timing, draft_sampling=rule)
+                o = results[f"{name}@{rule}"]
                 out["selectors"][name][rule] = {
                     "tau": o.tau,
                     "per_position_acceptance": o.per_position_acceptance,

@@ -179,12 +179,13 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
     import lilicorr_pl.decoding.evaluate as evaluate
 
     calls = []
-    real = evaluate.run_target_baseline
-    evaluate.run_target_baseline = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = evaluate.run_target_baseline, evaluate.evaluate_arms
+    evaluate.run_target_baseline = lambda *a, **k: calls.append(1) or real[0](*a, **k)
+    evaluate.evaluate_arms = lambda *a, **k: calls.append(1) or real[1](*a, **k)
     try:
         err = user_error(capsys, argv)
     finally:
-        evaluate.run_target_baseline = real
+        evaluate.run_target_baseline, evaluate.evaluate_arms = real
     assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
@@ -235,3 +236,52 @@ def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_ru
     assert r.draft_time_fraction == pytest.approx(r.draft_ms / r.round_ms)
     reference[1].tokens[-1] += 1  # a reference that differs in one token is not reproduced
     assert evaluate_arm(target, system.drafter, system.head, prompts, 10, reference=reference).lossless is False
+
+
+def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_time(tiny_run):
+    """Every variant decodes prompt i before any decodes i + 1, in an order rotated per prompt, with the same
+    seeds as evaluate_arm -- so interleaving changes when an arm runs, never what it generates."""
+    import lilicorr_pl.decoding.evaluate as evaluate
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.heads import Top1Selector
+
+    system = tiny_run[0].model
+    target = system.target
+    prompts = load_prompts("stdlib-heldout", target.tokenizer, 4, prefix_tokens=32)
+    top1 = Top1Selector()
+    specs = {"head": evaluate.ArmSpec(system.drafter, system.head),
+             "top1": evaluate.ArmSpec(system.drafter, top1),
+             "head_pm": evaluate.ArmSpec(system.drafter, system.head, "point_mass")}
+    names = {(id(system.head), "proposal"): "head", (id(top1), "proposal"): "top1",
+             (id(system.head), "point_mass"): "head_pm"}
+    calls: list[tuple[int, str]] = []
+    prompt_of = {tuple(ids.tolist() if hasattr(ids, "tolist") else ids): i for i, ids in enumerate(prompts.input_ids)}
+
+    def key(ids):
+        return prompt_of[tuple(ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+    real_spec, real_plain = evaluate.speculative_generate, evaluate.target_generate
+    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
+        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
+    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
+    try:
+        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5)
+    finally:
+        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
+    order = ["plain", "head", "top1", "head_pm"]
+    expected = [(i, order[(i + j) % 4]) for i in range(4) for j in range(4)]
+    assert calls == expected
+    assert list(results) == ["head", "top1", "head_pm"] and len(plain) == 4
+    for name, spec in specs.items():
+        one = evaluate.evaluate_arm(target, spec.drafter, spec.selector, prompts, 10, temperature=1.0, seed=5,
+                                    draft_sampling=spec.draft_sampling)
+        r = results[name]
+        assert r.per_prompt_tau == pytest.approx(one.per_prompt_tau, nan_ok=True) and r.histogram == one.histogram
+        assert sum(r.per_prompt_tokens) == r.num_tokens == one.num_tokens
+        assert sum(r.per_prompt_seconds) == pytest.approx(r.seconds) and all(s > 0 for s in r.per_prompt_seconds)
+        assert r.plain_step_ms == pytest.approx(evaluate.plain_step_ms(plain))
+    base = evaluate.run_target_baseline(target, prompts, 10, temperature=1.0, seed=5)[0]
+    assert [r.tokens for r in plain] == [r.tokens for r in base]  # the plain run keeps its seeds too
+    # At T = 0 the plain results are the reference: every arm is lossless against them.
+    plain0, results0 = evaluate.evaluate_arms(target, {"head": specs["head"]}, prompts, 10)
+    assert results0["head"].lossless is True and results0["head"].draft_sampling is None

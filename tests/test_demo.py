@@ -55,6 +55,19 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
             assert r["ratio_to_dflash"] == pytest.approx(1.0) and r["ci_low"] == pytest.approx(1.0)
         if r["tokens_per_s"] is not None:
             assert r["speedup_vs_target"] == pytest.approx(r["tokens_per_s"] / r["target_tokens_per_s"])
+            # Timed interleaved with plain decoding: per-prompt times give intervals on the tokens/s ratios,
+            # computed from those times (the pooled value, then a paired bootstrap around it).
+            assert len(r["per_prompt_seconds"]) == len(r["per_prompt_tokens"]) == len(r["per_prompt_rounds"])
+            assert r["tokens_per_s"] == pytest.approx(sum(r["per_prompt_tokens"]) / sum(r["per_prompt_seconds"]))
+            ref = next(x for x in rows if x["arm"] == "dflash" and x["benchmark"] == r["benchmark"]
+                       and x["temperature"] == r["temperature"])
+            assert r["tokens_per_s_ratio_to_dflash"] == pytest.approx(r["tokens_per_s"] / ref["tokens_per_s"])
+            assert r["tps_ci_low"] <= r["tokens_per_s_ratio_to_dflash"] <= r["tps_ci_high"]
+            assert r["speedup_ci_low"] <= r["speedup_vs_target"] <= r["speedup_ci_high"]
+            if r["arm"] == "dflash":
+                assert (r["tps_ci_low"], r["tps_ci_high"]) == pytest.approx((1.0, 1.0))
+            else:
+                assert r["tps_ci_low"] < r["tps_ci_high"]  # measured times differ: never a constant
     for bench in ("humaneval", "stdlib-heldout"):
         tau = {r["arm"]: r["tau"] for r in rows if r["benchmark"] == bench and r["temperature"] == 0.0}
         assert tau["oracle"] + 1e-9 >= tau["lilicorr"] or math.isclose(tau["oracle"], tau["lilicorr"])

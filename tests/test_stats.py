@@ -44,3 +44,28 @@ def test_interval_matches_the_exact_resampling_distribution():
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="same, non-empty prompt set"):
         bootstrap_ratio([1.0], [1], [1.0, 2.0], [1, 1])
+
+
+def test_tokens_per_second_ratio_pools_by_seconds_and_pairs_prompts():
+    """tokens/s of an arm is Σ tokens / Σ seconds: a slow prompt weighs by its time, not as one of n rates."""
+    from lilicorr_pl.decoding.stats import bootstrap_ratio_of_sums
+
+    # Arm a: 10 tokens in 1 s, 10 tokens in 4 s -> 20 / 5 = 4 tok/s (the mean of rates would say 6.25).
+    # Arm b: 10 tokens in 2 s on both prompts -> 5 tok/s. Ratio 0.8.
+    tokens, a_sec, b_sec = [10, 10], [1.0, 4.0], [2.0, 2.0]
+    ratio, low, high = bootstrap_ratio_of_sums(tokens, a_sec, tokens, b_sec, num_resamples=20000, seed=3)
+    assert ratio == pytest.approx(0.8)
+    # Resample 00 -> (20/2)/(20/4) = 2.0; 11 -> (20/8)/(20/4) = 0.5; 01/10 -> 0.8: the interval is [0.5, 2.0].
+    assert low == pytest.approx(0.5) and high == pytest.approx(2.0)
+    # A prompt that is uniformly 3x faster in arm a on every prompt: the interval collapses onto 3.
+    assert bootstrap_ratio_of_sums([8, 30, 12], [1, 2, 3], [8, 30, 12], [3, 6, 9]) == pytest.approx((3.0, 3.0, 3.0))
+    with pytest.raises(ValueError, match="same, non-empty prompt set"):
+        bootstrap_ratio_of_sums([1], [1.0], [1, 2], [1.0, 1.0])
+
+
+def test_a_prompt_without_rounds_commits_nothing_instead_of_poisoning_the_pool():
+    # τ is undefined (NaN) on a prompt with no verify round: it counts as 0 tokens over 0 rounds, and a
+    # resample made only of such prompts (no round at all: no τ) is left out of the interval.
+    ratio, low, high = bootstrap_ratio([2.0, math.nan], [10, 0], [1.0, 1.0], [10, 10], num_resamples=500)
+    assert ratio == pytest.approx(2.0)  # (20 / 10) / (20 / 20)
+    assert (low, high) == pytest.approx((2.0, 2.0))  # 00, 01, 10 all give 2; 11 has no round in a

@@ -9,7 +9,7 @@ result so callers can sum them across processes and recompute every statistic ex
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from lilicorr_pl.decoding.speculative import (
     target_generate,
 )
 
-__all__ = ["ArmResult", "evaluate_arm", "plain_step_ms", "run_target_baseline", "summarize", "warmup"]
+__all__ = ["ArmResult", "ArmSpec", "evaluate_arm", "evaluate_arms", "plain_step_ms", "run_target_baseline", "summarize", "warmup"]
 
 
 @dataclass
@@ -52,6 +52,9 @@ class ArmResult:
     per_prompt_tau: list[float] = field(default_factory=list)
     per_prompt_rounds: list[int] = field(default_factory=list)
     """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
+    per_prompt_tokens: list[int] = field(default_factory=list)
+    per_prompt_seconds: list[float] = field(default_factory=list)
+    """Generated tokens and end-to-end seconds of each prompt: pooled tokens/s on any subset (bootstrap)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
     """``{"prompt": text tail, "prompt_index": i, "rounds": [...]}`` for the first recorded prompts;
     each round as :attr:`GenerationResult.rounds` (token ids)."""
@@ -148,6 +151,15 @@ def warmup(target: Any, drafter: Any, selectors: Sequence[Any], prompts: PromptS
         speculative_generate(target, drafter, selector, ids, max_new_tokens, stop_token_ids=[])
 
 
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm of :func:`evaluate_arms`: the drafter, the selector and (T > 0) the acceptance rule it decodes with."""
+
+    drafter: Any
+    selector: Any
+    draft_sampling: DraftSamplingRule = "proposal"
+
+
 def evaluate_arm(
     target: Any,
     drafter: Any,
@@ -178,33 +190,83 @@ def evaluate_arm(
     """
     if reference is not None and len(reference) != len(prompts.input_ids):
         raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
-    # Process-local: callers that shard prompts over ranks sum the histograms themselves.
-    metric = AcceptanceMetrics(num_slots=drafter.num_slots, sync_on_compute=False)
-    metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
-    draft = head = verify = bookkeeping = 0.0
-    rounds = 0
-    per_prompt: list[float] = []
-    per_prompt_rounds: list[int] = []
-    examples: list[dict[str, Any]] = []
-    lossless = True if (reference is not None and temperature == 0) else None
-    for i, ids in enumerate(prompts.input_ids):
-        recording = i < record_examples
-        r = speculative_generate(
+    results = [
+        speculative_generate(
             target, drafter, selector, ids, max_new_tokens, temperature=temperature,
-            generator=_generator(target, seed + i), record_rounds=record_rounds if recording else 0,
+            generator=_generator(target, seed + i), record_rounds=record_rounds if i < record_examples else 0,
             timing=timing, draft_sampling=draft_sampling, stop_token_ids=stop_token_ids,
         )
+        for i, ids in enumerate(prompts.input_ids)
+    ]
+    return _arm_result(results, prompts, drafter.num_slots, temperature, draft_sampling, reference, record_examples)
+
+
+def evaluate_arms(
+    target: Any,
+    arms: Mapping[str, ArmSpec],
+    prompts: PromptSet,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    timing: bool = False,
+    stop_token_ids: Sequence[int] | None = None,
+) -> tuple[list[GenerationResult], dict[str, ArmResult]]:
+    """Plain decoding and every arm, **interleaved**: all of them decode prompt ``i`` before any decodes
+    prompt ``i + 1``, in an order rotated by one place per prompt.
+
+    A machine whose speed drifts over minutes (shared cores, thermal limits) then slows every arm alike, so
+    tokens/s ratios between arms, and to plain decoding, measure the arms rather than the moment each ran;
+    the per-prompt times (``per_prompt_seconds``) are paired across arms for a bootstrap interval. Every
+    arm and the plain run of prompt ``i`` draw from the same seed ``seed + i``, as in :func:`evaluate_arm`.
+
+    Returns:
+        The plain-decoding results (the reference: ``lossless`` and ``plain_step_ms`` of every arm come from
+        them) and one :class:`ArmResult` per arm, in ``arms``' order.
+    """
+    plain: list[GenerationResult] = []
+    results: dict[str, list[GenerationResult]] = {name: [] for name in arms}
+    order: list[str | None] = [None, *arms]  # None: plain decoding (an arm may be called anything)
+    for i, ids in enumerate(prompts.input_ids):
+        shift = i % len(order)
+        for name in order[shift:] + order[:shift]:
+            generator = _generator(target, seed + i)
+            if name is None:
+                plain.append(target_generate(target, ids, max_new_tokens, temperature=temperature,
+                                             stop_token_ids=stop_token_ids, generator=generator, timing=timing))
+                continue
+            spec = arms[name]
+            results[name].append(speculative_generate(
+                target, spec.drafter, spec.selector, ids, max_new_tokens, temperature=temperature,
+                generator=generator, timing=timing, draft_sampling=spec.draft_sampling, stop_token_ids=stop_token_ids,
+            ))
+    return plain, {
+        name: _arm_result(results[name], prompts, spec.drafter.num_slots, temperature, spec.draft_sampling, plain)
+        for name, spec in arms.items()
+    }
+
+
+def _arm_result(
+    results: Sequence[GenerationResult],
+    prompts: PromptSet,
+    num_slots: int,
+    temperature: float,
+    draft_sampling: DraftSamplingRule,
+    reference: Sequence[GenerationResult] | None,
+    record_examples: int = 0,
+) -> ArmResult:
+    """Pool one arm's per-prompt results (in prompt order) into its :class:`ArmResult`."""
+    # Process-local: callers that shard prompts over ranks sum the histograms themselves.
+    metric = AcceptanceMetrics(num_slots=num_slots, sync_on_compute=False)
+    metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
+    lossless = True if (reference is not None and temperature == 0) else None
+    for i, r in enumerate(results):
         metric.update(r.accepted_lengths, num_tokens=len(r.tokens), seconds=r.total)
-        draft, head, verify = draft + r.draft, head + r.head, verify + r.verify
-        bookkeeping += r.bookkeeping
-        rounds += r.num_rounds
-        per_prompt.append(r.tau if r.num_rounds else math.nan)
-        per_prompt_rounds.append(int(r.num_rounds))
         if lossless and r.tokens != reference[i].tokens:  # type: ignore[index]
             lossless = False
-        if recording:
-            examples.append({"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds})
     out = metric.compute()
+    draft, head = sum(r.draft for r in results), sum(r.head for r in results)
+    verify, bookkeeping = sum(r.verify for r in results), sum(r.bookkeeping for r in results)
+    rounds = sum(r.num_rounds for r in results)
     busy = draft + head + verify + bookkeeping
 
     def per_round_ms(seconds: float) -> float:
@@ -223,9 +285,12 @@ def evaluate_arm(
         draft_time_fraction=draft / busy if busy > 0 else math.nan,
         lossless=lossless,
         draft_sampling=draft_sampling if temperature > 0 else None,
-        per_prompt_tau=per_prompt,
-        per_prompt_rounds=per_prompt_rounds,
-        examples=examples,
+        per_prompt_tau=[r.tau if r.num_rounds else math.nan for r in results],
+        per_prompt_rounds=[int(r.num_rounds) for r in results],
+        per_prompt_tokens=[len(r.tokens) for r in results],
+        per_prompt_seconds=[float(r.total) for r in results],
+        examples=[{"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds}
+                  for i, r in enumerate(results[:record_examples])],
         round_ms=round_ms,
         draft_ms=per_round_ms(draft),
         head_ms=per_round_ms(head),

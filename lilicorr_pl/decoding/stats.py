@@ -1,4 +1,4 @@
-"""Error bars for acceptance comparisons: paired bootstrap over prompts of a ratio of pooled τ.
+"""Error bars for arm comparisons: paired bootstrap over prompts of a ratio of pooled τ (or tokens/s).
 
 τ of an arm on a prompt set is pooled (committed tokens over verify rounds, bonus token included), so
 a prompt with many rounds weighs more than one with few. Two arms decode the same prompts, so the
@@ -35,16 +35,41 @@ def bootstrap_ratio(
     """
     if not (len(tau_a) == len(rounds_a) == len(tau_b) == len(rounds_b)) or not len(tau_a):
         raise ValueError("bootstrap_ratio needs per-prompt τ and rounds of both arms on the same, non-empty prompt set")
+
+    def committed(tau: Sequence[float], rounds: Sequence[int]) -> torch.Tensor:
+        # τ_i · rounds_i tokens; a prompt with no round (τ undefined) committed none.
+        t, r = torch.as_tensor(tau, dtype=torch.float64), torch.as_tensor(rounds, dtype=torch.float64)
+        return torch.where(r > 0, t * r, torch.zeros_like(r))
+
+    return bootstrap_ratio_of_sums(committed(tau_a, rounds_a), rounds_a, committed(tau_b, rounds_b), rounds_b,
+                                   num_resamples=num_resamples, confidence=confidence, seed=seed)
+
+
+def bootstrap_ratio_of_sums(
+    num_a: Sequence[float],
+    den_a: Sequence[float],
+    num_b: Sequence[float],
+    den_b: Sequence[float],
+    num_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """``(Σ num_a / Σ den_a) / (Σ num_b / Σ den_b)`` and its paired percentile bootstrap interval.
+
+    The pooled quantity of each arm is a ratio of sums over prompts -- τ (committed tokens / rounds), tokens/s
+    (tokens / seconds) -- so a prompt weighs by its denominator. Each replicate resamples prompt indices once and
+    recomputes both arms on that resample (paired). Returns ``(ratio, low, high)``.
+    """
+    if not (len(num_a) == len(den_a) == len(num_b) == len(den_b)) or not len(num_a):
+        raise ValueError("a paired bootstrap needs both arms' per-prompt values on the same, non-empty prompt set")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-    ta, ra = torch.as_tensor(tau_a, dtype=torch.float64), torch.as_tensor(rounds_a, dtype=torch.float64)
-    tb, rb = torch.as_tensor(tau_b, dtype=torch.float64), torch.as_tensor(rounds_b, dtype=torch.float64)
-    ratio = pooled_tau(ta, ra) / pooled_tau(tb, rb)
+    na, da, nb, db = (torch.as_tensor(x, dtype=torch.float64) for x in (num_a, den_a, num_b, den_b))
+    ratio = (na.sum() / da.sum()) / (nb.sum() / db.sum())
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(ta), (num_resamples, len(ta)), generator=g)  # [R, n] prompt indices
-    num_a, den_a = (ta * ra)[idx].sum(1), ra[idx].sum(1)
-    num_b, den_b = (tb * rb)[idx].sum(1), rb[idx].sum(1)
-    samples = (num_a / den_a) / (num_b / den_b)  # [R]
+    idx = torch.randint(0, len(na), (num_resamples, len(na)), generator=g)  # [R, n] prompt indices
+    samples = (na[idx].sum(1) / da[idx].sum(1)) / (nb[idx].sum(1) / db[idx].sum(1))  # [R]
     alpha = (1 - confidence) / 2
-    low, high = torch.quantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
+    # A replicate whose denominator is 0 (only prompts without a round) has no ratio: it is left out.
+    low, high = torch.nanquantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return float(ratio), float(low), float(high)

@@ -79,9 +79,9 @@ SETTINGS = {
     "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, base_steps=60, steps=40,
                   head_steps=60, bench_prompts=6, bench_new_tokens=32),
     # full head_steps, chosen on 40 training-side prompts (stdlib-train): the head stage on the dflash arm's drafter
-    # reached tau 4.26 after 480 steps and 4.61 after 1,500 (its drafter's top-1: 3.95); 1,200 keeps the run in budget.
+    # reached tau 4.26 after 480 steps, 4.41 after 1,200 and 4.61 after 1,500 (its drafter's top-1: 3.95).
     "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=600, steps=240,
-                 head_steps=1200, bench_prompts=40, bench_new_tokens=32),
+                 head_steps=1500, bench_prompts=40, bench_new_tokens=32),
 }
 ArmName = Literal[tuple(ARMS)]  # type: ignore[valid-type]
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
@@ -343,7 +343,7 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
-             f"{'speedup':>8} {'round/step':>10} {'head%':>6}"]
+             f"{'tok/s vs dflash [95% CI]':>24} {'speedup':>8} {'round/step':>10} {'head%':>6}"]
     for r in rows:
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"
         sp = "-" if r.get("speedup_vs_target") is None else f"{r['speedup_vs_target']:.2f}x"
@@ -351,8 +351,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         rc = "-" if r.get("round_cost_ratio") is None else f"{r['round_cost_ratio']:.2f}"
         ci = "-" if r.get("ratio_to_dflash") is None else (
             f"{r['ratio_to_dflash']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+        tci = "-" if r.get("tokens_per_s_ratio_to_dflash") is None else (
+            f"{r['tokens_per_s_ratio_to_dflash']:.3f} [{r['tps_ci_low']:.3f}, {r['tps_ci_high']:.3f}]")
         lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {ci:>22} {tps:>8} "
-                     f"{sp:>8} {rc:>10} {hf:>6}")
+                     f"{tci:>24} {sp:>8} {rc:>10} {hf:>6}")
     return "\n".join(lines)
 
 
@@ -542,25 +544,45 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
         "lossless": r.lossless, "draft_sampling": r.draft_sampling, "target_tokens_per_s": target_tps,
         "per_prompt_tau": r.per_prompt_tau, "per_prompt_rounds": r.per_prompt_rounds,
+        "per_prompt_tokens": r.per_prompt_tokens, "per_prompt_seconds": r.per_prompt_seconds,
         # Measured cost of one speculative round, split, and in plain decoding steps of the same run.
         "round_cost_ratio": r.round_cost_ratio, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms,
         "verify_ms": r.verify_ms, "bookkeeping_ms": r.bookkeeping_ms, "plain_step_ms": r.plain_step_ms,
     }
 
 
-def add_ratio_intervals(rows: list[dict[str, Any]], seed: int = 0) -> None:
-    """``ratio_to_dflash`` with a paired bootstrap 95 % interval (``ci_low``/``ci_high``) on every row that has
-    per-prompt data and a dflash row on the same benchmark and temperature."""
-    from lilicorr_pl.decoding.stats import bootstrap_ratio
+def add_ratio_intervals(rows: list[dict[str, Any]], plain: dict[tuple[str, float], dict[str, list[float]]] | None = None,
+                        seed: int = 0) -> None:
+    """Paired bootstrap 95 % intervals over prompts, on every row with per-prompt data:
+
+    - τ: ``ratio_to_dflash`` with ``ci_low``/``ci_high`` (pooled τ against the dflash row of the same benchmark
+      and temperature);
+    - tokens/s (rows with per-prompt times): ``tokens_per_s_ratio_to_dflash`` with ``tps_ci_low``/``tps_ci_high``,
+      and, given ``plain`` (``{(benchmark, temperature): {"tokens": [...], "seconds": [...]}}``, plain decoding of
+      the same prompts), ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target``. The arms were
+      timed interleaved (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`), so the pairs share the moment.
+    """
+    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums
 
     reference = {(r["benchmark"], r["temperature"]): r for r in rows if r["arm"] == "dflash"}
     for r in rows:
-        ref = reference.get((r["benchmark"], r["temperature"]))
-        if ref is None or not r.get("per_prompt_rounds"):
-            continue
-        ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
-                                           ref["per_prompt_rounds"], num_resamples=RESAMPLES, seed=seed)
-        r.update(ratio_to_dflash=ratio, ci_low=low, ci_high=high)
+        key = (r["benchmark"], r["temperature"])
+        ref = reference.get(key)
+        timed = bool(r.get("per_prompt_seconds"))
+        if ref is not None and r.get("per_prompt_rounds"):
+            ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
+                                               ref["per_prompt_rounds"], num_resamples=RESAMPLES, seed=seed)
+            r.update(ratio_to_dflash=ratio, ci_low=low, ci_high=high)
+        if ref is not None and timed and ref.get("per_prompt_seconds"):
+            ratio, low, high = bootstrap_ratio_of_sums(
+                r["per_prompt_tokens"], r["per_prompt_seconds"], ref["per_prompt_tokens"], ref["per_prompt_seconds"],
+                num_resamples=RESAMPLES, seed=seed)
+            r.update(tokens_per_s_ratio_to_dflash=ratio, tps_ci_low=low, tps_ci_high=high)
+        if plain is not None and key in plain and timed:
+            _, low, high = bootstrap_ratio_of_sums(
+                r["per_prompt_tokens"], r["per_prompt_seconds"], plain[key]["tokens"], plain[key]["seconds"],
+                num_resamples=RESAMPLES, seed=seed)
+            r.update(speedup_ci_low=low, speedup_ci_high=high)
 
 
 def arm_selector(arm: str, system: Any) -> Any:
@@ -572,9 +594,14 @@ def arm_selector(arm: str, system: Any) -> Any:
 
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
                    prefix_tokens: int, seed: int) -> list[dict[str, Any]]:
-    """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0."""
+    """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0.
+
+    At each benchmark and temperature, plain decoding and every decoded variant (each arm; at T > 0 each arm again
+    under the point-mass rule; at T = 0 each jointly trained arm's drafter with top-1) run interleaved, prompt by
+    prompt (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`): the machine's drift over minutes slows them alike.
+    """
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline, warmup
+    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
     from lilicorr_pl.heads.top1 import Top1Selector
     from lilicorr_pl.system import DraftSystem
 
@@ -589,35 +616,40 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
         systems[arm] = system.eval()
     tokenizer = shared.tokenizer
     rows: list[dict[str, Any]] = []
+    plain: dict[tuple[str, float], dict[str, list[float]]] = {}
     for bench in ("humaneval", "stdlib-heldout"):
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
         for arm, system in systems.items():
             warmup(shared, system.drafter, [arm_selector(arm, system)], prompts)
         for temp in temperatures:
-            reference, target_tps = run_target_baseline(shared, prompts, max_new_tokens, temp, seed=seed)
-            log(f"   {bench} T={temp:g} plain target decoding: {target_tps:.1f} tok/s")
-            for arm, system in systems.items():
-                selector = arm_selector(arm, system)
-                r = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
-                                 seed=seed, reference=reference)
-                row = arm_row(bench, temp, arm, r, target_tps)
+            specs = {arm: ArmSpec(system.drafter, arm_selector(arm, system)) for arm, system in systems.items()}
+            if temp > 0:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
+                specs.update({f"{arm}@point_mass": ArmSpec(system.drafter, arm_selector(arm, system), "point_mass")
+                              for arm, system in systems.items()})
+            else:
+                # A head trained with its own drafter (domino, dspark, lilicorr_joint): the same drafter with
+                # per-slot top-1 separates the head's effect from what its training did to the drafter.
+                specs.update({f"{arm}_drafter_top1": ArmSpec(system.drafter, Top1Selector())
+                              for arm, system in systems.items()
+                              if ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None})
+            reference, results = evaluate_arms(shared, specs, prompts, max_new_tokens, temp, seed=seed)
+            plain_tokens, plain_seconds = [len(r.tokens) for r in reference], [float(r.total) for r in reference]
+            target_tps = sum(plain_tokens) / sum(plain_seconds)
+            plain[(bench, temp)] = {"tokens": plain_tokens, "seconds": plain_seconds}
+            log(f"   {bench} T={temp:g} plain target decoding: {target_tps:.1f} tok/s (every arm interleaved with it)")
+            for name, r in results.items():
+                if name.endswith("@point_mass"):
+                    continue
+                row = arm_row(bench, temp, name, r, target_tps)
                 note = ""
-                if temp > 0:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
-                    pm = evaluate_arm(shared, system.drafter, selector, prompts, max_new_tokens, temp,
-                                      seed=seed, reference=reference, draft_sampling="point_mass")
+                pm = results.get(f"{name}@point_mass")
+                if pm is not None:
                     row.update(tau_point_mass=pm.tau, per_position_acceptance_point_mass=pm.per_position_acceptance)
                     note = f" (point-mass rule: tau {pm.tau:.2f})"
                 rows.append(row)
-                log(f"   {bench} T={temp:g} {arm}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
+                log(f"   {bench} T={temp:g} {name}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
-            for arm in systems:
-                if temp == 0 and ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None:
-                    # A head trained with its own drafter (domino, dspark, lilicorr_joint): the same drafter with
-                    # per-slot top-1 separates the head's effect from what its training did to the drafter.
-                    r = evaluate_arm(shared, systems[arm].drafter, Top1Selector(), prompts, max_new_tokens, temp,
-                                     seed=seed, reference=reference)
-                    rows.append(arm_row(bench, temp, f"{arm}_drafter_top1", r, target_tps))
             lattice_arm = next((a for a in systems if ARMS[a].selector == "lilicorr"), None)
             if temp == 0 and lattice_arm is not None:
                 lil = systems[lattice_arm]
@@ -627,5 +659,5 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                              "per_position_acceptance": o["per_position_acceptance"],
                              "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
                 log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, {lattice_arm} drafter): tau {o['tau']:.2f}")
-    add_ratio_intervals(rows, seed=seed)
+    add_ratio_intervals(rows, plain, seed=seed)
     return rows
