@@ -86,6 +86,8 @@ class AcceptanceEval(L.Callback):
             raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
         if temperature < 0:
             raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
+        if table_rows < 0:
+            raise ValueError(f"AcceptanceEval table_rows must be >= 0 (0: no table), got {table_rows}")
         if draft_sampling not in DRAFT_SAMPLING_RULES:
             raise ValueError(
                 f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}"

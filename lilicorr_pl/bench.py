@@ -108,7 +108,8 @@ def run_bench(
         specs.update({f"{name}@{rule}": ArmSpec(system.drafter, selector, rule)
                       for rule in rules[1:] for name, selector in arms.items()})
         reference, results = evaluate_arms(target, specs, prompts, max_new_tokens, temp, seed=seed, timing=timing)
-        target_tps = sum(len(r.tokens) for r in reference) / max(sum(r.total for r in reference), 1e-12)
+        plain_seconds = sum(r.total for r in reference)
+        target_tps = sum(len(r.tokens) for r in reference) / plain_seconds if plain_seconds > 0 else math.nan
         out: dict[str, Any] = {
             "benchmark": benchmark,
             "temperature": temp,

@@ -319,6 +319,7 @@ def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
         ({"every_n_train_steps": None, "on_validation_end": False}, "never run"),
         ({"temperature": -1.0}, "temperature"),
         ({"draft_sampling": "sampled"}, "draft_sampling must be one of"),
+        ({"table_rows": -1}, "table_rows must be >= 0"),
     ],
 )
 def test_rejects_bad_settings(kwargs, message):

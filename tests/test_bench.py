@@ -179,13 +179,12 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
     import lilicorr_pl.decoding.evaluate as evaluate
 
     calls = []
-    real = evaluate.run_target_baseline, evaluate.evaluate_arms
-    evaluate.run_target_baseline = lambda *a, **k: calls.append(1) or real[0](*a, **k)
-    evaluate.evaluate_arms = lambda *a, **k: calls.append(1) or real[1](*a, **k)
+    real = evaluate.evaluate_arms  # every decoding of `bench` goes through it
+    evaluate.evaluate_arms = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         err = user_error(capsys, argv)
     finally:
-        evaluate.run_target_baseline, evaluate.evaluate_arms = real
+        evaluate.evaluate_arms = real
     assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"

@@ -1,6 +1,7 @@
 """Real speculative acceptance on a prompt set: one code path for the callback, ``bench`` and the demo.
 
-Every arm (selector) decodes the same prompts with the same drafter; τ always includes the target's
+Every arm (a drafter and a selector) decodes the same prompts, one arm at a time (:func:`evaluate_arm`) or
+interleaved with plain decoding prompt by prompt (:func:`evaluate_arms`); τ always includes the target's
 bonus token. The raw counts (accepted-length histogram, generated tokens, seconds) are kept in the
 result so callers can sum them across processes and recompute every statistic exactly with
 :func:`summarize`.
@@ -290,7 +291,7 @@ def _arm_result(
         per_prompt_tokens=[len(r.tokens) for r in results],
         per_prompt_seconds=[float(r.total) for r in results],
         examples=[{"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds}
-                  for i, r in enumerate(results[:record_examples])],
+                  for i, r in enumerate(results[:max(record_examples, 0)])],
         round_ms=round_ms,
         draft_ms=per_round_ms(draft),
         head_ms=per_round_ms(head),

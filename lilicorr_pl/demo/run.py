@@ -635,7 +635,7 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                               if ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None})
             reference, results = evaluate_arms(shared, specs, prompts, max_new_tokens, temp, seed=seed)
             plain_tokens, plain_seconds = [len(r.tokens) for r in reference], [float(r.total) for r in reference]
-            target_tps = sum(plain_tokens) / sum(plain_seconds)
+            target_tps = sum(plain_tokens) / sum(plain_seconds) if sum(plain_seconds) > 0 else math.nan
             plain[(bench, temp)] = {"tokens": plain_tokens, "seconds": plain_seconds}
             log(f"   {bench} T={temp:g} plain target decoding: {target_tps:.1f} tok/s (every arm interleaved with it)")
             for name, r in results.items():
