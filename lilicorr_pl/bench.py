@@ -78,6 +78,7 @@ def run_bench(
     seed: int = 0,
     timing: bool = False,
     draft_sampling: str = "both",
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
@@ -95,6 +96,10 @@ def run_bench(
     system.eval()
     target = system._require_target()
     arms = {name: selector_for(name, system) for name in selectors}
+    if compile:  # every selector or none: compiling one arm's head alone would favour it
+        from lilicorr_pl.decoding.compiled import compile_selectors
+
+        arms = compile_selectors(arms)
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed)
     check_context(prompts, max_new_tokens, target)
@@ -123,6 +128,7 @@ def run_bench(
             "tau_includes_bonus_token": True,
             "synchronized_timing": timing,
             "interleaved": True,
+            "compiled_selectors": compile,
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
@@ -244,6 +250,7 @@ def bench(
     seed: int = 0,
     output: str | None = None,
     plot: str | None = None,
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
 
@@ -270,6 +277,8 @@ def bench(
         seed: sampling and prompt-selection seed.
         output: write results JSON here (one temperature: the run; several: {"runs": [...]}).
         plot: directory for per-position acceptance PNGs.
+        compile: run every selector through torch.compile (all of them, top1 included), as the serving
+            engines run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
     """
     from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
 
@@ -289,7 +298,11 @@ def bench(
             )
         check_output_paths(output, plot)
         check_device(device)
-    except (ValueError, FileNotFoundError) as err:
+        if compile:
+            from lilicorr_pl.decoding.compiled import check_compile_available
+
+            check_compile_available(device)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
         raise UserInputError(str(err)) from None
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserInputError(f"--temperature values must be finite and >= 0, got {temperatures}")
@@ -314,7 +327,7 @@ def bench(
             system, benchmark, names, temperatures, num_prompts, max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
             timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
-            draft_sampling=draft_sampling,
+            draft_sampling=draft_sampling, compile=compile,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None

@@ -106,6 +106,23 @@ def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_p
         assert run["num_prompts"] == 2 and run["chat_template"] is False  # raw prompts stay raw
 
 
+def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run, tmp_path):
+    """--compile: the same τ and histograms as eager (same drafts), recorded in the JSON."""
+    _, ckpt = tiny_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):\n", "import os\nclass Path:\n")))
+    args = ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "2", "--max-new-tokens",
+            "12", "--temperature", "0", "1.0", "--selectors", "top1,lilicorr", "--draft_sampling", "both"]
+    eager, compiled = cli_main(args), cli_main([*args, "--compile", "true"])
+    for e, c in zip(eager, compiled):
+        assert e["compiled_selectors"] is False and c["compiled_selectors"] is True
+        for name in ("top1", "lilicorr"):
+            assert c["selectors"][name]["histogram"] == e["selectors"][name]["histogram"]
+            assert c["selectors"][name]["tau"] == e["selectors"][name]["tau"]
+            if e["temperature"] > 0:
+                assert c["selectors"][name]["point_mass"]["histogram"] == e["selectors"][name]["point_mass"]["histogram"]
+
+
 def write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -264,10 +281,28 @@ def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_tim
         calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
     evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
     try:
-        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5)
+        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5, warmup_tokens=0)
     finally:
         evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
     order = ["plain", "head", "top1", "head_pm"]
+    # The default warm-up: every variant once, untimed, on the first prompt, before the interleaved loop.
+    calls.clear()
+    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
+        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
+    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
+    try:
+        evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5)
+    finally:
+        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
+    assert calls[:4] == [(0, name) for name in order] and len(calls) == 4 + 16
+    calls.clear()
+    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
+        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
+    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
+    try:
+        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5, warmup_tokens=0)
+    finally:
+        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
     expected = [(i, order[(i + j) % 4]) for i in range(4) for j in range(4)]
     assert calls == expected
     assert list(results) == ["head", "top1", "head_pm"] and len(plain) == 4

@@ -27,6 +27,16 @@ def demo(tmp_path, *extra: str) -> dict:
 def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(tmp_path, capsys):
     result = demo(tmp_path, "--temperatures", "0", "1")
     assert result["tau_includes_bonus_token"] is True
+    # The heads were benchmarked through torch.compile where this machine can compile (a C++ compiler), and the
+    # JSON says which; the comparison is keyed by it.
+    from lilicorr_pl.decoding.compiled import check_compile_available
+
+    try:
+        check_compile_available()
+        can_compile = True
+    except RuntimeError:
+        can_compile = False
+    assert result["settings"]["compile"] is can_compile
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
     rows = result["results"]

@@ -206,3 +206,31 @@ def test_fp32_muon_takes_torch_muons_step():
         moved = (ref.detach() - start).abs().max()
         assert moved > 0.01  # the optimiser really moved the weights
         assert torch.allclose(ours.detach(), ref.detach(), atol=2e-3)  # observed: 3.5e-4
+
+
+def test_docstring_prefixes_end_after_a_function_docstring(built: tuple[Path, Path]) -> None:
+    """cut="docstring": HumanEval's prompt shape (a def, its docstring, then the code is the continuation)."""
+    import re
+
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(built[1])
+    prefixes = corpus.code_prefixes(tokenizer, num=6, prefix_tokens=96, seed=3, split="train", cut="docstring")
+    assert prefixes == corpus.code_prefixes(tokenizer, num=6, prefix_tokens=96, seed=3, split="train", cut="docstring")
+    train_text = "\n".join(corpus.read_corpus("train"))
+    for prefix in prefixes:
+        assert 48 <= len(tokenizer.encode(prefix, add_special_tokens=False)) <= 96 and prefix in train_text
+        lines = prefix.splitlines()
+        assert lines[-1].strip().endswith(('"""', "'''"))  # the last line closes the docstring ...
+        header = max(i for i, line in enumerate(lines) if re.match(r"\s*(async\s+)?def\s", line))
+        opened = lines[header + 1].strip()  # ... that opens on the line right after the last def header
+        assert opened.lstrip("rRuU")[:3] in ('"""', "'''")
+        quote = opened.lstrip("rRuU")[:3]
+        assert sum(line.count(quote) for line in lines[header + 1:]) == 2  # one docstring: opened and closed
+    # The header cut is unchanged by the option, and the benchmark name serves the docstring cut.
+    assert corpus.code_prefixes(tokenizer, num=3, prefix_tokens=48, seed=3, split="train") == corpus.code_prefixes(
+        tokenizer, num=3, prefix_tokens=48, seed=3, split="train", cut="header")
+    loaded = load_prompts("stdlib-train-docstring", tokenizer, 3, prefix_tokens=96, seed=5)
+    assert loaded.texts == corpus.code_prefixes(tokenizer, 3, 96, seed=5 + 7919, split="train", cut="docstring")
+    with pytest.raises(ValueError, match="Unknown prefix cut 'body'"):
+        corpus.code_prefixes(tokenizer, 1, 48, cut="body")  # type: ignore[arg-type]

@@ -48,6 +48,12 @@ HELDOUT_BUCKETS: int = 10
 # A complete one-line ``def``/``class`` header: the next line starts its body, a natural point at
 # which to ask a model to continue.
 _HEADER_RE = re.compile(r"^\s*(?:async\s+def|def|class)\s+\w+.*:\s*(?:#.*)?$")
+# A one-line function header, for cuts after its docstring (HumanEval's prompt shape).
+_DEF_RE = re.compile(r"^\s*(?:async\s+def|def)\s+\w+.*:\s*(?:#.*)?$")
+_DOCSTRING_QUOTES = ('"""', "'''")
+_MAX_DOCSTRING_LINES = 60
+
+Cut = Literal["header", "docstring"]
 
 
 def stdlib_root() -> Path:
@@ -145,21 +151,39 @@ def heldout_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0
     return code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="heldout")
 
 
-def code_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0, split: Split = "heldout") -> list[str]:
+def _docstring_end(lines: list[str], header: int) -> int | None:
+    """Index of the line closing the docstring that opens right after line ``header``; None without one."""
+    first = lines[header + 1].strip() if header + 1 < len(lines) else ""
+    quote = next((q for q in _DOCSTRING_QUOTES if first.lstrip("rRuU").startswith(q)), None)
+    if quote is None:
+        return None
+    if first.count(quote) >= 2:  # opened and closed on one line
+        return header + 1
+    return next((k for k in range(header + 2, min(header + 1 + _MAX_DOCSTRING_LINES, len(lines))) if quote in lines[k]),
+                None)
+
+
+def code_prefixes(
+    tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0, split: Split = "heldout", cut: Cut = "header"
+) -> list[str]:
     """Deterministic code prefixes from one split (``train`` prefixes become regeneration prompts).
 
-    Each prefix is a run of whole lines from one held-out file that ends right after a one-line
-    ``def``/``class`` header (so the natural continuation is that body) and holds at most
-    ``prefix_tokens`` tokens (at least half of that). Prefixes come from distinct cut points, drawn
-    with ``random.Random(seed)``; files are visited in sorted order, so the result depends only on the
-    corpus, the tokenizer and the arguments.
+    Each prefix is a run of whole lines from one file of the split that ends right after a one-line
+    ``def``/``class`` header (``cut="header"``: the natural continuation is that body) or right after the
+    docstring that opens a function (``cut="docstring"``: HumanEval's prompt shape, the continuation is its
+    code), and holds at most ``prefix_tokens`` tokens (at least half of that). Prefixes come from distinct
+    cut points, drawn with ``random.Random(seed)``; files are visited in sorted order, so the result depends
+    only on the corpus, the tokenizer and the arguments.
 
     Args:
         tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``, used to count tokens.
         num: how many prefixes to return.
         prefix_tokens: the token budget of each prefix.
         seed: selects which cut points are used.
+        cut: where a prefix ends: after a header, or after a function's docstring.
     """
+    if cut not in ("header", "docstring"):
+        raise ValueError(f"Unknown prefix cut {cut!r}; use 'header' or 'docstring'.")
     if num <= 0:
         return []
     if prefix_tokens < 8:
@@ -168,29 +192,35 @@ def code_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0, s
     # following and at least a few lines of context before it.
     files = stdlib_files(split)
     file_lines = [_read_text(p).splitlines(keepends=True) for p in files]
-    candidates: list[tuple[int, int]] = []
+    candidates: list[tuple[int, int, int]] = []  # (file, cut line, the header line the prefix must include)
     for file_index, lines in enumerate(file_lines):
         for line_index, line in enumerate(lines):
-            if line_index >= 3 and line_index + 3 < len(lines) and _HEADER_RE.match(line):
-                candidates.append((file_index, line_index + 1))
+            if cut == "header":
+                if line_index >= 3 and line_index + 3 < len(lines) and _HEADER_RE.match(line):
+                    candidates.append((file_index, line_index + 1, line_index))
+            elif line_index >= 3 and _DEF_RE.match(line):
+                end = _docstring_end(lines, line_index)
+                if end is not None and end + 4 < len(lines):  # a body of >= 3 lines after the docstring
+                    candidates.append((file_index, end + 1, line_index))
     random.Random(seed).shuffle(candidates)
 
     prefixes: list[str] = []
-    for file_index, cut in candidates:
+    for file_index, cut_line, header in candidates:
         lines = file_lines[file_index]
         # Grow backwards from the cut line by line while the (re-tokenized) prefix fits the budget;
         # re-tokenizing the joined text keeps the count exact across line boundaries.
-        start = cut - 1
-        while start > 0 and len(_token_ids(tokenizer, "".join(lines[start - 1 : cut]))) <= prefix_tokens:
+        start = cut_line - 1
+        while start > 0 and len(_token_ids(tokenizer, "".join(lines[start - 1 : cut_line]))) <= prefix_tokens:
             start -= 1
-        text = "".join(lines[start:cut])
+        text = "".join(lines[start:cut_line])
         count = len(_token_ids(tokenizer, text))
-        if prefix_tokens // 2 <= count <= prefix_tokens:
+        # A docstring cut keeps its function's header: a prefix that starts inside the docstring is not one.
+        if prefix_tokens // 2 <= count <= prefix_tokens and start <= header:
             prefixes.append(text)
             if len(prefixes) == num:
                 return prefixes
     raise ValueError(
         f"Only {len(prefixes)} of the requested {num} {split} prefixes of {prefix_tokens // 2}.."
-        f"{prefix_tokens} tokens could be cut from {len(files)} {split} files; request fewer or "
+        f"{prefix_tokens} tokens (cut after each {cut}) could be cut from {len(files)} {split} files; request fewer or "
         "shorter prefixes."
     )

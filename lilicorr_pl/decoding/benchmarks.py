@@ -30,7 +30,9 @@ HUB_BENCHMARKS: dict[str, tuple[str, str | None, str, str, str]] = {
     "alpaca": ("tatsu-lab/alpaca_eval", None, "eval", "instruction", "chat"),
 }
 # stdlib-train: training-split code prefixes, for monitoring during training (never for reported results).
-OFFLINE = ("humaneval", "stdlib-heldout", "stdlib-train")
+# stdlib-train-docstring: the same training split cut right after a function's docstring (HumanEval's prompt
+# shape), to tell a benchmark's prompt shape from its content without looking at the benchmark.
+OFFLINE = ("humaneval", "stdlib-heldout", "stdlib-train", "stdlib-train-docstring")
 
 
 @dataclass
@@ -103,6 +105,10 @@ def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_t
         from lilicorr_pl.data.corpus import code_prefixes
 
         return code_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed + 7919, split="train"), "raw"
+    if name == "stdlib-train-docstring":
+        from lilicorr_pl.data.corpus import code_prefixes
+
+        return code_prefixes(tokenizer, num or 32, prefix_tokens, seed=seed + 7919, split="train", cut="docstring"), "raw"
     if name in HUB_BENCHMARKS:
         repo, config, split, field_name, kind = HUB_BENCHMARKS[name]
         try:

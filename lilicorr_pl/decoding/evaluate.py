@@ -211,6 +211,7 @@ def evaluate_arms(
     seed: int = 0,
     timing: bool = False,
     stop_token_ids: Sequence[int] | None = None,
+    warmup_tokens: int = 4,
 ) -> tuple[list[GenerationResult], dict[str, ArmResult]]:
     """Plain decoding and every arm, **interleaved**: all of them decode prompt ``i`` before any decodes
     prompt ``i + 1``, in an order rotated by one place per prompt.
@@ -220,10 +221,22 @@ def evaluate_arms(
     the per-prompt times (``per_prompt_seconds``) are paired across arms for a bootstrap interval. Every
     arm and the plain run of prompt ``i`` draw from the same seed ``seed + i``, as in :func:`evaluate_arm`.
 
+    Before the timed loop every variant generates ``warmup_tokens`` untimed tokens of the first prompt at this
+    temperature and rule, so lazy initialisation (a compiled selector's tracing, a sampling path's first use)
+    is billed to no prompt.
+
     Returns:
         The plain-decoding results (the reference: ``lossless`` and ``plain_step_ms`` of every arm come from
         them) and one :class:`ArmResult` per arm, in ``arms``' order.
     """
+    if warmup_tokens > 0 and prompts.input_ids:
+        ids = prompts.input_ids[0]
+        target_generate(target, ids, warmup_tokens, temperature=temperature, stop_token_ids=[],
+                        generator=_generator(target, seed))
+        for spec in arms.values():
+            speculative_generate(target, spec.drafter, spec.selector, ids, warmup_tokens, temperature=temperature,
+                                 generator=_generator(target, seed), draft_sampling=spec.draft_sampling,
+                                 stop_token_ids=[])
     plain: list[GenerationResult] = []
     results: dict[str, list[GenerationResult]] = {name: [] for name in arms}
     order: list[str | None] = [None, *arms]  # None: plain decoding (an arm may be called anything)

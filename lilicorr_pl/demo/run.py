@@ -392,6 +392,7 @@ def demo(
     prefix_tokens: PositiveInt | None = None,
     bench_new_tokens: PositiveInt | None = None,
     seed: int = 0,
+    compile: bool | None = None,
 ) -> dict[str, Any]:
     """The paper's comparison, measured here on a laptop-sized real target.
 
@@ -418,6 +419,9 @@ def demo(
         prefix_tokens: prompt prefix length in tokens.
         bench_new_tokens: tokens generated per benchmark prompt.
         seed: seed of every stage.
+        compile: run every arm's selector through ``torch.compile`` in the benchmark (all or none; the
+            serving engines capture heads in CUDA graphs, eager mode bills each of a head's small ops). Default:
+            when this machine can compile (a C++ compiler on CPU); ``true`` refuses a machine that cannot.
     """
     mode = "quick" if quick else "full"
     cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts, "new_tokens": regen_tokens,
@@ -435,6 +439,18 @@ def demo(
         check_output_paths(str(out), str(workdir / "plots"))
     except ValueError as err:
         raise UserInputError(str(err)) from None
+    from lilicorr_pl.decoding.compiled import check_compile_available
+
+    if compile is not False:  # probed before any heavy work: a machine that cannot compile is told now
+        try:
+            check_compile_available()
+            compile = True
+        except RuntimeError as err:
+            if compile:
+                raise UserInputError(str(err).replace("--compile", "--compile false")) from None
+            log(f"benchmarking eager heads: {err}")
+            compile = False
+    cfg["compile"] = compile
     workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     timings: dict[str, float] = {}
@@ -488,7 +504,8 @@ def demo(
     log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
     t0 = time.time()
     bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
-                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed)
+                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed,
+                          compile=compile)
     bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
     bench_file = workdir / "bench" / f"{bench_key}.json"
     cached = _stage_done(bench_file, bench_key)
@@ -497,7 +514,7 @@ def demo(
         rows = cached["rows"]
     else:
         rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
-                              cfg["prefix_tokens"], seed)
+                              cfg["prefix_tokens"], seed, compile=compile)
         _write_json(bench_file, {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
     timings["benchmark"] = time.time() - t0
     result = {
@@ -593,14 +610,17 @@ def arm_selector(arm: str, system: Any) -> Any:
 
 
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
-                   prefix_tokens: int, seed: int) -> list[dict[str, Any]]:
+                   prefix_tokens: int, seed: int, compile: bool = False) -> list[dict[str, Any]]:
     """Every arm on HumanEval and held-out stdlib prefixes, each temperature, plus the oracle at T=0.
 
     At each benchmark and temperature, plain decoding and every decoded variant (each arm; at T > 0 each arm again
     under the point-mass rule; at T = 0 each jointly trained arm's drafter with top-1) run interleaved, prompt by
     prompt (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`): the machine's drift over minutes slows them alike.
+    ``compile``: every selector (top-1 included) runs through ``torch.compile``
+    (:class:`~lilicorr_pl.decoding.compiled.CompiledSelector`).
     """
     from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.decoding.compiled import compile_selectors
     from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
     from lilicorr_pl.heads.top1 import Top1Selector
     from lilicorr_pl.system import DraftSystem
@@ -615,24 +635,29 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
         shared = system.target
         systems[arm] = system.eval()
     tokenizer = shared.tokenizer
+    # One selector object per decoded variant for the whole comparison (a compiled one keeps its graphs).
+    selectors = {arm: arm_selector(arm, system) for arm, system in systems.items()}
+    own_drafter = [arm for arm in systems if ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None]
+    selectors.update({f"{arm}_drafter_top1": Top1Selector() for arm in own_drafter})
+    if compile:
+        selectors = compile_selectors(selectors)
     rows: list[dict[str, Any]] = []
     plain: dict[tuple[str, float], dict[str, list[float]]] = {}
     for bench in ("humaneval", "stdlib-heldout"):
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
         for arm, system in systems.items():
-            warmup(shared, system.drafter, [arm_selector(arm, system)], prompts)
+            warmup(shared, system.drafter, [selectors[arm]], prompts)
         for temp in temperatures:
-            specs = {arm: ArmSpec(system.drafter, arm_selector(arm, system)) for arm, system in systems.items()}
+            specs = {arm: ArmSpec(system.drafter, selectors[arm]) for arm, system in systems.items()}
             if temp > 0:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
-                specs.update({f"{arm}@point_mass": ArmSpec(system.drafter, arm_selector(arm, system), "point_mass")
+                specs.update({f"{arm}@point_mass": ArmSpec(system.drafter, selectors[arm], "point_mass")
                               for arm, system in systems.items()})
             else:
                 # A head trained with its own drafter (domino, dspark, lilicorr_joint): the same drafter with
                 # per-slot top-1 separates the head's effect from what its training did to the drafter.
-                specs.update({f"{arm}_drafter_top1": ArmSpec(system.drafter, Top1Selector())
-                              for arm, system in systems.items()
-                              if ARMS[arm].selector != "top1" and ARMS[arm].head_stage_of is None})
+                specs.update({f"{arm}_drafter_top1": ArmSpec(systems[arm].drafter, selectors[f"{arm}_drafter_top1"])
+                              for arm in own_drafter})
             reference, results = evaluate_arms(shared, specs, prompts, max_new_tokens, temp, seed=seed)
             plain_tokens, plain_seconds = [len(r.tokens) for r in reference], [float(r.total) for r in reference]
             target_tps = sum(plain_tokens) / sum(plain_seconds) if sum(plain_seconds) > 0 else math.nan

@@ -391,6 +391,8 @@ class LiLiCorrHead(Selector):
         counters, so an optimizer step or ``load_state_dict`` is never answered with a stale bias."""
         if torch.is_grad_enabled() and (self.relative_slot_bias.requires_grad or self.same_slot_bias.requires_grad):
             return self.attention_bias(num_slots, k)
+        if torch.compiler.is_compiling():  # traced (CompiledSelector): the bias becomes part of the fused graph
+            return self.attention_bias(num_slots, k)
         params = (self.relative_slot_bias, self.same_slot_bias)
         key = (num_slots, k, params[0].device, params[0].dtype, torch.is_inference_mode_enabled(),
                *(p._version for p in params))

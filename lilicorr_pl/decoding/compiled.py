@@ -1,0 +1,84 @@
+"""Selectors run through ``torch.compile``: what the serving engines' CUDA graphs do for a head, on any device.
+
+A head's ``select`` is a few hundred small ops per round (the LiLiCorr head ≈ 170 on the demo's sizes), so in
+eager mode its cost is mostly per-op dispatch, not arithmetic. The engines capture drafter and head in CUDA
+graphs; :class:`CompiledSelector` is the portable stand-in: the same ``select``, traced once per shape and
+fused by Inductor, token for token the same drafts (tested). A benchmark that compiles one arm's head must
+compile every arm's head (``lilicorr bench --compile``, ``lilicorr demo --compile``), or the comparison favours it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from lilicorr_pl.heads.base import SelectContext, Selection
+
+__all__ = ["CompiledSelector", "check_compile_available", "compile_selectors"]
+
+
+def _dense(x: Any) -> Any:
+    # Dynamo specialises on strides, and a size-1 dim's stride varies with the tensor it was sliced from
+    # (the drafter's anchor feature): a dense copy of such a view keeps every round on one graph.
+    if not isinstance(x, torch.Tensor):
+        return x
+    expected, step = [], 1
+    for size in reversed(x.shape):
+        expected.append(step)
+        step *= size
+    return x if x.stride() == tuple(reversed(expected)) else x.clone(memory_format=torch.contiguous_format)
+
+
+class CompiledSelector(nn.Module):
+    """``selector.select`` through ``torch.compile`` for deterministic drafts (T = 0, and the point-mass rule at
+    T > 0); sampled drafts run the selector as it is. Static shapes: one graph per lattice width.
+
+    Holds the original selector as a submodule, so eval/train mode, devices and state dicts are its own.
+    RNN layers (Domino's GRU) are traced too (``allow_rnn``), so no head is left half-compiled.
+    """
+
+    def __init__(self, selector: nn.Module, mode: str | None = None) -> None:
+        super().__init__()
+        self.selector = selector
+        self._select = torch.compile(selector.select, dynamic=False, mode=mode)
+
+    @property
+    def name(self) -> str:
+        return self.selector.name
+
+    @property
+    def top_k(self) -> int:
+        return self.selector.top_k
+
+    def select(self, draft: Any, context: SelectContext, *args: Any) -> Selection:
+        if context.sampling is not None:
+            # Sampled drafts draw from a torch.Generator, which the compiler cannot trace: the graph would break
+            # around every draw and the pieces cost more than eager mode (measured), so that path stays eager.
+            return self.selector.select(draft, context, *args)
+        draft = dataclasses.replace(draft, **{f.name: _dense(getattr(draft, f.name)) for f in dataclasses.fields(draft)})
+        context = dataclasses.replace(context, anchor_tokens=_dense(context.anchor_tokens),
+                                      anchor_positions=_dense(context.anchor_positions))
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return self._select(draft, context, *args)
+
+
+def check_compile_available(device: str | torch.device = "cpu") -> None:
+    """Compile and run a one-op function on ``device``, so a machine without Inductor's toolchain (a C++
+    compiler on CPU, Triton on GPU) is told up front, with the fix, instead of failing mid-benchmark."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(2, device=device))
+    except Exception as error:  # noqa: BLE001 - any backend failure means: not on this machine
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(
+            f"torch.compile does not work on this machine ({first}); install a C++ compiler (CPU) or Triton "
+            "(GPU), or run without --compile"
+        ) from error
+
+
+def compile_selectors(selectors: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
+    """Every selector with weights wrapped in :class:`CompiledSelector`; a parameter-free one (top-1: one argmax)
+    has nothing to fuse and would only pay the wrapper's guards, so it stays as it is."""
+    return {name: CompiledSelector(s, mode) if any(True for _ in s.parameters()) else s for name, s in selectors.items()}

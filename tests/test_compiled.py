@@ -1,0 +1,87 @@
+"""Selectors through torch.compile: the same drafts as eager mode, every head with weights compiled, and a clear
+refusal on a machine that cannot compile (benchmarks compare arms, so compilation must be even-handed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lilicorr_pl.decoding.compiled import CompiledSelector, check_compile_available, compile_selectors
+from lilicorr_pl.heads import DominoHead, DSparkHead, LiLiCorrHead, Top1Selector
+from lilicorr_pl.heads.base import SelectContext
+from lilicorr_pl.heads.sampling import DraftSampling
+from lilicorr_pl.models.dflash import DraftOutput
+
+H, V, S = 16, 40, 7
+
+
+def draft_output(seed: int, stride_source: int) -> DraftOutput:
+    g = torch.Generator().manual_seed(seed)
+    # The anchor feature is a row sliced out of a longer feature table, as in decoding: its size-1 dim's
+    # stride depends on the table's length, which changes every round.
+    table = torch.randn(1, stride_source, H, generator=g)
+    return DraftOutput(slot_hidden=torch.randn(1, S, H, generator=g), slot_logits=torch.randn(1, S, V, generator=g),
+                       anchor_feature=table[:, -1], anchor_feature_valid=torch.ones(1, dtype=torch.bool))
+
+
+def context(sampling: DraftSampling | None = None) -> SelectContext:
+    table = torch.randn(V, H, generator=torch.Generator().manual_seed(7))  # the frozen target's embeddings
+    return SelectContext(anchor_tokens=torch.tensor([3]), anchor_positions=torch.tensor([9]),
+                         embed=lambda ids: table[ids], sampling=sampling)
+
+
+@pytest.mark.parametrize("head", [
+    LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8),
+    DominoHead(gru_hidden=8, rank=4),  # a GRU: traced too (allow_rnn), not split around
+    DSparkHead(rank=8),
+], ids=["lilicorr", "domino", "dspark"])
+def test_compiled_heads_choose_the_drafts_eager_mode_chooses_without_recompiling(head):
+    torch.manual_seed(0)
+    head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6)
+    for p in head.parameters():  # trained-looking weights (zero-initialised layers would hide a wrong graph)
+        torch.nn.init.normal_(p, std=0.5)
+    head.eval()
+    compiled = CompiledSelector(head)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every round
+        for round_index in range(4):
+            # A new anchor-feature stride every round (the feature table grows) must not mean a new graph.
+            draft = draft_output(round_index, stride_source=5 + round_index)
+            eager, fast = head.select(draft, context()), compiled.select(draft, context())
+            assert torch.equal(eager.tokens, fast.tokens)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert compiled.name == head.name and compiled.top_k == head.top_k
+
+
+def test_sampled_drafts_run_eagerly_with_the_same_generator_stream():
+    head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
+    head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6).eval()
+    compiled = CompiledSelector(head)
+    draft = draft_output(1, stride_source=6)
+    picks = []
+    for selector in (head, compiled):
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            picks.append(selector.select(draft, context(DraftSampling(temperature=1.0, top_p=1.0, generator=g))))
+    assert torch.equal(picks[0].tokens, picks[1].tokens) and torch.equal(picks[0].q, picks[1].q)
+
+
+def test_only_selectors_with_weights_are_wrapped():
+    head = DSparkHead(rank=8)
+    head.build(H, V)
+    wrapped = compile_selectors({"top1": Top1Selector(), "dspark": head})
+    assert isinstance(wrapped["top1"], Top1Selector)  # one argmax: nothing to fuse, only guards to pay
+    assert isinstance(wrapped["dspark"], CompiledSelector) and wrapped["dspark"].selector is head
+
+
+def test_a_machine_that_cannot_compile_is_told_with_the_fix(monkeypatch):
+    check_compile_available()  # this machine can (the CI image has a C++ compiler)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(RuntimeError, match=r"does not work on this machine \(InvalidCxxCompiler.*install a C\+\+ "
+                                           r"compiler \(CPU\) or Triton \(GPU\), or run without --compile"):
+        check_compile_available()
