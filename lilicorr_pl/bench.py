@@ -277,8 +277,9 @@ def bench(
         seed: sampling and prompt-selection seed.
         output: write results JSON here (one temperature: the run; several: {"runs": [...]}).
         plot: directory for per-position acceptance PNGs.
-        compile: run every selector through torch.compile (all of them, top1 included), as the serving
-            engines run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
+        compile: run every selector with weights through torch.compile for deterministic drafts (T = 0 and
+            the point-mass rule; sampled drafts and the parameter-free top1 stay eager), as the serving engines
+            run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
     """
     from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
 

@@ -113,7 +113,11 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):\n", "import os\nclass Path:\n")))
     args = ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "2", "--max-new-tokens",
             "12", "--temperature", "0", "1.0", "--selectors", "top1,lilicorr", "--draft_sampling", "both"]
-    eager, compiled = cli_main(args), cli_main([*args, "--compile", "true"])
+    eager = cli_main(args)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = cli_main([*args, "--compile", "true"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the head did run as a compiled graph
     for e, c in zip(eager, compiled):
         assert e["compiled_selectors"] is False and c["compiled_selectors"] is True
         for name in ("top1", "lilicorr"):
@@ -287,14 +291,18 @@ def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_tim
     order = ["plain", "head", "top1", "head_pm"]
     # The default warm-up: every variant once, untimed, on the first prompt, before the interleaved loop.
     calls.clear()
+    temps: list[float] = []
     evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
-        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
-    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
+        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or temps.append(k["temperature"])
+        or real_spec(t, d, sel, ids, *a, **k))
+    evaluate.target_generate = lambda t, ids, *a, **k: (
+        calls.append((key(ids), "plain")) or temps.append(k["temperature"]) or real_plain(t, ids, *a, **k))
     try:
         evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5)
     finally:
         evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
-    assert calls[:4] == [(0, name) for name in order] and len(calls) == 4 + 16
+    # Each variant at the comparison's temperature and under its own rule (the names carry the rule).
+    assert calls[:4] == [(0, name) for name in order] and len(calls) == 4 + 16 and set(temps) == {1.0}
     calls.clear()
     evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
         calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))

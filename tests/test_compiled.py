@@ -59,12 +59,15 @@ def test_sampled_drafts_run_eagerly_with_the_same_generator_stream():
     head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6).eval()
     compiled = CompiledSelector(head)
     draft = draft_output(1, stride_source=6)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     picks = []
     for selector in (head, compiled):
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             picks.append(selector.select(draft, context(DraftSampling(temperature=1.0, top_p=1.0, generator=g))))
     assert torch.equal(picks[0].tokens, picks[1].tokens) and torch.equal(picks[0].q, picks[1].q)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing was traced: the eager path ran
 
 
 def test_only_selectors_with_weights_are_wrapped():

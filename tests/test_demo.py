@@ -37,6 +37,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     except RuntimeError:
         can_compile = False
     assert result["settings"]["compile"] is can_compile
+    for r in result["results"]:  # compiled: heads with weights (not top-1), deterministic drafts (T = 0)
+        if r["arm"] != "oracle":
+            expected = can_compile and r["temperature"] == 0 and r["arm"] != "dflash" and "drafter_top1" not in r["arm"]
+            assert r["compiled_head"] is expected, r["arm"]
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
     rows = result["results"]
@@ -152,4 +156,19 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     assert 'Parser key "steps"' in err and "does not conform to restriction v>0" in err  # refused when parsed
     assert "unknown_arm" in user_error(capsys, ["demo", "--quick", "--arms", "dflash,unknown_arm",
                                                 "--workdir", str(tmp_path / "demo")])
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_compile_on_a_machine_that_cannot_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """--compile true needs a working torch.compile; without it the demo stops with the fix, before building
+    anything; the default (unset) benchmarks eager heads instead and says why."""
+    import torch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    err = user_error(capsys, ["demo", "--quick", "--compile", "true", "--workdir", str(tmp_path / "demo")])
+    assert "torch.compile does not work on this machine (InvalidCxxCompiler" in err
+    assert err.strip().endswith("or pass --compile false")
     assert not (tmp_path / "demo").exists()

@@ -200,7 +200,7 @@ def code_prefixes(
                     candidates.append((file_index, line_index + 1, line_index))
             elif line_index >= 3 and _DEF_RE.match(line):
                 end = _docstring_end(lines, line_index)
-                if end is not None and end + 4 < len(lines):  # a body of >= 3 lines after the docstring
+                if end is not None and end + 4 < len(lines):  # >= 4 lines after the docstring (its body)
                     candidates.append((file_index, end + 1, line_index))
     random.Random(seed).shuffle(candidates)
 

@@ -65,7 +65,7 @@ class CompiledSelector(nn.Module):
             return self._select(draft, context, *args)
 
 
-def check_compile_available(device: str | torch.device = "cpu") -> None:
+def check_compile_available(device: str | torch.device = "cpu", fix: str = "run without --compile") -> None:
     """Compile and run a one-op function on ``device``, so a machine without Inductor's toolchain (a C++
     compiler on CPU, Triton on GPU) is told up front, with the fix, instead of failing mid-benchmark."""
     try:
@@ -74,7 +74,7 @@ def check_compile_available(device: str | torch.device = "cpu") -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError(
             f"torch.compile does not work on this machine ({first}); install a C++ compiler (CPU) or Triton "
-            "(GPU), or run without --compile"
+            f"(GPU), or {fix}"
         ) from error
 
 

@@ -419,9 +419,11 @@ def demo(
         prefix_tokens: prompt prefix length in tokens.
         bench_new_tokens: tokens generated per benchmark prompt.
         seed: seed of every stage.
-        compile: run every arm's selector through ``torch.compile`` in the benchmark (all or none; the
-            serving engines capture heads in CUDA graphs, eager mode bills each of a head's small ops). Default:
-            when this machine can compile (a C++ compiler on CPU); ``true`` refuses a machine that cannot.
+        compile: run every head with weights through ``torch.compile`` in the benchmark, for deterministic drafts
+            (T = 0 and the point-mass rule; sampled drafts and the parameter-free top-1 stay eager, and each row
+            says ``compiled_head``). The serving engines capture heads in CUDA graphs; eager mode bills each of a
+            head's small ops. Default: when this machine can compile (a C++ compiler on CPU); ``true`` refuses a
+            machine that cannot.
     """
     mode = "quick" if quick else "full"
     cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts, "new_tokens": regen_tokens,
@@ -443,11 +445,11 @@ def demo(
 
     if compile is not False:  # probed before any heavy work: a machine that cannot compile is told now
         try:
-            check_compile_available()
+            check_compile_available(fix="pass --compile false")
             compile = True
         except RuntimeError as err:
             if compile:
-                raise UserInputError(str(err).replace("--compile", "--compile false")) from None
+                raise UserInputError(str(err)) from None
             log(f"benchmarking eager heads: {err}")
             compile = False
     cfg["compile"] = compile
@@ -616,11 +618,12 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     At each benchmark and temperature, plain decoding and every decoded variant (each arm; at T > 0 each arm again
     under the point-mass rule; at T = 0 each jointly trained arm's drafter with top-1) run interleaved, prompt by
     prompt (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`): the machine's drift over minutes slows them alike.
-    ``compile``: every selector (top-1 included) runs through ``torch.compile``
-    (:class:`~lilicorr_pl.decoding.compiled.CompiledSelector`).
+    ``compile``: every selector with weights runs through ``torch.compile`` for deterministic drafts
+    (:func:`~lilicorr_pl.decoding.compiled.compile_selectors`); each row's ``compiled_head`` says whether its
+    drafts were chosen by a compiled graph.
     """
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.compiled import compile_selectors
+    from lilicorr_pl.decoding.compiled import CompiledSelector, compile_selectors
     from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
     from lilicorr_pl.heads.top1 import Top1Selector
     from lilicorr_pl.system import DraftSystem
@@ -667,6 +670,8 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
                 if name.endswith("@point_mass"):
                     continue
                 row = arm_row(bench, temp, name, r, target_tps)
+                # Whether this row's drafts came from a compiled graph: heads with weights, deterministic drafts.
+                row["compiled_head"] = isinstance(specs[name].selector, CompiledSelector) and temp == 0
                 note = ""
                 pm = results.get(f"{name}@point_mass")
                 if pm is not None:
