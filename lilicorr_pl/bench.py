@@ -91,19 +91,18 @@ def run_bench(
     if draft_sampling not in DRAFT_SAMPLING_CHOICES:
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_CHOICES}, got {draft_sampling!r}")
     from lilicorr_pl.decoding.benchmarks import load_prompts
-    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
+    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms
 
     system.eval()
     target = system._require_target()
     arms = {name: selector_for(name, system) for name in selectors}
-    if compile:  # every selector or none: compiling one arm's head alone would favour it
+    if compile:  # every head with weights: compiling one arm's head alone would favour it
         from lilicorr_pl.decoding.compiled import compile_selectors
 
         arms = compile_selectors(arms)
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed)
     check_context(prompts, max_new_tokens, target)
-    warmup(target, system.drafter, list(arms.values()), prompts)
     runs = []
     for temp in temperatures:
         rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]

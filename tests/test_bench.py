@@ -274,43 +274,33 @@ def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_tim
              "head_pm": evaluate.ArmSpec(system.drafter, system.head, "point_mass")}
     names = {(id(system.head), "proposal"): "head", (id(top1), "proposal"): "top1",
              (id(system.head), "point_mass"): "head_pm"}
-    calls: list[tuple[int, str]] = []
     prompt_of = {tuple(ids.tolist() if hasattr(ids, "tolist") else ids): i for i, ids in enumerate(prompts.input_ids)}
 
     def key(ids):
         return prompt_of[tuple(ids.tolist() if hasattr(ids, "tolist") else ids)]
 
-    real_spec, real_plain = evaluate.speculative_generate, evaluate.target_generate
-    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
-        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
-    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
-    try:
-        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5, warmup_tokens=0)
-    finally:
-        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
+    def traced(**kwargs):
+        """evaluate_arms at T = 1 with every generation recorded as (prompt, variant) and its temperature."""
+        calls: list[tuple[int, str]] = []
+        temps: list[float] = []
+        real_spec, real_plain = evaluate.speculative_generate, evaluate.target_generate
+        evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
+            calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or temps.append(k["temperature"])
+            or real_spec(t, d, sel, ids, *a, **k))
+        evaluate.target_generate = lambda t, ids, *a, **k: (
+            calls.append((key(ids), "plain")) or temps.append(k["temperature"]) or real_plain(t, ids, *a, **k))
+        try:
+            out = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5, **kwargs)
+        finally:
+            evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
+        return calls, temps, out
+
     order = ["plain", "head", "top1", "head_pm"]
-    # The default warm-up: every variant once, untimed, on the first prompt, before the interleaved loop.
-    calls.clear()
-    temps: list[float] = []
-    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
-        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or temps.append(k["temperature"])
-        or real_spec(t, d, sel, ids, *a, **k))
-    evaluate.target_generate = lambda t, ids, *a, **k: (
-        calls.append((key(ids), "plain")) or temps.append(k["temperature"]) or real_plain(t, ids, *a, **k))
-    try:
-        evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5)
-    finally:
-        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
-    # Each variant at the comparison's temperature and under its own rule (the names carry the rule).
+    # The default warm-up: every variant once, untimed, on the first prompt, before the interleaved loop,
+    # each at the comparison's temperature and under its own rule (the names carry the rule).
+    calls, temps, _ = traced()
     assert calls[:4] == [(0, name) for name in order] and len(calls) == 4 + 16 and set(temps) == {1.0}
-    calls.clear()
-    evaluate.speculative_generate = lambda t, d, sel, ids, *a, **k: (
-        calls.append((key(ids), names[(id(sel), k["draft_sampling"])])) or real_spec(t, d, sel, ids, *a, **k))
-    evaluate.target_generate = lambda t, ids, *a, **k: calls.append((key(ids), "plain")) or real_plain(t, ids, *a, **k)
-    try:
-        plain, results = evaluate.evaluate_arms(target, specs, prompts, 10, temperature=1.0, seed=5, warmup_tokens=0)
-    finally:
-        evaluate.speculative_generate, evaluate.target_generate = real_spec, real_plain
+    calls, _, (plain, results) = traced(warmup_tokens=0)
     expected = [(i, order[(i + j) % 4]) for i in range(4) for j in range(4)]
     assert calls == expected
     assert list(results) == ["head", "top1", "head_pm"] and len(plain) == 4

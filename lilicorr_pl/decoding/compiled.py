@@ -81,4 +81,4 @@ def check_compile_available(device: str | torch.device = "cpu", fix: str = "run 
 def compile_selectors(selectors: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
     """Every selector with weights wrapped in :class:`CompiledSelector`; a parameter-free one (top-1: one argmax)
     has nothing to fuse and would only pay the wrapper's guards, so it stays as it is."""
-    return {name: CompiledSelector(s, mode) if any(True for _ in s.parameters()) else s for name, s in selectors.items()}
+    return {name: s if s.parameter_free else CompiledSelector(s, mode) for name, s in selectors.items()}

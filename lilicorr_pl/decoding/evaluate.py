@@ -142,16 +142,6 @@ def run_target_baseline(
     return results, tokens / seconds if seconds > 0 else math.nan
 
 
-def warmup(target: Any, drafter: Any, selectors: Sequence[Any], prompts: PromptSet, max_new_tokens: int = 4) -> None:
-    """A few untimed tokens through every code path, so lazy initialisation is not billed to one arm."""
-    if not prompts.input_ids:
-        return
-    ids = prompts.input_ids[0]
-    target_generate(target, ids, max_new_tokens, stop_token_ids=[])
-    for selector in selectors:
-        speculative_generate(target, drafter, selector, ids, max_new_tokens, stop_token_ids=[])
-
-
 @dataclass(frozen=True)
 class ArmSpec:
     """One arm of :func:`evaluate_arms`: the drafter, the selector and (T > 0) the acceptance rule it decodes with."""
@@ -229,14 +219,7 @@ def evaluate_arms(
         The plain-decoding results (the reference: ``lossless`` and ``plain_step_ms`` of every arm come from
         them) and one :class:`ArmResult` per arm, in ``arms``' order.
     """
-    if warmup_tokens > 0 and prompts.input_ids:
-        ids = prompts.input_ids[0]
-        target_generate(target, ids, warmup_tokens, temperature=temperature, stop_token_ids=[],
-                        generator=_generator(target, seed))
-        for spec in arms.values():
-            speculative_generate(target, spec.drafter, spec.selector, ids, warmup_tokens, temperature=temperature,
-                                 generator=_generator(target, seed), draft_sampling=spec.draft_sampling,
-                                 stop_token_ids=[])
+    warmup(target, arms, prompts, warmup_tokens, temperature, seed)
     plain: list[GenerationResult] = []
     results: dict[str, list[GenerationResult]] = {name: [] for name in arms}
     order: list[str | None] = [None, *arms]  # None: plain decoding (an arm may be called anything)
@@ -257,6 +240,22 @@ def evaluate_arms(
         name: _arm_result(results[name], prompts, spec.drafter.num_slots, temperature, spec.draft_sampling, plain)
         for name, spec in arms.items()
     }
+
+
+def warmup(target: Any, arms: Mapping[str, ArmSpec], prompts: PromptSet, max_new_tokens: int = 4,
+           temperature: float = 0.0, seed: int = 0) -> None:
+    """A few untimed tokens of the first prompt through plain decoding and every arm, at ``temperature`` and
+    under each arm's rule, so lazy initialisation (a compiled selector's tracing, a sampling path's first use)
+    is billed to no timed prompt."""
+    if max_new_tokens <= 0 or not prompts.input_ids:
+        return
+    ids = prompts.input_ids[0]
+    target_generate(target, ids, max_new_tokens, temperature=temperature, stop_token_ids=[],
+                    generator=_generator(target, seed))
+    for spec in arms.values():
+        speculative_generate(target, spec.drafter, spec.selector, ids, max_new_tokens, temperature=temperature,
+                             generator=_generator(target, seed), draft_sampling=spec.draft_sampling,
+                             stop_token_ids=[])
 
 
 def _arm_result(

@@ -13,11 +13,16 @@ from collections.abc import Sequence
 import torch
 
 
-def pooled_tau(per_prompt_tau: Sequence[float], per_prompt_rounds: Sequence[int]) -> float:
-    """Σ τ_i · rounds_i / Σ rounds_i: the τ of all rounds of all prompts together."""
+def _committed(per_prompt_tau: Sequence[float], per_prompt_rounds: Sequence[int]) -> torch.Tensor:
+    """Tokens each prompt committed, ``τ_i · rounds_i``; a prompt with no round (τ undefined) committed none."""
     tau = torch.as_tensor(per_prompt_tau, dtype=torch.float64)
     rounds = torch.as_tensor(per_prompt_rounds, dtype=torch.float64)
-    return float((tau * rounds).sum() / rounds.sum())
+    return torch.where(rounds > 0, tau * rounds, torch.zeros_like(rounds))
+
+
+def pooled_tau(per_prompt_tau: Sequence[float], per_prompt_rounds: Sequence[int]) -> float:
+    """Σ τ_i · rounds_i / Σ rounds_i: the τ of all rounds of all prompts together."""
+    return float(_committed(per_prompt_tau, per_prompt_rounds).sum() / sum(per_prompt_rounds))
 
 
 def bootstrap_ratio(
@@ -35,13 +40,7 @@ def bootstrap_ratio(
     """
     if not (len(tau_a) == len(rounds_a) == len(tau_b) == len(rounds_b)) or not len(tau_a):
         raise ValueError("bootstrap_ratio needs per-prompt τ and rounds of both arms on the same, non-empty prompt set")
-
-    def committed(tau: Sequence[float], rounds: Sequence[int]) -> torch.Tensor:
-        # τ_i · rounds_i tokens; a prompt with no round (τ undefined) committed none.
-        t, r = torch.as_tensor(tau, dtype=torch.float64), torch.as_tensor(rounds, dtype=torch.float64)
-        return torch.where(r > 0, t * r, torch.zeros_like(r))
-
-    return bootstrap_ratio_of_sums(committed(tau_a, rounds_a), rounds_a, committed(tau_b, rounds_b), rounds_b,
+    return bootstrap_ratio_of_sums(_committed(tau_a, rounds_a), rounds_a, _committed(tau_b, rounds_b), rounds_b,
                                    num_resamples=num_resamples, confidence=confidence, seed=seed)
 
 

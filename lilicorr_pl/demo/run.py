@@ -624,7 +624,7 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     """
     from lilicorr_pl.decoding.benchmarks import load_prompts
     from lilicorr_pl.decoding.compiled import CompiledSelector, compile_selectors
-    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms, warmup
+    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms
     from lilicorr_pl.heads.top1 import Top1Selector
     from lilicorr_pl.system import DraftSystem
 
@@ -649,8 +649,6 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     for bench in ("humaneval", "stdlib-heldout"):
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
-        for arm, system in systems.items():
-            warmup(shared, system.drafter, [selectors[arm]], prompts)
         for temp in temperatures:
             specs = {arm: ArmSpec(system.drafter, selectors[arm]) for arm, system in systems.items()}
             if temp > 0:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
