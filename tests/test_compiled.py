@@ -88,3 +88,33 @@ def test_a_machine_that_cannot_compile_is_told_with_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match=r"does not work on this machine \(InvalidCxxCompiler.*install a C\+\+ "
                                            r"compiler \(CPU\) or Triton \(GPU\), or run without --compile"):
         check_compile_available()
+
+
+def test_a_head_past_the_recompile_limit_fails_instead_of_running_eagerly_under_a_compiled_label():
+    head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
+    head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6).eval()
+    compiled = CompiledSelector(head)
+    draft = draft_output(2, stride_source=6)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(compiled.select(draft, context(), 4).tokens, head.select(draft, context(), 4).tokens)
+        with pytest.raises(RuntimeError, match=r"compiled 'lilicorr' head met more input shapes than "
+                                               r"torch\._dynamo\.config\.recompile_limit \(1\).*without --compile"):
+            compiled.select(draft, context(), 2)  # a second lattice width: a second graph, past the limit
+    torch._dynamo.reset()
+
+
+def test_a_head_the_compiler_fails_on_names_the_fix():
+    head = DSparkHead(rank=8)
+    head.build(H, V, block_size=S + 1).eval()
+    compiled = CompiledSelector(head)
+
+    def failing_backend(graph_module, example_inputs):
+        raise NotImplementedError("lowering aten::something")
+
+    compiled._select = torch.compile(head.select, dynamic=False, backend=failing_backend)
+    torch._dynamo.reset()
+    expected = r"compiling the 'dspark' head failed \(NotImplementedError: lowering aten::something\); run without"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=expected):
+        compiled.select(draft_output(3, stride_source=6), context())
+    torch._dynamo.reset()

@@ -61,8 +61,24 @@ class CompiledSelector(nn.Module):
         draft = dataclasses.replace(draft, **{f.name: _dense(getattr(draft, f.name)) for f in dataclasses.fields(draft)})
         context = dataclasses.replace(context, anchor_tokens=_dense(context.anchor_tokens),
                                       anchor_positions=_dense(context.anchor_positions))
-        with torch._dynamo.config.patch(allow_rnn=True):
-            return self._select(draft, context, *args)
+        # Past Dynamo's recompile limit (8 shapes per code object; instances of one head class share their graphs)
+        # it would run the head eagerly without a word, and the row would still say compiled: fail instead.
+        try:
+            with torch._dynamo.config.patch(allow_rnn=True, fail_on_recompile_limit_hit=True):
+                return self._select(draft, context, *args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:  # a head Inductor cannot compile, after training
+            inner = getattr(error, "inner_exception", None) or error
+            first = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+            raise RuntimeError(
+                f"compiling the {self.name!r} head failed ({first}); run without --compile (lilicorr demo --compile "
+                "false reuses every trained stage)"
+            ) from error
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            raise RuntimeError(
+                f"the compiled {self.name!r} head met more input shapes than torch._dynamo.config.recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}) allows, so it would silently run eagerly; benchmark fewer "
+                "lattice widths or block sizes in one process, raise that limit, or run without --compile"
+            ) from error
 
 
 def check_compile_available(device: str | torch.device = "cpu", fix: str = "run without --compile") -> None:
