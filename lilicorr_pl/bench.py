@@ -17,7 +17,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
-from lilicorr_pl.target import DeviceName
+from lilicorr_pl.target import DeviceName, check_device
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
 DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
@@ -210,15 +210,6 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def check_device(device: str) -> None:
-    """Raise ``ValueError`` for a device this machine does not have."""
-    kind = torch.device(device).type
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
 
 
 def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:

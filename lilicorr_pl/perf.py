@@ -7,7 +7,8 @@ is ``fit``'s (same ``-c`` files, same ``--model.*``/``--data.*`` overrides) plus
 
 ``--cost_model`` instead prints the analytical cost of one speculative-decoding round (FLOPs and bytes
 moved by the target's verify pass, the drafter and the LiLiCorr head, and a roofline time for a given
-device) at the shapes of a config, without loading any weights: :func:`cost_report`.
+device) at the shapes of a config, without loading any weights: :func:`cost_report`. ``--round_timing`` measures
+that round on this machine instead, with random weights at the same shapes: :func:`round_timing`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
 from lilicorr_pl.command import argparse_spellings, type_hints
+from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.lightning_cli import LilicorrCLI, run_lightning
 from lilicorr_pl.models.dflash import DFlashDrafter
+from lilicorr_pl.target import DeviceName
 
 
 def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
@@ -391,12 +394,17 @@ def _component(spec: Any, expected: type, key: str) -> Any:
 
 
 def load_round_modules(
-    configs: Sequence[str], target_config: str | None = None
+    configs: Sequence[str], target_config: str | None = None, target_overrides: dict[str, Any] | None = None,
+    device: str | torch.device = "meta",
 ) -> tuple[Any, DFlashDrafter, LiLiCorrHead]:
-    """Target config, drafter and LiLiCorr head of ``lilicorr fit`` config files, built on the meta device.
+    """Target config, drafter and LiLiCorr head of ``lilicorr fit`` config files, built on ``device`` (default: the
+    meta device, shapes only; elsewhere with fresh random weights).
 
     ``target_config``: a ``config.json`` (or a directory holding one) to read the target's shapes from;
     default: ``model.target.name_or_path`` (a local directory, or a hub name already in the local cache).
+    ``target_overrides``: config fields to change first (e.g. ``{"num_hidden_layers": 32, "hidden_size": 96}``),
+    to cost a target shape that does not exist yet; ``model.target.layer_ids`` then falls back to the default rule
+    when it no longer fits.
     """
     from transformers import AutoConfig
 
@@ -415,15 +423,137 @@ def load_round_modules(
             f"could not read the target config {source!r} ({type(err).__name__}); pass --target-config with a "
             "config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
         ) from None
+    layers = int(config.num_hidden_layers)
+    for key, value in (target_overrides or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"--target_overrides: the target config has no field {key!r}")
+        setattr(config, key, value)
     layer_ids = target.get("layer_ids") or default_layer_ids(
         config.num_hidden_layers, min(int(target.get("num_features", 5)), config.num_hidden_layers))
+    if config.num_hidden_layers != layers:  # another depth: the same relative layers (the last stays the last)
+        if getattr(config, "layer_types", None):
+            config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
+        scale = (config.num_hidden_layers - 1) / max(layers - 1, 1)
+        layer_ids = sorted({round(i * scale) for i in layer_ids})
     drafter = _component(model.get("drafter"), DFlashDrafter, "model.drafter")
     head = _component(model.get("head"), LiLiCorrHead, "model.head")
-    with torch.device("meta"):
+    with torch.device(device):
         drafter.build(config, layer_ids)
         head.build(config.hidden_size, config.vocab_size, block_size=drafter.block_size,
                    rms_norm_eps=drafter.dims.rms_norm_eps)
     return config, drafter, head
+
+
+def round_timing(
+    config: Sequence[str],
+    target_config: str | None = None,
+    target_overrides: dict[str, Any] | None = None,
+    context: int = 64,
+    new_tokens: int = 32,
+    prompts: int = 8,
+    tau: float = 6.0,
+    device: str = "cpu",
+    compile: bool = False,
+    seed: int = 0,
+    json_path: str | None = None,
+) -> dict[str, Any]:
+    """Measure one speculative round on this machine at a config's shapes, against one plain decoding step.
+
+    The measured counterpart of :func:`cost_report`, answering before any training whether speculative decoding
+    can pay here: the target (from its config, with ``target_overrides``), the config's DFlash drafter and LiLiCorr
+    head, all with **random weights** (the time of a pass does not depend on them; no weights are downloaded),
+    decode ``prompts`` random prompts of ``context`` tokens with the project's own ``target_generate`` and
+    ``speculative_generate`` (top-1 and the LiLiCorr head), interleaved prompt by prompt
+    (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`, T = 0). Random drafts are rejected, so every round
+    commits one token and the drafter appends one feature per round where a trained one appends τ.
+
+    Returns:
+        ``{"settings", "plain_step_ms", "arms": {"top1"|"lilicorr": {"round_ms", "draft_ms", "head_ms",
+        "verify_ms", "bookkeeping_ms", "round_cost_ratio", "break_even_tau", "speedup_at_tau"}}}``:
+        ``round_cost_ratio`` = round / plain step, the τ at which speculative decoding breaks even;
+        ``speedup_at_tau`` = ``tau / round_cost_ratio``, the decode-loop speedup a drafter accepted at ``tau``
+        would give (prefill excluded).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lilicorr_pl.decoding.benchmarks import PromptSet
+    from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms
+    from lilicorr_pl.heads.top1 import Top1Selector
+    from lilicorr_pl.target import FrozenTarget, check_device, resolve_dtype
+
+    check_device(device)
+    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device="cpu")
+    limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
+    if limit and context + new_tokens + drafter.block_size > limit:
+        raise ValueError(
+            f"--context {context} + --new_tokens {new_tokens} + a block of {drafter.block_size} runs past the target's "
+            f"{limit} positions; lower --context or --new_tokens"
+        )
+    dtype = resolve_dtype((_merged_yaml(config).get("model") or {}).get("target", {}).get("dtype", "float32"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(target_cfg, dtype=dtype)
+    target = FrozenTarget(model.to(device), layer_ids=drafter.target_layer_ids)
+    drafter, head = drafter.to(device=device, dtype=dtype).eval(), head.to(device=device, dtype=dtype).eval()
+    generator = torch.Generator().manual_seed(seed)
+    vocab = min(int(target_cfg.vocab_size), int(getattr(target_cfg, "mask_token_id", None) or target_cfg.vocab_size))
+    ids = [torch.randint(0, vocab, (context,), generator=generator).tolist() for _ in range(prompts)]
+    prompt_set = PromptSet("random", ids, [""] * prompts, chat_template=False, enable_thinking=False)
+    selectors: dict[str, Any] = {"top1": Top1Selector(), "lilicorr": head}
+    if compile:
+        from lilicorr_pl.decoding.compiled import check_compile_available, compile_selectors
+
+        check_compile_available(device, fix="run without --compile")
+        selectors = compile_selectors(selectors)
+    arms = {name: ArmSpec(drafter, selector) for name, selector in selectors.items()}
+    reference, results = evaluate_arms(target, arms, prompt_set, new_tokens, 0.0, seed=seed, stop_token_ids=[],
+                                       timing=torch.device(device).type == "cuda")
+    step = plain_step_ms(reference)
+    out: dict[str, Any] = {
+        "settings": {
+            "target": f"{type(target_cfg).__name__.removesuffix('Config')} ({target_cfg.num_hidden_layers} layers, "
+                      f"hidden {target_cfg.hidden_size}, intermediate {target_cfg.intermediate_size}, vocab "
+                      f"{target_cfg.vocab_size})",
+            "target_layer_ids": list(drafter.target_layer_ids), "drafter_layers": drafter.num_layers,
+            "block_size": drafter.block_size, "head_top_k": head.top_k, "context": context, "new_tokens": new_tokens,
+            "prompts": prompts, "tau": tau, "device": device, "dtype": str(dtype).removeprefix("torch."),
+            "compiled_head": compile, "threads": torch.get_num_threads(), "weights": "random",
+        },
+        "plain_step_ms": step,
+        "arms": {},
+    }
+    for name, r in results.items():
+        out["arms"][name] = {
+            "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms, "verify_ms": r.verify_ms,
+            "bookkeeping_ms": r.bookkeeping_ms, "round_cost_ratio": r.round_cost_ratio,
+            "verify_cost_ratio": r.verify_ms / step, "break_even_tau": r.round_cost_ratio,
+            "speedup_at_tau": tau / r.round_cost_ratio,
+        }
+    print(format_round_timing(out))
+    if json_path:
+        write_json_atomic(Path(json_path), out)
+    return out
+
+
+def format_round_timing(result: dict[str, Any]) -> str:
+    """The table :func:`round_timing` prints."""
+    st = result["settings"]
+    lines = [
+        f"one speculative round, measured ({st['device']}, {st['dtype']}, {st['threads']} threads, random weights): "
+        f"target {st['target']}, layers {st['target_layer_ids']} read by a {st['drafter_layers']}-layer DFlash "
+        f"drafter, block {st['block_size']}; context {st['context']}, {st['prompts']} prompts x {st['new_tokens']} "
+        f"tokens",
+        f"plain decoding step: {result['plain_step_ms']:.2f} ms",
+        f"{'selector':<10} {'draft':>7} {'head':>7} {'verify':>7} {'other':>7} {'round ms':>9} "
+        f"{'verify/step':>11} {'round/step':>10} {'speedup at tau ' + format(st['tau'], 'g'):>18}",
+    ]
+    for name, a in result["arms"].items():
+        lines.append(
+            f"{name:<10} {a['draft_ms']:>7.2f} {a['head_ms']:>7.2f} {a['verify_ms']:>7.2f} {a['bookkeeping_ms']:>7.2f} "
+            f"{a['round_ms']:>9.2f} {a['verify_cost_ratio']:>11.2f} {a['round_cost_ratio']:>10.2f} "
+            f"{a['speedup_at_tau']:>17.2f}x"
+        )
+    lines.append("round/step is the tau (bonus token included) at which speculative decoding breaks even")
+    return "\n".join(lines)
 
 
 def cost_report(
@@ -437,6 +567,7 @@ def cost_report(
     bandwidth_tbs: float | None = None,
     bytes_per_element: int = 2,
     json_path: str | None = None,
+    target_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Print FLOPs, bytes and roofline time of one speculative round of target, drafter and LiLiCorr head.
 
@@ -452,6 +583,7 @@ def cost_report(
         bandwidth_tbs: override the preset's memory bandwidth in TB/s.
         bytes_per_element: 2 = bf16 serving.
         json_path: also write the numbers (and every kernel) here.
+        target_overrides: target config fields to change first (see :func:`load_round_modules`).
 
     Returns:
         ``{"settings", "device", "target"/"drafter"/"head"/"round": totals, "head_share", "ops"}``.
@@ -464,7 +596,7 @@ def cost_report(
         preset.peak_flops if peak_tflops is None else peak_tflops * 1e12,
         preset.bandwidth if bandwidth_tbs is None else bandwidth_tbs * 1e12,
     )
-    target_cfg, drafter, head = load_round_modules(config, target_config)
+    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides)
     cost = round_cost(target_cfg, drafter, head, context, tau, batch, bytes_per_element)
     summary = cost.summary(device)
     s, k = drafter.block_size - 1, head.top_k
@@ -523,13 +655,19 @@ def perf_options(
     ckpt: str | None = None,
     penalty_error: bool = False,
     cost_model: bool = False,
+    round_timing: bool = False,
     target_config: str | None = None,
-    context: PositiveInt = 2048,
+    target_overrides: dict[str, Any] | None = None,
+    context: PositiveInt | None = None,
     tau: PositiveFloat = 6.0,
     batch: PositiveInt = 1,
     gpu: Literal["h100", "h200"] = "h100",
     peak_tflops: PositiveFloat | None = None,
     bandwidth_tbs: PositiveFloat | None = None,
+    new_tokens: PositiveInt = 32,
+    prompts: PositiveInt = 8,
+    device: DeviceName = "cpu",
+    compile: bool = False,
 ) -> None:
     """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
 
@@ -542,13 +680,21 @@ def perf_options(
         penalty_error: instead of timing, compare the distractor penalty from the cache with exact logits.
         cost_model: instead of timing, print FLOPs, bytes and roofline time of one speculative round (no weights are
             loaded; the shapes come from the -c files, see cost_report).
-        target_config: cost model: the target's config.json (default: model.target.name_or_path).
-        context: cost model: tokens in the KV caches.
-        tau: cost model: tokens committed per round.
+        round_timing: instead of training steps, measure one speculative round against one plain decoding step on
+            this machine at the -c files' shapes, with random weights (see round_timing).
+        target_config: cost model / round timing: the target's config.json (default: model.target.name_or_path).
+        target_overrides: cost model / round timing: target config fields to change, e.g.
+            '{"num_hidden_layers": 32, "hidden_size": 96, "intermediate_size": 288}' (a shape that does not exist yet).
+        context: cost model / round timing: tokens in the KV caches (default 2048 / 64).
+        tau: cost model: tokens committed per round; round timing: the τ its predicted speedup assumes.
         batch: cost model: sequences decoded together.
         gpu: cost model: roofline preset.
         peak_tflops: cost model: override the preset's dense bf16 TFLOP/s.
         bandwidth_tbs: cost model: override the preset's memory bandwidth (TB/s).
+        new_tokens: round timing: tokens generated per prompt.
+        prompts: round timing: random prompts, each decoded plainly and with each selector, interleaved.
+        device: round timing: where to run (cpu, cuda, cuda:1, mps).
+        compile: round timing: run the LiLiCorr head through torch.compile (as the demo's benchmark does).
     """
 
 
@@ -560,13 +706,13 @@ class PerfCLI(LilicorrCLI):
         parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
-        if not config.get("cost_model"):  # the cost model reads shapes only: no data, no built-in target build
+        if not (config.get("cost_model") or config.get("round_timing")):  # shapes only: no data is built
             super().check_before_building(config, subcommand)
 
     def before_instantiate_classes(self) -> None:
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
-        if self.config.get("ckpt") and not self.config.get("cost_model"):
+        if self.config.get("ckpt") and not (self.config.get("cost_model") or self.config.get("round_timing")):
             from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
 
             self.checkpoint = read_checkpoint(self.config.ckpt)
@@ -575,7 +721,7 @@ class PerfCLI(LilicorrCLI):
             torch.set_num_threads(self.config.threads)
 
     def instantiate_classes(self) -> None:
-        if not self.config.get("cost_model"):  # built on the meta device by cost_report instead
+        if not (self.config.get("cost_model") or self.config.get("round_timing")):  # they build their own modules
             super().instantiate_classes()
 
 
@@ -595,11 +741,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
                         save_config_callback=None)
     options = cli.config
-    if options.cost_model:
+    if options.cost_model and options.round_timing:
+        raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
+    if options.cost_model or options.round_timing:
+        configs = [str(c) for c in options.config]
+        overrides = dict(options.target_overrides or {})
         try:
-            return cost_report([str(c) for c in options.config], options.target_config, options.context, options.tau,
-                               options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
-                               json_path=options.json)
+            if options.cost_model:
+                return cost_report(configs, options.target_config, options.context or 2048, options.tau,
+                                   options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
+                                   json_path=options.json, target_overrides=overrides)
+            return round_timing(configs, options.target_config, overrides, options.context or 64, options.new_tokens,
+                                options.prompts, options.tau, options.device, options.compile, json_path=options.json)
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule

@@ -33,6 +33,15 @@ DeviceName = restricted_string_type("DeviceName", r"^(cpu|cuda|mps)(:\d+)?$")
 """``cpu``, ``cuda``, ``cuda:1`` or ``mps``, checked when parsed (whether this machine has it: before any work)."""
 
 
+def check_device(device: str) -> None:
+    """Raise ``ValueError`` for a device this machine does not have."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Turn a user-facing dtype name into a ``torch.dtype`` with a helpful error."""
     if isinstance(dtype, torch.dtype):

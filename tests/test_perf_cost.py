@@ -211,3 +211,46 @@ def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
     assert "could not read the target config" in user_error(capsys, [
         "perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"), "--target-config",
         str(tmp_path / "missing")])
+
+
+def _timing_config(tmp_path: Path, target: str) -> Path:
+    config = tmp_path / "timing.yaml"
+    config.write_text(json.dumps({"data": {"train_files": ["never-read.jsonl"]}, "model": {
+        "target": {"name_or_path": target, "dtype": "float32", "layer_ids": [1, 3]},
+        "drafter": {"class_path": "lilicorr_pl.models.DFlashDrafter", "init_args": {"num_layers": 1, "block_size": 4}},
+        "head": {"class_path": "lilicorr_pl.heads.LiLiCorrHead",
+                 "init_args": {"top_k": 4, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "factor_dim": 16}},
+    }}))
+    return config
+
+
+def test_round_timing_measures_a_round_against_a_plain_step_at_the_configs_shapes(tmp_path, capsys):
+    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4))
+    out = tmp_path / "rounds.json"
+    result = cli_main(["perf", "--round-timing", "-c", str(config), "--context", "12", "--new-tokens", "6",
+                       "--prompts", "2", "--tau", "3", "--json", str(out)])
+    assert "plain decoding step" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["weights"] == "random" and saved["settings"]["block_size"] == 4
+    step = saved["plain_step_ms"]
+    assert step > 0 and set(saved["arms"]) == {"top1", "lilicorr"}
+    for arm in saved["arms"].values():  # every ratio is computed from the measured times of this run
+        parts = arm["draft_ms"] + arm["head_ms"] + arm["verify_ms"] + arm["bookkeeping_ms"]
+        assert arm["round_ms"] == pytest.approx(parts) and min(arm["draft_ms"], arm["verify_ms"]) > 0
+        assert arm["round_cost_ratio"] == pytest.approx(arm["round_ms"] / step)
+        assert arm["verify_cost_ratio"] == pytest.approx(arm["verify_ms"] / step)
+        assert arm["speedup_at_tau"] == pytest.approx(3 / arm["round_cost_ratio"])
+    assert result["plain_step_ms"] == pytest.approx(step)
+
+
+def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones(tmp_path, capsys):
+    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4))
+    base = ["perf", "--round-timing", "-c", str(config), "--new-tokens", "4", "--prompts", "1", "--context", "8"]
+    result = cli_main([*base, "--target-overrides", '{"num_hidden_layers": 7, "hidden_size": 48, "head_dim": 12, '
+                                                    '"intermediate_size": 96}'])
+    assert result["settings"]["target"].startswith("Qwen3 (7 layers, hidden 48, intermediate 96")
+    assert result["settings"]["target_layer_ids"] == [2, 6]  # layers 1 and 3 of 4, scaled: the last stays the last
+    assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
+    assert "runs past the target's 512 positions; lower --context" in user_error(
+        capsys, [*base[:-1], "510"])
+    assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
