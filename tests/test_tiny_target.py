@@ -217,16 +217,15 @@ def test_docstring_prefixes_end_after_a_function_docstring(built: tuple[Path, Pa
     tokenizer = transformers.AutoTokenizer.from_pretrained(built[1])
     prefixes = corpus.code_prefixes(tokenizer, num=6, prefix_tokens=96, seed=3, split="train", cut="docstring")
     assert prefixes == corpus.code_prefixes(tokenizer, num=6, prefix_tokens=96, seed=3, split="train", cut="docstring")
-    train_text = "\n".join(corpus.read_corpus("train"))
+    texts = list(corpus.read_corpus("train"))
     for prefix in prefixes:
-        assert 48 <= len(tokenizer.encode(prefix, add_special_tokens=False)) <= 96 and prefix in train_text
-        lines = prefix.splitlines()
-        assert lines[-1].strip().endswith(('"""', "'''"))  # the last line closes the docstring ...
-        header = max(i for i, line in enumerate(lines) if re.match(r"\s*(async\s+)?def\s", line))
-        opened = lines[header + 1].strip()  # ... that opens on the line right after the last def header
-        assert opened.lstrip("rRuU")[:3] in ('"""', "'''")
-        quote = opened.lstrip("rRuU")[:3]
-        assert sum(line.count(quote) for line in lines[header + 1:]) == 2  # one docstring: opened and closed
+        assert 48 <= len(tokenizer.encode(prefix, add_special_tokens=False)) <= 96
+        # Each prefix is a run of whole lines of one file that ends where the parser says a docstring ends.
+        text = next(t for t in texts if prefix in t)
+        lines = corpus._SOURCE_LINE_RE.findall(text)
+        ends = {"".join(lines[:end]) for end, _ in corpus._docstring_cuts(text)}
+        assert any(end.endswith(prefix) for end in ends)
+        assert re.search(r"^\s*(async\s+)?def\s", prefix, re.MULTILINE)  # the function's header is in it
     # The default cut is still the header one, and the benchmark name serves the docstring cut.
     headers = corpus.code_prefixes(tokenizer, num=3, prefix_tokens=48, seed=3, split="train")
     assert all(p.endswith(":\n") or "#" in p.splitlines()[-1] for p in headers)
@@ -234,3 +233,33 @@ def test_docstring_prefixes_end_after_a_function_docstring(built: tuple[Path, Pa
     assert loaded.texts == corpus.code_prefixes(tokenizer, 3, 96, seed=5 + 7919, split="train", cut="docstring")
     with pytest.raises(ValueError, match="Unknown prefix cut 'body'"):
         corpus.code_prefixes(tokenizer, 1, 48, cut="body")  # type: ignore[arg-type]
+
+
+def test_docstring_cuts_come_from_the_parser_not_from_quote_guessing() -> None:
+    source = (
+        "import os\n\n"
+        "@decorator\n"
+        "def spread(a,\n"
+        "           b):\n"
+        '    """Quotes \'\'\' inside, and\n'
+        '    a second line."""\n'
+        "    return a\n\n"
+        "def bare():\n"
+        "    return 1\n\n"
+        "class C:\n"
+        "    async def method(self):  # comment\n"
+        "        \'\'\'One line with \"\"\" in it.\'\'\'\n"
+        "        def inner():\n"
+        "            'a plain string'\n"
+        "            pass\n"
+    )
+    lines = corpus._SOURCE_LINE_RE.findall(source)
+    cuts = corpus._docstring_cuts(source)
+    assert [(lines[header].strip(), lines[end - 1].strip()) for end, header in cuts] == [
+        ("def spread(a,", 'a second line."""'),  # a header over two lines; a docstring quoting the other quotes
+        ("async def method(self):  # comment", "\'\'\'One line with \"\"\" in it.\'\'\'"),
+        ("def inner():", "'a plain string'"),
+    ]  # bare() has no docstring
+    assert corpus._docstring_cuts("def broken(:\n") == []  # a file that does not parse has no cuts
+    # Line numbers are the parser's: a form feed is no line break to it, so it is none here either.
+    assert corpus._SOURCE_LINE_RE.findall("a\fb\nc\r\nd\re") == ["a\fb\n", "c\r\n", "d\r", "e"]

@@ -48,10 +48,8 @@ HELDOUT_BUCKETS: int = 10
 # A complete one-line ``def``/``class`` header: the next line starts its body, a natural point at
 # which to ask a model to continue.
 _HEADER_RE = re.compile(r"^\s*(?:async\s+def|def|class)\s+\w+.*:\s*(?:#.*)?$")
-# A one-line function header, for cuts after its docstring (HumanEval's prompt shape).
-_DEF_RE = re.compile(r"^\s*(?:async\s+def|def)\s+\w+.*:\s*(?:#.*)?$")
-_DOCSTRING_QUOTES = ('"""', "'''")
-_MAX_DOCSTRING_LINES = 60
+
+_SOURCE_LINE_RE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 Cut = Literal["header", "docstring"]
 
@@ -151,16 +149,28 @@ def heldout_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0
     return code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="heldout")
 
 
-def _docstring_end(lines: list[str], header: int) -> int | None:
-    """Index of the line closing the docstring that opens right after line ``header``; None without one."""
-    first = lines[header + 1].strip() if header + 1 < len(lines) else ""
-    quote = next((q for q in _DOCSTRING_QUOTES if first.lstrip("rRuU").startswith(q)), None)
-    if quote is None:
-        return None
-    if first.count(quote) >= 2:  # opened and closed on one line
-        return header + 1
-    return next((k for k in range(header + 2, min(header + 1 + _MAX_DOCSTRING_LINES, len(lines))) if quote in lines[k]),
-                None)
+def _docstring_cuts(text: str) -> list[tuple[int, int]]:
+    """``(cut line, def line)`` (0-based) of every function whose body opens with a docstring: the cut is the line
+    after the docstring's closing quotes, wherever they are (a docstring quoting other quotes, a ``def`` header
+    over several lines, a decorator above). From the parsed source, never from a guess at quotes; a file that
+    does not parse (the stdlib ships a few on purpose, as test data) has none."""
+    import ast
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # invalid escape sequences in old test data are not our concern
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    cuts = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str) and first.end_lineno is not None):
+                cuts.append((first.end_lineno, node.lineno - 1))  # 1-based end line = 0-based next line
+    return sorted(cuts)
 
 
 def code_prefixes(
@@ -191,17 +201,19 @@ def code_prefixes(
     # Candidate cut points: (file index, line index after a header) with a body of ≥ 3 lines
     # following and at least a few lines of context before it.
     files = stdlib_files(split)
-    file_lines = [_read_text(p).splitlines(keepends=True) for p in files]
+    texts = [_read_text(p) for p in files]
+    # Header cuts split as they always did; docstring cuts at the parser's own line breaks (\n, \r\n, \r: a
+    # form feed, which ``splitlines`` also breaks at, is no line to the parser, whose line numbers they index).
+    file_lines = [text.splitlines(keepends=True) if cut == "header" else _SOURCE_LINE_RE.findall(text)
+                  for text in texts]
     candidates: list[tuple[int, int, int]] = []  # (file, cut line, the header line the prefix must include)
     for file_index, lines in enumerate(file_lines):
-        for line_index, line in enumerate(lines):
-            if cut == "header":
-                if line_index >= 3 and line_index + 3 < len(lines) and _HEADER_RE.match(line):
-                    candidates.append((file_index, line_index + 1, line_index))
-            elif line_index >= 3 and _DEF_RE.match(line):
-                end = _docstring_end(lines, line_index)
-                if end is not None and end + 4 < len(lines):  # >= 4 lines after the docstring (its body)
-                    candidates.append((file_index, end + 1, line_index))
+        if cut == "header":
+            candidates.extend((file_index, i + 1, i) for i, line in enumerate(lines)
+                              if i >= 3 and i + 3 < len(lines) and _HEADER_RE.match(line))
+        else:  # >= 4 lines after the docstring (its body), a few lines of context before the def
+            candidates.extend((file_index, end, header) for end, header in _docstring_cuts(texts[file_index])
+                              if header >= 3 and end + 3 < len(lines))
     random.Random(seed).shuffle(candidates)
 
     prefixes: list[str] = []
