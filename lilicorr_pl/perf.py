@@ -403,8 +403,9 @@ def load_round_modules(
     ``target_config``: a ``config.json`` (or a directory holding one) to read the target's shapes from;
     default: ``model.target.name_or_path`` (a local directory, or a hub name already in the local cache).
     ``target_overrides``: config fields to change first (e.g. ``{"num_hidden_layers": 32, "hidden_size": 96}``),
-    to cost a target shape that does not exist yet; ``model.target.layer_ids`` then falls back to the default rule
-    when it no longer fits.
+    to cost a target shape that does not exist yet. At another depth explicit ``model.target.layer_ids`` are scaled
+    to the same relative layers (the last stays the last) and the attention pattern (``layer_types``) is repeated;
+    without explicit ids the default rule picks them at the new depth.
     """
     from transformers import AutoConfig
 
@@ -424,17 +425,27 @@ def load_round_modules(
             "config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
         ) from None
     layers = int(config.num_hidden_layers)
-    for key, value in (target_overrides or {}).items():
+    overrides = dict(target_overrides or {})
+    for key, value in overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"--target_overrides: the target config has no field {key!r}")
         setattr(config, key, value)
-    layer_ids = target.get("layer_ids") or default_layer_ids(
-        config.num_hidden_layers, min(int(target.get("num_features", 5)), config.num_hidden_layers))
-    if config.num_hidden_layers != layers:  # another depth: the same relative layers (the last stays the last)
-        if getattr(config, "layer_types", None):
-            config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
-        scale = (config.num_hidden_layers - 1) / max(layers - 1, 1)
-        layer_ids = sorted({round(i * scale) for i in layer_ids})
+    depth = int(config.num_hidden_layers)
+    if depth != layers and getattr(config, "layer_types", None) and "layer_types" not in overrides:
+        pattern = list(config.layer_types)  # the same attention pattern, repeated to the new depth
+        config.layer_types = [pattern[i % len(pattern)] for i in range(depth)]
+    layer_ids = target.get("layer_ids")
+    if not layer_ids:  # the default rule, at the depth being costed
+        layer_ids = default_layer_ids(depth, min(int(target.get("num_features", 5)), depth))
+    elif depth != layers:  # explicit ids at another depth: the same relative layers (the last stays the last)
+        scale = (depth - 1) / max(layers - 1, 1)
+        scaled = sorted({round(i * scale) for i in layer_ids})
+        if len(scaled) != len(layer_ids):
+            raise ValueError(
+                f"model.target.layer_ids {list(layer_ids)} of {layers} layers do not stay {len(layer_ids)} distinct "
+                f"layers at {depth} ({scaled}); set model.target.layer_ids for that depth"
+            )
+        layer_ids = scaled
     drafter = _component(model.get("drafter"), DFlashDrafter, "model.drafter")
     head = _component(model.get("head"), LiLiCorrHead, "model.head")
     with torch.device(device):
@@ -456,6 +467,7 @@ def round_timing(
     compile: bool = False,
     seed: int = 0,
     json_path: str | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Measure one speculative round on this machine at a config's shapes, against one plain decoding step.
 
@@ -467,8 +479,10 @@ def round_timing(
     (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`, T = 0). Random drafts are rejected, so every round
     commits one token and the drafter appends one feature per round where a trained one appends τ.
 
+    ``dtype``: of the target, drafter and head (default: ``model.target.dtype`` of the -c files).
+
     Returns:
-        ``{"settings", "plain_step_ms", "arms": {"top1"|"lilicorr": {"round_ms", "draft_ms", "head_ms",
+        ``{"settings", "plain_step_ms", "arms": {"top1"|"lilicorr": {"tau", "round_ms", "draft_ms", "head_ms",
         "verify_ms", "bookkeeping_ms", "round_cost_ratio", "break_even_tau", "speedup_at_tau"}}}``:
         ``round_cost_ratio`` = round / plain step, the τ at which speculative decoding breaks even;
         ``speedup_at_tau`` = ``tau / round_cost_ratio``, the decode-loop speedup a drafter accepted at ``tau``
@@ -489,10 +503,14 @@ def round_timing(
             f"--context {context} + --new_tokens {new_tokens} + a block of {drafter.block_size} runs past the target's "
             f"{limit} positions; lower --context or --new_tokens"
         )
-    dtype = resolve_dtype((_merged_yaml(config).get("model") or {}).get("target", {}).get("dtype", "float32"))
+    if dtype is None:
+        dtype = (_merged_yaml(config).get("model") or {}).get("target", {}).get("dtype", "float32")
+    dtype = resolve_dtype(dtype)
+    if new_tokens < 2:
+        raise ValueError(f"--new_tokens {new_tokens}: the first token comes from the prefill, so time at least 2")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_cfg, dtype=dtype)
-    target = FrozenTarget(model.to(device), layer_ids=drafter.target_layer_ids)
+    model = AutoModelForCausalLM.from_config(target_cfg)  # random float32 weights, then the run's dtype
+    target = FrozenTarget(model.to(device=device, dtype=dtype), layer_ids=drafter.target_layer_ids)
     drafter, head = drafter.to(device=device, dtype=dtype).eval(), head.to(device=device, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(seed)
     vocab = min(int(target_cfg.vocab_size), int(getattr(target_cfg, "mask_token_id", None) or target_cfg.vocab_size))
@@ -523,7 +541,7 @@ def round_timing(
     }
     for name, r in results.items():
         out["arms"][name] = {
-            "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms, "verify_ms": r.verify_ms,
+            "tau": r.tau, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms, "verify_ms": r.verify_ms,
             "bookkeeping_ms": r.bookkeeping_ms, "round_cost_ratio": r.round_cost_ratio,
             "verify_cost_ratio": r.verify_ms / step, "break_even_tau": r.round_cost_ratio,
             "speedup_at_tau": tau / r.round_cost_ratio,
@@ -553,6 +571,9 @@ def format_round_timing(result: dict[str, Any]) -> str:
             f"{a['speedup_at_tau']:>17.2f}x"
         )
     lines.append("round/step is the tau (bonus token included) at which speculative decoding breaks even")
+    accepted = {name: a["tau"] for name, a in result["arms"].items() if a["tau"] > 1.2}
+    if accepted:  # random drafts are meant to be rejected: one token, one appended feature per round
+        lines.append(f"note: random drafts were accepted (tau {accepted}); rounds appended more than one feature")
     return "\n".join(lines)
 
 
@@ -752,7 +773,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
                                    json_path=options.json, target_overrides=overrides)
             return round_timing(configs, options.target_config, overrides, options.context or 64, options.new_tokens,
-                                options.prompts, options.tau, options.device, options.compile, json_path=options.json)
+                                options.prompts, options.tau, options.device, options.compile, json_path=options.json,
+                                dtype=options.model.target.dtype)
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule

@@ -96,12 +96,14 @@ def test_a_head_past_the_recompile_limit_fails_instead_of_running_eagerly_under_
     compiled = CompiledSelector(head)
     draft = draft_output(2, stride_source=6)
     torch._dynamo.reset()
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
-        assert torch.equal(compiled.select(draft, context(), 4).tokens, head.select(draft, context(), 4).tokens)
-        with pytest.raises(RuntimeError, match=r"compiled 'lilicorr' head met more input shapes than "
-                                               r"torch\._dynamo\.config\.recompile_limit \(1\).*without --compile"):
-            compiled.select(draft, context(), 2)  # a second lattice width: a second graph, past the limit
-    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+            assert torch.equal(compiled.select(draft, context(), 4).tokens, head.select(draft, context(), 4).tokens)
+            with pytest.raises(RuntimeError, match=r"compiled 'lilicorr' head met more input shapes than torch\."
+                                                   r"_dynamo\.config\.recompile_limit \(1\).*without --compile"):
+                compiled.select(draft, context(), 2)  # a second lattice width: a second graph, past the limit
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_head_the_compiler_fails_on_names_the_fix():
@@ -115,6 +117,8 @@ def test_a_head_the_compiler_fails_on_names_the_fix():
     compiled._select = torch.compile(head.select, dynamic=False, backend=failing_backend)
     torch._dynamo.reset()
     expected = r"compiling the 'dspark' head failed \(NotImplementedError: lowering aten::something\); run without"
-    with torch.no_grad(), pytest.raises(RuntimeError, match=expected):
-        compiled.select(draft_output(3, stride_source=6), context())
-    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match=expected):
+            compiled.select(draft_output(3, stride_source=6), context())
+    finally:
+        torch._dynamo.reset()

@@ -23,7 +23,7 @@ from lilicorr_pl.perf import (
     round_cost,
     target_round_ops,
 )
-from lilicorr_pl.target import FrozenTarget
+from lilicorr_pl.target import FrozenTarget, default_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "qwen3-8b"  # base.yaml plus one overlay per arm
@@ -213,10 +213,11 @@ def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
         str(tmp_path / "missing")])
 
 
-def _timing_config(tmp_path: Path, target: str) -> Path:
-    config = tmp_path / "timing.yaml"
+def _timing_config(tmp_path: Path, target: str, layer_ids: list[int] | None = None) -> Path:
+    config = tmp_path / ("timing.yaml" if layer_ids else "timing-default-ids.yaml")
+    ids = {"layer_ids": layer_ids} if layer_ids else {"num_features": 3}
     config.write_text(json.dumps({"data": {"train_files": ["never-read.jsonl"]}, "model": {
-        "target": {"name_or_path": target, "dtype": "float32", "layer_ids": [1, 3]},
+        "target": {"name_or_path": target, "dtype": "float32", **ids},
         "drafter": {"class_path": "lilicorr_pl.models.DFlashDrafter", "init_args": {"num_layers": 1, "block_size": 4}},
         "head": {"class_path": "lilicorr_pl.heads.LiLiCorrHead",
                  "init_args": {"top_k": 4, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "factor_dim": 16}},
@@ -225,7 +226,7 @@ def _timing_config(tmp_path: Path, target: str) -> Path:
 
 
 def test_round_timing_measures_a_round_against_a_plain_step_at_the_configs_shapes(tmp_path, capsys):
-    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4))
+    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4), [1, 3])
     out = tmp_path / "rounds.json"
     result = cli_main(["perf", "--round-timing", "-c", str(config), "--context", "12", "--new-tokens", "6",
                        "--prompts", "2", "--tau", "3", "--json", str(out)])
@@ -244,12 +245,21 @@ def test_round_timing_measures_a_round_against_a_plain_step_at_the_configs_shape
 
 
 def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones(tmp_path, capsys):
-    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4))
+    target = save_tiny_target(tmp_path / "target", layers=4)
+    config = _timing_config(tmp_path, target, [1, 3])
     base = ["perf", "--round-timing", "-c", str(config), "--new-tokens", "4", "--prompts", "1", "--context", "8"]
     result = cli_main([*base, "--target-overrides", '{"num_hidden_layers": 7, "hidden_size": 48, "head_dim": 12, '
-                                                    '"intermediate_size": 96}'])
+                                                    '"intermediate_size": 96}', "--model.target.dtype", "bf16"])
     assert result["settings"]["target"].startswith("Qwen3 (7 layers, hidden 48, intermediate 96")
     assert result["settings"]["target_layer_ids"] == [2, 6]  # layers 1 and 3 of 4, scaled: the last stays the last
+    assert result["settings"]["dtype"] == "bfloat16"  # the command line's --model.* overrides count
+    # Without explicit ids, the default rule at the new depth (what a run on that target would read).
+    deep, drafter, _ = load_round_modules([str(_timing_config(tmp_path, target))], None, {"num_hidden_layers": 36})
+    assert drafter.target_layer_ids == default_layer_ids(36, 3)
+    assert deep.layer_types == ["full_attention"] * 36  # the attention pattern, repeated to the new depth
+    with pytest.raises(ValueError, match=r"do not stay 2 distinct layers at 1 \(\[0\]\); set model.target.layer_ids"):
+        load_round_modules([str(config)], None, {"num_hidden_layers": 1})
+    assert "time at least 2" in user_error(capsys, [*base[:4], "--new-tokens", "1"])
     assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
     assert "runs past the target's 512 positions; lower --context" in user_error(
         capsys, [*base[:-1], "510"])

@@ -246,6 +246,9 @@ def test_docstring_cuts_come_from_the_parser_not_from_quote_guessing() -> None:
         "    return a\n\n"
         "def bare():\n"
         "    return 1\n\n"
+        "def stub():\n"
+        '    """Only a docstring: what follows is another function, not its code."""\n\n'
+        'def one_line(): "on the header\'s line"; return 2\n\n'
         "class C:\n"
         "    async def method(self):  # comment\n"
         "        \'\'\'One line with \"\"\" in it.\'\'\'\n"
@@ -259,7 +262,7 @@ def test_docstring_cuts_come_from_the_parser_not_from_quote_guessing() -> None:
         ("def spread(a,", 'a second line."""'),  # a header over two lines; a docstring quoting the other quotes
         ("async def method(self):  # comment", "\'\'\'One line with \"\"\" in it.\'\'\'"),
         ("def inner():", "'a plain string'"),
-    ]  # bare() has no docstring
+    ]  # bare() has no docstring, stub() no code after it, one_line()'s shares the header's line
     assert corpus._docstring_cuts("def broken(:\n") == []  # a file that does not parse has no cuts
     # Line numbers are the parser's: a form feed is no line break to it, so it is none here either.
     assert corpus._SOURCE_LINE_RE.findall("a\fb\nc\r\nd\re") == ["a\fb\n", "c\r\n", "d\r", "e"]

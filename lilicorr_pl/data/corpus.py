@@ -150,10 +150,10 @@ def heldout_prefixes(tokenizer: Any, num: int, prefix_tokens: int, seed: int = 0
 
 
 def _docstring_cuts(text: str) -> list[tuple[int, int]]:
-    """``(cut line, def line)`` (0-based) of every function whose body opens with a docstring: the cut is the line
-    after the docstring's closing quotes, wherever they are (a docstring quoting other quotes, a ``def`` header
-    over several lines, a decorator above). From the parsed source, never from a guess at quotes; a file that
-    does not parse (the stdlib ships a few on purpose, as test data) has none."""
+    """``(cut line, def line)`` (0-based) of every function whose body opens with a docstring and goes on with code:
+    the cut is the line after the docstring's closing quotes, wherever they are (a docstring quoting other quotes, a
+    ``def`` header over several lines, a decorator above). From the parsed source, never from a guess at quotes; a
+    file that does not parse (the stdlib ships a few on purpose, as test data) has none."""
     import ast
     import warnings
 
@@ -165,10 +165,13 @@ def _docstring_cuts(text: str) -> list[tuple[int, int]]:
         return []
     cuts = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        # Code after the docstring (a stub whose body is its docstring would continue into the next function), and
+        # a docstring on a line of its own, after the header's first line.
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) > 1:
             first = node.body[0]
             if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str) and first.end_lineno is not None):
+                    and isinstance(first.value.value, str) and first.end_lineno is not None
+                    and first.lineno > node.lineno and node.body[1].lineno > first.end_lineno):
                 cuts.append((first.end_lineno, node.lineno - 1))  # 1-based end line = 0-based next line
     return sorted(cuts)
 

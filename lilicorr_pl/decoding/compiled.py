@@ -20,6 +20,14 @@ from lilicorr_pl.heads.base import SelectContext, Selection
 __all__ = ["CompiledSelector", "check_compile_available", "compile_selectors"]
 
 
+# Past Dynamo's recompile limit a compiled function silently runs eagerly; torch >= 2.7 can raise instead (older
+# versions keep the silent fallback: nothing to catch there).
+_LOUD_RECOMPILE_LIMIT = {"fail_on_recompile_limit_hit": True} if hasattr(
+    torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
+_RecompileLimitHit: type[BaseException] = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or type(
+    "_NeverRaised", (Exception,), {})
+
+
 def _dense(x: Any) -> Any:
     # Dynamo specialises on strides, and a size-1 dim's stride varies with the tensor it was sliced from
     # (the drafter's anchor feature): a dense copy of such a view keeps every round on one graph.
@@ -64,7 +72,7 @@ class CompiledSelector(nn.Module):
         # Past Dynamo's recompile limit (8 shapes per code object; instances of one head class share their graphs)
         # it would run the head eagerly without a word, and the row would still say compiled: fail instead.
         try:
-            with torch._dynamo.config.patch(allow_rnn=True, fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(allow_rnn=True, **_LOUD_RECOMPILE_LIMIT):
                 return self._select(draft, context, *args)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # a head Inductor cannot compile, after training
             inner = getattr(error, "inner_exception", None) or error
@@ -73,11 +81,12 @@ class CompiledSelector(nn.Module):
                 f"compiling the {self.name!r} head failed ({first}); run without --compile (lilicorr demo --compile "
                 "false reuses every trained stage)"
             ) from error
-        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        except _RecompileLimitHit as error:
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
             raise RuntimeError(
                 f"the compiled {self.name!r} head met more input shapes than torch._dynamo.config.recompile_limit "
-                f"({torch._dynamo.config.recompile_limit}) allows, so it would silently run eagerly; benchmark fewer "
-                "lattice widths or block sizes in one process, raise that limit, or run without --compile"
+                f"({limit}) allows, so it would silently run eagerly; benchmark fewer lattice widths or block sizes "
+                "in one process, or run without --compile"
             ) from error
 
 
