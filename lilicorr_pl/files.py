@@ -25,13 +25,14 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def check_output_paths(output: str | None, plot: str | None) -> None:
-    """Raise ``ValueError`` when results could not be written, before any benchmark work starts."""
+def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output") -> None:
+    """Raise ``ValueError`` when results could not be written, before any benchmark work starts
+    (``output_flag``: the option that named ``output``, for the message)."""
     if output:
         out = Path(output)
         if out.is_dir():
-            raise ValueError(f"--output {out} is a directory; pass a file name such as {out / 'results.json'}")
-        check_writable_dir(out.parent, f"--output {out}")
+            raise ValueError(f"{output_flag} {out} is a directory; pass a file name such as {out / 'results.json'}")
+        check_writable_dir(out.parent, f"{output_flag} {out}")
     if plot:
         directory = Path(plot)
         if directory.exists() and not directory.is_dir():

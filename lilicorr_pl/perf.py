@@ -14,7 +14,6 @@ that round on this machine instead, with random weights at the same shapes: :fun
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -496,6 +495,12 @@ def round_timing(
     from lilicorr_pl.target import FrozenTarget, check_device, resolve_dtype
 
     check_device(device)
+    if new_tokens < 2:
+        raise ValueError(f"--new_tokens {new_tokens}: the first token comes from the prefill, so time at least 2")
+    if compile:
+        from lilicorr_pl.decoding.compiled import check_compile_available
+
+        check_compile_available(device, fix="run without --compile")
     target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device="cpu")
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
     if limit and context + new_tokens + drafter.block_size > limit:
@@ -506,8 +511,6 @@ def round_timing(
     if dtype is None:
         dtype = (_merged_yaml(config).get("model") or {}).get("target", {}).get("dtype", "float32")
     dtype = resolve_dtype(dtype)
-    if new_tokens < 2:
-        raise ValueError(f"--new_tokens {new_tokens}: the first token comes from the prefill, so time at least 2")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(target_cfg)  # random float32 weights, then the run's dtype
     target = FrozenTarget(model.to(device=device, dtype=dtype), layer_ids=drafter.target_layer_ids)
@@ -518,9 +521,8 @@ def round_timing(
     prompt_set = PromptSet("random", ids, [""] * prompts, chat_template=False, enable_thinking=False)
     selectors: dict[str, Any] = {"top1": Top1Selector(), "lilicorr": head}
     if compile:
-        from lilicorr_pl.decoding.compiled import check_compile_available, compile_selectors
+        from lilicorr_pl.decoding.compiled import compile_selectors
 
-        check_compile_available(device, fix="run without --compile")
         selectors = compile_selectors(selectors)
     arms = {name: ArmSpec(drafter, selector) for name, selector in selectors.items()}
     reference, results = evaluate_arms(target, arms, prompt_set, new_tokens, 0.0, seed=seed, stop_token_ids=[],
@@ -637,8 +639,7 @@ def cost_report(
     }
     print(format_cost(result))
     if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json_atomic(Path(json_path), result)
     return result
 
 
@@ -731,6 +732,13 @@ class PerfCLI(LilicorrCLI):
             super().check_before_building(config, subcommand)
 
     def before_instantiate_classes(self) -> None:
+        from lilicorr_pl.checkpoint import UserInputError
+        from lilicorr_pl.files import check_output_paths
+
+        try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
+            check_output_paths(self.config.get("json"), None, "--json")
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
         if self.config.get("ckpt") and not (self.config.get("cost_model") or self.config.get("round_timing")):

@@ -54,12 +54,17 @@ def test_compiled_heads_choose_the_drafts_eager_mode_chooses_without_recompiling
     assert compiled.name == head.name and compiled.top_k == head.top_k
 
 
-def test_sampled_drafts_run_eagerly_with_the_same_generator_stream():
+def _small_compiled_head() -> tuple[LiLiCorrHead, CompiledSelector]:
+    """A small LiLiCorr head and its compiled wrapper, with Dynamo's caches emptied."""
     head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
     head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6).eval()
-    compiled = CompiledSelector(head)
-    draft = draft_output(1, stride_source=6)
     torch._dynamo.reset()
+    return head, CompiledSelector(head)
+
+
+def test_sampled_drafts_run_eagerly_with_the_same_generator_stream():
+    head, compiled = _small_compiled_head()
+    draft = draft_output(1, stride_source=6)
     torch._dynamo.utils.counters.clear()
     picks = []
     for selector in (head, compiled):
@@ -91,11 +96,8 @@ def test_a_machine_that_cannot_compile_is_told_with_the_fix(monkeypatch):
 
 
 def test_a_head_past_the_recompile_limit_fails_instead_of_running_eagerly_under_a_compiled_label():
-    head = LiLiCorrHead(top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
-    head.build(H, V, block_size=S + 1, rms_norm_eps=1e-6).eval()
-    compiled = CompiledSelector(head)
+    head, compiled = _small_compiled_head()
     draft = draft_output(2, stride_source=6)
-    torch._dynamo.reset()
     try:
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
             assert torch.equal(compiled.select(draft, context(), 4).tokens, head.select(draft, context(), 4).tokens)

@@ -264,3 +264,5 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     assert "runs past the target's 512 positions; lower --context" in user_error(
         capsys, [*base[:-1], "510"])
     assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
+    # --json is written at the end of every mode: a directory there is refused before anything is built.
+    assert f"--json {tmp_path} is a directory; pass a file name" in user_error(capsys, [*base, "--json", str(tmp_path)])
