@@ -19,7 +19,8 @@ ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 def demo(tmp_path, *extra: str) -> dict:
     out = tmp_path / "results.json"
     main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"), "--output", str(out),
-          "--prompts", "12", "--regen-tokens", "12", "--prefix-tokens", "16", "--base-steps", "2", "--steps", "2", "--head-steps", "2",
+          "--prompts", "12", "--docstring-prompts", "4", "--regen-tokens", "12", "--prefix-tokens", "16",
+          "--base-steps", "2", "--steps", "2", "--head-steps", "2",
           "--bench-prompts", "2", "--bench-new-tokens", "8", *extra])
     return json.loads(out.read_text())
 
@@ -43,6 +44,12 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
             assert r["compiled_head"] is expected, r["arm"]
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
+    # The regeneration prompts: 12 cut after a header, then 4 cut right after a function's docstring.
+    prompts = [json.loads(line) for line in
+               (tmp_path / "demo" / "data" / result["stages"]["data"] / "prompts.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in prompts] == [f"train-{i}" for i in range(12)] + [f"train-docstring-{i}" for i in range(4)]
+    assert all(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[12:])
+    assert not any(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[:12])
     rows = result["results"]
     seen = {(r["benchmark"], r["temperature"], r["arm"]) for r in rows}
     for bench in ("humaneval", "stdlib-heldout"):

@@ -1,8 +1,9 @@
 """``lilicorr demo``: the paper's comparison, measured here on a laptop-sized real target.
 
 1. Build (or reuse) a small Qwen3-architecture target trained on the Python standard library.
-2. Regenerate: the target's own greedy continuations of training-split code prefixes become the
-   drafter's training data (the same ``regenerate`` users run on chat prompts).
+2. Regenerate: the target's own greedy continuations of training-split code prefixes (cut after a ``def``/``class``
+   header, and a third as many cut after a function's docstring) become the drafter's training data (the same
+   ``regenerate`` users run on chat prompts).
 3. Train: one shared DFlash stage (``configs/demo/base.yaml``: drafter layers start as the target's top
    layers, DFlash CE) for ``base_steps``, then every arm continues from it for ``steps`` more with its own
    head and losses (``configs/demo/arms/<arm>.yaml``): vanilla DFlash (CE alone), Domino and DSpark. The
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from jsonargparse.typing import NonNegativeFloat, PositiveInt
+from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.command import shipped_configs
@@ -76,14 +77,17 @@ SETTINGS = {
     # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B);
     # a head-stage arm keeps its source arm's drafter and trains its head for head_steps on top.
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
-    "quick": dict(target="quick", prompts=160, prefix_tokens=48, new_tokens=64, base_steps=60, steps=40,
-                  head_steps=60, bench_prompts=6, bench_new_tokens=32),
+    "quick": dict(target="quick", prompts=160, docstring_prompts=50, prefix_tokens=48, new_tokens=64, base_steps=60,
+                  steps=40, head_steps=60, bench_prompts=6, bench_new_tokens=32),
     # full head_steps, chosen on 40 training-side prompts (stdlib-train, T = 0): the head stage on the dflash
     # arm's drafter reached tau 4.82 after 1,500 steps and 5.14 after 3,000 (its drafter's top-1: 4.19).
     # full base_steps, chosen the same way (the dflash arm's top-1, 240 arm steps on top): tau 3.97 (slot 1 0.70)
     # after 600 shared steps, 4.34 (0.81) after 1,200 and 4.71 (0.87) after 2,000.
-    "full": dict(target="full", prompts=900, prefix_tokens=64, new_tokens=96, base_steps=2000, steps=240,
-                 head_steps=3000, bench_prompts=40, bench_new_tokens=32),
+    # full docstring_prompts, chosen on 40 + 40 training-side prompts none of which was regenerated (docstring cuts,
+    # header cuts; T = 0, top-1 / LiLiCorr): 900 header prompts alone gave 3.11 (slot 1 0.58) / 3.51 and 4.63 / 5.43;
+    # 450 docstring prompts more gave 3.93 (0.75) / 4.35 and 4.79 / 5.39.
+    "full": dict(target="full", prompts=900, docstring_prompts=450, prefix_tokens=64, new_tokens=96, base_steps=2000,
+                 steps=240, head_steps=3000, bench_prompts=40, bench_new_tokens=32),
 }
 ArmName = Literal[tuple(ARMS)]  # type: ignore[valid-type]
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
@@ -151,15 +155,22 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
     return meta if meta.get("key") == key else None
 
 
-def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int) -> None:
+def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int,
+                  docstring_num: int = 0) -> None:
+    """The regeneration prompts: ``num`` training-split prefixes cut after a ``def``/``class`` header, then
+    ``docstring_num`` cut after a function's docstring (the code that follows one: HumanEval's shape)."""
     from lilicorr_pl.data.corpus import code_prefixes
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    prefixes = code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="train")
+    records = [{"id": f"train-{i}", "text": text}
+               for i, text in enumerate(code_prefixes(tokenizer, num, prefix_tokens, seed=seed, split="train"))]
+    records += [{"id": f"train-docstring-{i}", "text": text}
+                for i, text in enumerate(code_prefixes(tokenizer, docstring_num, prefix_tokens, seed=seed,
+                                                       split="train", cut="docstring"))]
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as fh:
-        for i, text in enumerate(prefixes):
-            fh.write(json.dumps({"id": f"train-{i}", "text": text}) + "\n")
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
     os.replace(tmp, path)
 
 
@@ -390,6 +401,7 @@ def demo(
     temperatures: Sequence[NonNegativeFloat] = (0.0, 1.0),
     target_preset: Literal["test", "quick", "full"] | None = None,
     prompts: PositiveInt | None = None,
+    docstring_prompts: NonNegativeInt | None = None,
     regen_tokens: PositiveInt | None = None,
     prefix_tokens: PositiveInt | None = None,
     bench_new_tokens: PositiveInt | None = None,
@@ -416,7 +428,8 @@ def demo(
         bench_prompts: prompts per benchmark.
         temperatures: sampling temperatures of the benchmark, e.g. 0,1.
         target_preset: override the mode's target build (test: seconds, quick: minutes, full: ~20 minutes).
-        prompts: regeneration prompts.
+        prompts: regeneration prompts cut after a ``def``/``class`` header.
+        docstring_prompts: further regeneration prompts cut after a function's docstring.
         regen_tokens: tokens regenerated per prompt.
         prefix_tokens: prompt prefix length in tokens.
         bench_new_tokens: tokens generated per benchmark prompt.
@@ -428,7 +441,8 @@ def demo(
             machine that cannot.
     """
     mode = "quick" if quick else "full"
-    cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts, "new_tokens": regen_tokens,
+    cfg = resolve_settings(quick, {"target": target_preset, "prompts": prompts,
+                                   "docstring_prompts": docstring_prompts, "new_tokens": regen_tokens,
                                    "prefix_tokens": prefix_tokens, "bench_new_tokens": bench_new_tokens,
                                    "steps": steps, "base_steps": base_steps, "head_steps": head_steps,
                                    "bench_prompts": bench_prompts},
@@ -475,12 +489,13 @@ def demo(
     log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
     t0 = time.time()
     data_key = stage_key(stage="data", target=Path(target_dir).name, corpus=corpus_fingerprint(),
-                         prompts=cfg["prompts"], prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"],
+                         prompts=cfg["prompts"], docstring_prompts=cfg["docstring_prompts"],
+                         prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"],
                          seed=seed)
     data_dir = workdir / "data" / data_key
     prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
     if not prompts_file.exists():
-        write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed)
+        write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed, cfg["docstring_prompts"])
     stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
                        batch_size=16, seed=seed)
     log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
