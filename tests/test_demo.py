@@ -166,6 +166,15 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "demo").exists()
 
 
+def test_demo_asking_more_prompts_than_the_corpus_has_is_one_line(tmp_path, capsys):
+    """More regeneration prompts than the training split has cut points: one line naming the flags, no prompt file."""
+    err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),
+                              "--prompts", "4", "--docstring-prompts", "1000000", "--prefix-tokens", "16"])
+    assert "requested 1000000 train prefixes" in err and "cut after each docstring" in err
+    assert err.strip().endswith("(the demo's --prompts 4, --docstring-prompts 1000000: lower them)")
+    assert not list((tmp_path / "demo" / "data").rglob("prompts.jsonl"))
+
+
 def test_demo_compile_on_a_machine_that_cannot_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """--compile true needs a working torch.compile; without it the demo stops with the fix, before building
     anything; the default (unset) benchmarks eager heads instead and says why."""

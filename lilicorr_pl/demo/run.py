@@ -495,7 +495,11 @@ def demo(
     data_dir = workdir / "data" / data_key
     prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
     if not prompts_file.exists():
-        write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed, cfg["docstring_prompts"])
+        try:
+            write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed, cfg["docstring_prompts"])
+        except ValueError as err:  # more prompts than the training split has cut points of this size
+            raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
+                                 f"{cfg['docstring_prompts']}: lower them)") from None
     stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
                        batch_size=16, seed=seed)
     log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
