@@ -163,6 +163,8 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     assert 'Parser key "steps"' in err and "does not conform to restriction v>0" in err  # refused when parsed
     assert "unknown_arm" in user_error(capsys, ["demo", "--quick", "--arms", "dflash,unknown_arm",
                                                 "--workdir", str(tmp_path / "demo")])
+    err = user_error(capsys, ["demo", "--quick", "--prefix-tokens", "4", "--workdir", str(tmp_path / "demo")])
+    assert err.strip().endswith("--prefix-tokens 4 is too short for a code prefix; use at least 8")
     assert not (tmp_path / "demo").exists()
 
 

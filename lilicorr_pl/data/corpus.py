@@ -47,6 +47,7 @@ HELDOUT_BUCKETS: int = 10
 
 # A complete one-line ``def``/``class`` header: the next line starts its body, a natural point at
 # which to ask a model to continue.
+MIN_PREFIX_TOKENS = 8  # a shorter prefix holds no header with context before it
 _HEADER_RE = re.compile(r"^\s*(?:async\s+def|def|class)\s+\w+.*:\s*(?:#.*)?$")
 
 _SOURCE_LINE_RE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
@@ -199,8 +200,9 @@ def code_prefixes(
         raise ValueError(f"Unknown prefix cut {cut!r}; use 'header' or 'docstring'.")
     if num <= 0:
         return []
-    if prefix_tokens < 8:
-        raise ValueError(f"prefix_tokens={prefix_tokens} is too short for a code prefix; use at least 8.")
+    if prefix_tokens < MIN_PREFIX_TOKENS:
+        raise ValueError(
+            f"prefix_tokens={prefix_tokens} is too short for a code prefix; use at least {MIN_PREFIX_TOKENS}.")
     # Candidate cut points: (file index, line index after a header) with a body of ≥ 3 lines
     # following and at least a few lines of context before it.
     files = stdlib_files(split)

@@ -384,6 +384,11 @@ def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str]
         raise UserInputError(f"--arms names an arm twice: {arms}")
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserInputError(f"--temperatures must be finite numbers >= 0, got {list(temperatures)}")
+    from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
+
+    if cfg["prefix_tokens"] < MIN_PREFIX_TOKENS:  # checked here, not after the target build
+        raise UserInputError(f"--prefix-tokens {cfg['prefix_tokens']} is too short for a code prefix; use at least "
+                             f"{MIN_PREFIX_TOKENS}")
     cfg["arms"] = arms
     cfg["temperatures"] = sorted({float(t) for t in temperatures})
     return cfg
