@@ -37,7 +37,7 @@ from lilicorr_pl.losses.base import LossComponent, LossInputs
 from lilicorr_pl.losses.dflash import DFlashCE
 from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
-from lilicorr_pl.models.dflash import DFlashDrafter, DraftOutput, block_labels, sample_anchors
+from lilicorr_pl.models.dflash import ContextMemo, DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
 
@@ -140,6 +140,10 @@ class DraftSystem(L.LightningModule):
             projection stays random. Needs the drafter at the target's sizes. Applied before
             ``init_drafter_from`` (which then wins) and only when the system is built, so a checkpoint's
             trained weights always replace it.
+        context_memo_mb: with ``freeze_drafter`` and features from the store, keep the frozen drafter's
+            per-example context work (fused features, every layer's context K/V) in memory up to this many MiB
+            and reuse it whenever the example comes back (:class:`~lilicorr_pl.models.dflash.ContextMemo`):
+            the same numbers, computed once per example instead of once per visit. 0 = off.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class DraftSystem(L.LightningModule):
         init_head_from: str | None = None,
         freeze_drafter: bool = False,
         init_drafter_layers_from_target: bool = False,
+        context_memo_mb: float = 0.0,
     ) -> None:
         super().__init__()
         if isinstance(target, TargetSpec):
@@ -169,6 +174,11 @@ class DraftSystem(L.LightningModule):
             raise ValueError(f"target_logits must be 'auto', 'cache' or 'exact', got {target_logits!r}")
         if num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+        if context_memo_mb < 0:
+            raise ValueError(f"model.context_memo_mb must be >= 0 (0 = off), got {context_memo_mb}")
+        if context_memo_mb > 0 and not freeze_drafter:
+            raise ValueError("model.context_memo_mb reuses a frozen drafter's context work; it needs "
+                             "model.freeze_drafter: true (or set context_memo_mb: 0)")
         if max_length is not None and drafter.block_size > max_length:
             raise ValueError(
                 f"model.drafter.block_size {drafter.block_size} exceeds data.max_length {max_length}: no block fits in "
@@ -234,6 +244,7 @@ class DraftSystem(L.LightningModule):
                 raise ValueError("freeze_drafter=True with a parameter-free head leaves nothing to train")
             self.drafter.requires_grad_(False)
         self.target: FrozenTarget | None = None
+        self.context_memo = ContextMemo(int(context_memo_mb * 2**20)) if context_memo_mb > 0 else None
         self.train_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
         self.val_metrics = LatticeMetrics(num_slots=drafter.num_slots, top_k=self._top_k())
         # Times the step's phases when no Trainer is attached (lilicorr perf); under a Trainer, trainer.profiler does.
@@ -485,8 +496,13 @@ class DraftSystem(L.LightningModule):
         profiler = self._trainer.profiler if self._trainer is not None else self.profiler
         return profiler.profile(PHASE_PREFIX + phase) if profiler is not None else contextlib.nullcontext()
 
-    def compute_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> dict[str, Any]:
-        """One teacher-forced pass: features, drafter blocks, head lattice, losses and diagnostics."""
+    def compute_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                     memo: ContextMemo | None = None) -> dict[str, Any]:
+        """One teacher-forced pass: features, drafter blocks, head lattice, losses and diagnostics.
+
+        ``memo``: the frozen drafter's context work per example of this batch's split (training batches only:
+        example indices are per split).
+        """
         target = self._require_target()
         ids = batch["input_ids"]
         attn = batch.get("attention_mask")
@@ -502,7 +518,11 @@ class DraftSystem(L.LightningModule):
                 feats, normed = out.features, out.normed_hidden
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
         with self._profile("drafter"):
-            draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head)
+            context = None
+            if memo is not None and "features" in batch:
+                lengths = attn.sum(1) if attn is not None else torch.full_like(batch["index"], ids.shape[1])
+                context = memo.context(self.drafter, feats, batch["index"], lengths)
+            draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head, context=context)
         labels, label_mask, label_pos = block_labels(ids, loss_mask, anchors, valid, self.drafter.block_size)
         # Keep only blocks with at least one supervised slot: padding anchors cost nothing further.
         keep = label_mask.any(-1)  # [b, N]
@@ -611,7 +631,7 @@ class DraftSystem(L.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        step = self.compute_step(batch)
+        step = self.compute_step(batch, memo=self.context_memo)
         self._log_step(step, "train", self.train_metrics, batch["input_ids"].shape[0])
         return step["loss"]
 
@@ -704,7 +724,13 @@ class DraftSystem(L.LightningModule):
             scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_fit_end(self) -> None:
+        if self.context_memo is not None:
+            self.context_memo.clear()  # its memory goes back once training ends
+
     def on_fit_start(self) -> None:
+        if self.context_memo is not None:
+            self.context_memo.clear()  # examples are indices into this fit's stores
         total = self.trainer.estimated_stepping_batches  # before the sanity check, so validation sees it too
         self._run_total_steps = int(total) if math.isfinite(total) else None
         n = sum(p.numel() for p in self.trainable_parameters())

@@ -87,6 +87,7 @@ def test_tiny_config_with_each_ablation_overlay_parses(overlay):
         assert model["loss_weights"] == {"oracle_prefix_ce": 0.125, "margin_hinge": 0.125}
     if overlay.stem == "head_stage":  # frozen drafter, blocks across many sequences, from the data module's stores
         assert model["freeze_drafter"] is True and model["num_anchors"] == 2 and model["target_logits"] == "cache"
+        assert model["context_memo_mb"] == 1024  # the frozen drafter's context work, once per example
         assert cfg["data"]["batch_size"] == 64 and cfg["data"]["feature_cache"] and cfg["data"]["logit_cache"]
 
 

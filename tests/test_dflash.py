@@ -259,3 +259,64 @@ def test_draft_cache_crop_keeps_context_and_drops_the_block(tiny_target):
     torch.testing.assert_close(again.slot_logits, scratch.slot_logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(16)
+
+
+# ---------------------------------------------------------------- a frozen drafter's context memo
+def _padded_batch(target, seqs, width):
+    """Right-padded ids and features as the data module's collate builds them (zeros past each length)."""
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+    feats = target(ids).features.clone()
+    lengths = torch.tensor([len(s) for s in seqs])
+    feats[torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
+    return ids, feats, lengths
+
+
+def test_context_memo_gives_the_forward_its_own_numbers_and_forgets_on_a_weight_change(tiny_target):
+    from lilicorr_pl.models.dflash import ContextMemo
+
+    drafter = make_drafter(tiny_target, block_size=4).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    seqs = {i: torch.randint(0, 90, (n,), generator=g) for i, n in ((10, 20), (11, 14), (12, 17), (13, 9))}
+    memo = ContextMemo(max_bytes=1 << 30)
+
+    def check(order, width, expect_hits):
+        ids, feats, lengths = _padded_batch(tiny_target, [seqs[i] for i in order], width)
+        anchors = torch.stack([torch.tensor([1, int(n) - 2]) for n in lengths])
+        hits = memo.hits
+        context = memo.context(drafter, feats, torch.tensor(order), lengths)
+        assert memo.hits - hits == expect_hits
+        plain = drafter(feats, ids, anchors, tiny_target.embed, tiny_target.lm_head)
+        reused = drafter(feats, ids, anchors, tiny_target.embed, tiny_target.lm_head, context=context)
+        for got, want in ((reused.slot_logits, plain.slot_logits), (reused.slot_hidden, plain.slot_hidden),
+                          (reused.anchor_feature, plain.anchor_feature)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # Past each example's length the memo's rows are zeros, as the padded forward's are.
+        pad = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)
+        assert context.fused[pad].abs().max() == 0 and all(k.transpose(1, 2)[pad].abs().max() == 0 for k in context.keys)
+
+    check([10, 11, 12], 20, expect_hits=0)  # first visit: computed, and kept
+    assert len(memo) == 3 and memo.bytes > 0
+    check([12, 13, 10], 20, expect_hits=2)  # another batch: two reused (padded to this batch), one new
+    check([13, 11], 16, expect_hits=2)  # a narrower batch: rows fit its own padding
+    assert memo.misses == 4
+    with torch.no_grad():
+        drafter.fc.weight.mul_(1.5)  # the weights changed (e.g. a load_state_dict): nothing is stale
+    check([10, 11], 20, expect_hits=0)
+    assert len(memo) == 2
+
+
+def test_context_memo_keeps_within_its_budget_and_needs_a_frozen_drafter(tiny_target):
+    from lilicorr_pl.models.dflash import ContextMemo
+
+    drafter = make_drafter(tiny_target, block_size=4)
+    ids, feats, lengths = _padded_batch(tiny_target, [torch.arange(12), torch.arange(8)], 12)
+    with pytest.raises(RuntimeError, match="frozen drafter"):
+        ContextMemo(1 << 20).context(drafter, feats, torch.tensor([0, 1]), lengths)
+    drafter.requires_grad_(False)
+    small = ContextMemo(max_bytes=1)  # nothing fits: every batch is computed, and still right
+    for _ in range(2):
+        context = small.context(drafter, feats, torch.tensor([0, 1]), lengths)
+        torch.testing.assert_close(context.fused, drafter.encode_context(feats).fused)
+    assert len(small) == 0 and small.bytes == 0 and small.misses == 4

@@ -358,6 +358,23 @@ def test_warm_start_drafter_and_head_drafter_only_or_head_only(tmp_path):
     trainable = {n.split(".")[0] for n, p in drafter_only.named_parameters() if p.requires_grad}
     assert trainable == {"head"}
 
+    # The frozen drafter's context memo (the head stage's): a training step reads the same numbers through it.
+    memo_system = _system(target_dir, init_drafter_from=str(out), freeze_drafter=True, context_memo_mb=1)
+    memo_system.configure_model()
+    ids = torch.randint(0, 90, (3, 12), generator=torch.Generator().manual_seed(3))
+    attention = torch.ones_like(ids)
+    attention[2, 9:] = 0
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": attention.bool(), "index": torch.tensor([4, 7, 9]),
+             "features": memo_system.target(ids, attention_mask=attention).features * attention.unsqueeze(-1)}
+    plain = memo_system.compute_step(batch, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # computed and kept, then reused
+        reused = memo_system.compute_step(batch, generator=torch.Generator().manual_seed(0), memo=memo_system.context_memo)
+        torch.testing.assert_close(reused["loss"], plain["loss"])
+        torch.testing.assert_close(reused["slot_logits"], plain["slot_logits"])
+    assert memo_system.context_memo.hits == 3 and len(memo_system.context_memo) == 3
+    with pytest.raises(ValueError, match="needs model.freeze_drafter: true"):
+        _system(target_dir, init_drafter_from=str(out), context_memo_mb=1)
+
     head_only = _system(target_dir, init_head_from=str(out))
     assert _same(head_only.head, trained.head) and not _same(head_only.drafter, trained.drafter)
 

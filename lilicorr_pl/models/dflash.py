@@ -156,6 +156,83 @@ def _slot_logits(slots: torch.Tensor, lm_head: LMHeadFn) -> torch.Tensor:
 
 
 @dataclass
+class DraftContext:
+    """A training forward's per-context-token work (:meth:`DFlashDrafter.encode_context`)."""
+
+    fused: torch.Tensor  # [b, T, H] hidden_norm(fc(features))
+    keys: list[torch.Tensor]  # per layer [b, kv, T, d]: k_norm, RoPE at positions 0..T-1
+    values: list[torch.Tensor]  # per layer [b, kv, T, d]
+
+
+class ContextMemo:
+    """A frozen drafter's :class:`DraftContext` per training example, kept in memory up to ``max_bytes``.
+
+    A head trained on a frozen drafter with features from the store sees every sequence many times (the demo's
+    head stage: each about 140 times), and the context half of the drafter's forward -- ``fc`` over the
+    concatenated features and every layer's context K/V, most of its FLOPs at a block of 8 -- depends only on
+    the sequence and the weights. The memo computes it once per example (its first batch) and then assembles
+    batches from it; rows are zero past each example's length, as the padded forward computes them. Keyed
+    by the drafter's parameters (identity and in-place version): a weight change empties it.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}  # example -> (fused [n, H], k_0, v_0, k_1, ...)
+        self._key: tuple[Any, ...] | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self.bytes = 0
+
+    def context(self, drafter: DFlashDrafter, features: torch.Tensor, index: torch.Tensor,
+                lengths: torch.Tensor) -> DraftContext:
+        """The batch's context: ``features [b, T, n*H]`` of examples ``index [b]`` with ``lengths [b]`` real tokens."""
+        if any(p.requires_grad for p in drafter.parameters()):
+            raise RuntimeError("ContextMemo needs a frozen drafter (its context would be trained, not reused)")
+        key = tuple((id(p), p._version) for p in drafter.parameters())
+        if key != self._key:
+            self.clear()
+            self._key = key
+        b, t, _ = features.shape
+        ids, sizes = index.tolist(), lengths.tolist()
+        missing = [r for r, i in enumerate(ids) if i not in self._rows]
+        self.hits += b - len(missing)
+        self.misses += len(missing)
+        with torch.no_grad():
+            if len(missing) == b:
+                computed = drafter.encode_context(features)
+            elif missing:
+                computed = drafter.encode_context(features[missing])
+            fresh: dict[int, tuple[torch.Tensor, ...]] = {}
+            for j, r in enumerate(missing):
+                n = int(sizes[r])
+                row = (computed.fused[j, :n].clone(), *(x[j, :, :n].clone()
+                                                        for kv in zip(computed.keys, computed.values) for x in kv))
+                fresh[r] = row
+                size = sum(x.numel() * x.element_size() for x in row)
+                if self.bytes + size <= self.max_bytes:
+                    self._rows[ids[r]] = row
+                    self.bytes += size
+            if len(missing) == b:
+                return computed
+            rows = [fresh[r] if r in fresh else self._rows[ids[r]] for r in range(b)]
+            fused = rows[0][0].new_zeros(b, t, rows[0][0].shape[-1])  # zeros past each length
+            kv = [x.new_zeros(b, x.shape[0], t, x.shape[-1]) for x in rows[0][1:]]
+            for r, row in enumerate(rows):
+                n = int(sizes[r])
+                fused[r, :n] = row[0]
+                for buf, x in zip(kv, row[1:]):
+                    buf[r, :, :n] = x
+        return DraftContext(fused, kv[0::2], kv[1::2])
+
+
+@dataclass
 class DraftOutput:
     """Drafter outputs for a set of blocks."""
 
@@ -354,9 +431,21 @@ class DFlashDrafter(nn.Module):
         ids[..., 1:] = self.mask_token_id
         return embed(ids).to(self.fc.weight.dtype)
 
-    def _run_layers(self, h, cos_q, sin_q, ctx, cos_c, sin_c, mask):  # noqa: ANN001
-        for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, cos_c, sin_c)
+    def encode_context(self, features: torch.Tensor) -> DraftContext:
+        """The per-context-token work of a training forward (``features [b, T, n*H]``, positions ``0..T-1``):
+        the fused features and every layer's context keys/values. It depends only on the sequence and the
+        weights, so a frozen drafter can reuse it (:class:`ContextMemo`)."""
+        self._require_built()
+        b, t, _ = features.shape
+        fused = self.fuse(features)  # [b, T, H]
+        # RoPE tables in the dtype of the block tokens (the fc weights'), as for the block's own positions.
+        ref = torch.empty(0, dtype=self.fc.weight.dtype, device=features.device)
+        cos_c, sin_c = self._rope(ref, torch.arange(t, device=features.device).expand(b, t))
+        kv = [layer.self_attn.project_kv(fused, cos_c, sin_c) for layer in self.layers]
+        return DraftContext(fused, [k for k, _ in kv], [v for _, v in kv])
+
+    def _run_layers(self, h, cos_q, sin_q, context, mask):  # noqa: ANN001
+        for layer, ctx_k, ctx_v in zip(self.layers, context.keys, context.values):
             h = layer(h, cos_q, sin_q, ctx_k, ctx_v, mask)
         return self.norm(h)
 
@@ -369,26 +458,28 @@ class DFlashDrafter(nn.Module):
         embed: EmbedFn,
         lm_head: LMHeadFn,
         attention: str | None = None,
+        context: DraftContext | None = None,
     ) -> DraftOutput:
         """Many blocks per sequence in one pass (DESIGN §3.2).
 
         Keys are ``[T context | N*B block tokens]``; block ``n`` sees context positions
         ``< anchor_positions[n]`` and its own ``B`` tokens, nothing else.
-        Returns slot outputs shaped ``[b, N, S, ...]``.
+        Returns slot outputs shaped ``[b, N, S, ...]``. ``context``: :meth:`encode_context` of ``features``
+        computed earlier (a frozen drafter's memo); ``features`` are then not read.
         """
         self._require_built()
         b, t = input_ids.shape
         n = anchor_positions.shape[1]
         bs = self.block_size
-        ctx = self.fuse(features)  # [b, T, H]
+        if context is None:
+            context = self.encode_context(features)
+        ctx = context.fused  # [b, T, H]
         anchors = anchor_positions.clamp(0, t - 1)
         anchor_ids = input_ids.gather(1, anchors)  # [b, N]
         h = self._block_embeddings(anchor_ids, embed).reshape(b, n * bs, -1)  # [b, N*B, H]
         offsets = torch.arange(bs, device=input_ids.device)
         pos_blk = (anchors.unsqueeze(-1) + offsets).reshape(b, n * bs)  # [b, N*B]
-        pos_ctx = torch.arange(t, device=input_ids.device).expand(b, t)
         cos_q, sin_q = self._rope(h, pos_blk)
-        cos_c, sin_c = self._rope(h, pos_ctx)
         mode = attention or self.attention
         flex_ok = self.dims.head_dim >= 16  # FlexAttention's CUDA (Triton) kernel needs head_dim >= 16
         if mode == "auto":
@@ -403,7 +494,7 @@ class DFlashDrafter(nn.Module):
             if mode == "flex"
             else self._dense_mask(anchors, t, n)
         )
-        h = self._run_layers(h, cos_q, sin_q, ctx, cos_c, sin_c, mask)
+        h = self._run_layers(h, cos_q, sin_q, context, mask)
         slots = h.view(b, n, bs, -1)[:, :, 1:]  # slot 0 (the anchor) is discarded
         logits = _slot_logits(slots, lm_head)
         prev = (anchors - 1).clamp(min=0)
