@@ -83,6 +83,8 @@ def test_tiny_config_with_each_ablation_overlay_parses(overlay):
         assert model["disabled_losses"] == ["distractor_penalty"]
     if overlay.stem == "dflash_only":
         assert model["head"] is None
+    if overlay.stem == "penalty_heavy":  # the demo's head stage: penalty 1.0 against the oracle-prefix CE's 0.25
+        assert model["loss_weights"] == {"distractor_penalty": 1.0}
     if overlay.stem == "margin":
         assert model["loss_weights"] == {"oracle_prefix_ce": 0.125, "margin_hinge": 0.125}
     if overlay.stem == "head_stage":  # frozen drafter, blocks across many sequences, from the data module's stores

@@ -60,12 +60,12 @@ class Arm:
     opt_in: bool = False
 
 
-HEAD_STAGE = "ablations/head_stage.yaml"
+HEAD_STAGE = ("ablations/head_stage.yaml", "ablations/penalty_heavy.yaml")  # frozen drafter; penalty 1.0 : CE 0.25
 ARMS = {
     "dflash": Arm(("demo/arms/dflash.yaml",), "top1"),
     # LiLiCorr on the dflash arm's drafter (same drafter, same drafter steps): the ratio to DFlash is the head's.
-    "lilicorr": Arm(("demo/arms/lilicorr.yaml", HEAD_STAGE), "lilicorr", head_stage_of="dflash"),
-    "lilicorr_no_distractor": Arm(("demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml", HEAD_STAGE),
+    "lilicorr": Arm(("demo/arms/lilicorr.yaml", *HEAD_STAGE), "lilicorr", head_stage_of="dflash"),
+    "lilicorr_no_distractor": Arm(("demo/arms/lilicorr.yaml", "ablations/no_distractor.yaml", *HEAD_STAGE),
                                   "lilicorr", head_stage_of="dflash"),
     "domino": Arm(("demo/arms/domino.yaml",), "domino"),
     "dspark": Arm(("demo/arms/dspark.yaml",), "dspark"),
