@@ -74,7 +74,8 @@ SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "
 # Constructor arguments that are modules: recorded as their configs, never as objects.
 INJECTED_MODULES = ("drafter", "head", "losses")
 RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
-_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target")
+_RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target",
+                        "context_memo_mb")  # a speed setting: the same numbers either way
 
 
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -520,6 +521,9 @@ class DraftSystem(L.LightningModule):
         with self._profile("drafter"):
             context = None
             if memo is not None and "features" in batch:
+                if "index" not in batch:
+                    raise ValueError("model.context_memo_mb keys the drafter's context by each example's 'index' in its "
+                                     "store, and this batch has none; use the data module's batches or set it to 0")
                 lengths = attn.sum(1) if attn is not None else torch.full_like(batch["index"], ids.shape[1])
                 context = memo.context(self.drafter, feats, batch["index"], lengths)
             draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head, context=context)

@@ -372,6 +372,11 @@ def test_warm_start_drafter_and_head_drafter_only_or_head_only(tmp_path):
         torch.testing.assert_close(reused["loss"], plain["loss"])
         torch.testing.assert_close(reused["slot_logits"], plain["slot_logits"])
     assert memo_system.context_memo.hits == 3 and len(memo_system.context_memo) == 3
+    with pytest.raises(ValueError, match="has none; use the data module's batches"):  # nothing to key the memo by
+        memo_system.compute_step({k: v for k, v in batch.items() if k != "index"}, memo=memo_system.context_memo)
+    from lilicorr_pl.system import check_resume_settings
+
+    assert check_resume_settings({"context_memo_mb": 0.0}, {"context_memo_mb": 1024.0}) == []  # speed only
     with pytest.raises(ValueError, match="needs model.freeze_drafter: true"):
         _system(target_dir, init_drafter_from=str(out), context_memo_mb=1)
 

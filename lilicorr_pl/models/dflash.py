@@ -195,7 +195,9 @@ class ContextMemo:
         """The batch's context: ``features [b, T, n*H]`` of examples ``index [b]`` with ``lengths [b]`` real tokens."""
         if any(p.requires_grad for p in drafter.parameters()):
             raise RuntimeError("ContextMemo needs a frozen drafter (its context would be trained, not reused)")
-        key = tuple((id(p), p._version) for p in drafter.parameters())
+        # Identity, storage, device, dtype and in-place version of every weight: a load, an optimizer step or a move
+        # (``.to``) is never answered with another drafter's context.
+        key = tuple((id(p), p.data_ptr(), p.device, p.dtype, p._version) for p in drafter.parameters())
         if key != self._key:
             self.clear()
             self._key = key
@@ -216,7 +218,7 @@ class ContextMemo:
                                                         for kv in zip(computed.keys, computed.values) for x in kv))
                 fresh[r] = row
                 size = sum(x.numel() * x.element_size() for x in row)
-                if self.bytes + size <= self.max_bytes:
+                if ids[r] not in self._rows and self.bytes + size <= self.max_bytes:
                     self._rows[ids[r]] = row
                     self.bytes += size
             if len(missing) == b:
