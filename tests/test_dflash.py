@@ -320,3 +320,10 @@ def test_context_memo_keeps_within_its_budget_and_needs_a_frozen_drafter(tiny_ta
         context = small.context(drafter, feats, torch.tensor([0, 1]), lengths)
         torch.testing.assert_close(context.fused, drafter.encode_context(feats).fused)
     assert len(small) == 0 and small.bytes == 0 and small.misses == 4
+
+    memo = ContextMemo(max_bytes=1 << 30)
+    memo.context(drafter, feats, torch.tensor([5, 5]), lengths)  # one example twice in a batch: kept once
+    assert len(memo) == 1 and memo.bytes == sum(x.numel() * x.element_size() for x in memo._rows[5])
+    drafter.to(torch.float64)  # a move keeps each weight's version counter: the key must still change
+    moved = memo.context(drafter, feats.double(), torch.tensor([5, 1]), lengths)
+    assert memo.hits == 0 and moved.fused.dtype == torch.float64 and memo._rows[5][0].dtype == torch.float64

@@ -172,7 +172,8 @@ class ContextMemo:
     concatenated features and every layer's context K/V, most of its FLOPs at a block of 8 -- depends only on
     the sequence and the weights. The memo computes it once per example (its first batch) and then assembles
     batches from it; rows are zero past each example's length, as the padded forward computes them. Keyed
-    by the drafter's parameters (identity and in-place version): a weight change empties it.
+    by the drafter's parameters (identity, storage, device, dtype, in-place version): a weight change or a move
+    empties it.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -207,10 +208,8 @@ class ContextMemo:
         self.hits += b - len(missing)
         self.misses += len(missing)
         with torch.no_grad():
-            if len(missing) == b:
-                computed = drafter.encode_context(features)
-            elif missing:
-                computed = drafter.encode_context(features[missing])
+            if missing:
+                computed = drafter.encode_context(features if len(missing) == b else features[missing])
             fresh: dict[int, tuple[torch.Tensor, ...]] = {}
             for j, r in enumerate(missing):
                 n = int(sizes[r])
