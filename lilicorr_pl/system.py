@@ -637,6 +637,9 @@ class DraftSystem(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.compute_step(batch, memo=self.context_memo)
         self._log_step(step, "train", self.train_metrics, batch["input_ids"].shape[0])
+        if self.context_memo is not None:  # examples served from the memo since fit start, and its size
+            self.log("train/context_memo_hit_rate", self.context_memo.hit_rate, on_step=True, on_epoch=False)
+            self.log("train/context_memo_mib", self.context_memo.bytes / 2**20, on_step=True, on_epoch=False)
         return step["loss"]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -734,7 +737,7 @@ class DraftSystem(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.context_memo is not None:
-            self.context_memo.clear()  # examples are indices into this fit's stores
+            self.context_memo.clear(counts=True)  # examples are indices into this fit's stores
         total = self.trainer.estimated_stepping_batches  # before the sanity check, so validation sees it too
         self._run_total_steps = int(total) if math.isfinite(total) else None
         n = sum(p.numel() for p in self.trainable_parameters())

@@ -151,6 +151,33 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
     assert not ablated.needs_target_logits and base.needs_target_logits  # nor is its logit cache computed
 
 
+def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_validation_never_touches_it(tmp_path):
+    """`fit` with the head-stage overlay: every training example's drafter context is computed once and served from
+    the memo on every later visit, validation batches never enter it, the hit rate is logged, the memo is emptied
+    when the fit ends, and the trained head is the one a fit without the memo trains."""
+    stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16"]
+    cli = fit_tiny(tmp_path / "memo", *stage, steps=8)  # 57 training examples: the fit revisits them
+    memo = cli.model.context_memo
+    sizes = [len(b["index"]) for b in cli.datamodule.train_dataloader()]
+    served = sum(sizes[i % len(sizes)] for i in range(8))
+    distinct = len(cli.datamodule.train_dataloader().dataset)
+    assert served > distinct  # the test's premise
+    # Validation ran twice (steps 3 and 6) through the same compute_step; none of its examples were counted.
+    assert memo.misses == distinct and memo.hits == served - distinct
+    logged = cli.trainer.callback_metrics["train/context_memo_hit_rate"]
+    assert float(logged) == pytest.approx(memo.hits / served)
+    assert "val/context_memo_hit_rate" not in cli.trainer.callback_metrics
+    assert len(memo) == 0 and memo.bytes == 0  # its memory went back at fit end
+
+    plain = fit_tiny(tmp_path / "plain", *stage, "--model.context_memo_mb=0", steps=8)
+    assert plain.model.context_memo is None
+    trained = {k: v for k, v in cli.model.state_dict().items() if k.startswith("head.")}
+    assert trained
+    for key, value in plain.model.state_dict().items():
+        if key.startswith("head."):
+            torch.testing.assert_close(trained[key], value)
+
+
 def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     import csv
 

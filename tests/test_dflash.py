@@ -300,11 +300,13 @@ def test_context_memo_gives_the_forward_its_own_numbers_and_forgets_on_a_weight_
     assert len(memo) == 3 and memo.bytes > 0
     check([12, 13, 10], 20, expect_hits=2)  # another batch: two reused (padded to this batch), one new
     check([13, 11], 16, expect_hits=2)  # a narrower batch: rows fit its own padding
-    assert memo.misses == 4
+    assert memo.misses == 4 and memo.hit_rate == 4 / 8
     with torch.no_grad():
         drafter.fc.weight.mul_(1.5)  # the weights changed (e.g. a load_state_dict): nothing is stale
     check([10, 11], 20, expect_hits=0)
-    assert len(memo) == 2
+    assert len(memo) == 2 and memo.hits == 4  # the counts run on across a weight change
+    memo.clear(counts=True)  # a new fit: nothing stored, nothing counted
+    assert len(memo) == 0 and memo.bytes == 0 and math.isnan(memo.hit_rate)
 
 
 def test_context_memo_keeps_within_its_budget_and_needs_a_frozen_drafter(tiny_target):

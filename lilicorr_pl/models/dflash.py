@@ -187,9 +187,18 @@ class ContextMemo:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def clear(self) -> None:
+    def clear(self, counts: bool = False) -> None:
+        """Drop every stored context (and, with ``counts``, the hit and miss counts too)."""
         self._rows.clear()
         self.bytes = 0
+        if counts:
+            self.hits = self.misses = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of examples served from the memo since the counts were last reset (nan before any)."""
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else float("nan")
 
     def context(self, drafter: DFlashDrafter, features: torch.Tensor, index: torch.Tensor,
                 lengths: torch.Tensor) -> DraftContext:
