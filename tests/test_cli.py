@@ -158,9 +158,10 @@ def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_vali
     stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16"]
     cli = fit_tiny(tmp_path / "memo", *stage, steps=8)  # 57 training examples: the fit revisits them
     memo = cli.model.context_memo
-    sizes = [len(b["index"]) for b in cli.datamodule.train_dataloader()]
+    loader = cli.datamodule.train_dataloader()
+    sizes = [len(b["index"]) for b in loader]
     served = sum(sizes[i % len(sizes)] for i in range(8))
-    distinct = len(cli.datamodule.train_dataloader().dataset)
+    distinct = len(loader.dataset)
     assert served > distinct  # the test's premise
     # Validation ran twice (steps 3 and 6) through the same compute_step; none of its examples were counted.
     assert memo.misses == distinct and memo.hits == served - distinct
