@@ -141,10 +141,12 @@ class DraftSystem(L.LightningModule):
             projection stays random. Needs the drafter at the target's sizes. Applied before
             ``init_drafter_from`` (which then wins) and only when the system is built, so a checkpoint's
             trained weights always replace it.
-        context_memo_mb: with ``freeze_drafter`` and features from the store, keep the frozen drafter's
-            per-example context work (fused features, every layer's context K/V) in memory up to this many MiB
-            and reuse it whenever the example comes back (:class:`~lilicorr_pl.models.dflash.ContextMemo`):
-            the same numbers, computed once per example instead of once per visit. 0 = off.
+        context_memo_mb: with ``freeze_drafter``, keep the frozen drafter's per-example context work (fused
+            features, every layer's context K/V) in memory up to this many MiB and reuse it whenever the example
+            comes back (:class:`~lilicorr_pl.models.dflash.ContextMemo`): the same numbers, computed once per
+            example instead of once per visit. Features from the store or from the online target alike (a frozen
+            target's features depend only on the sequence; the online target itself still runs every step, for
+            ``target_logits: exact``). 0 = off.
     """
 
     def __init__(
@@ -520,7 +522,7 @@ class DraftSystem(L.LightningModule):
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
         with self._profile("drafter"):
             context = None
-            if memo is not None and "features" in batch:
+            if memo is not None:  # store or online features alike: a frozen target's depend only on the sequence
                 if "index" not in batch:
                     raise ValueError("model.context_memo_mb keys the drafter's context by each example's 'index' in its "
                                      "store, and this batch has none; use the data module's batches or set it to 0")

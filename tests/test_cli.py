@@ -151,11 +151,19 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
     assert not ablated.needs_target_logits and base.needs_target_logits  # nor is its logit cache computed
 
 
-def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_validation_never_touches_it(tmp_path):
+# Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
+ONLINE_FEATURES = ["--data.feature_cache=false", "--data.logit_cache=false", "--model.target_logits=exact"]
+
+
+@pytest.mark.parametrize("features", ["store", "online"])
+def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_validation_never_touches_it(
+        tmp_path, features):
     """`fit` with the head-stage overlay: every training example's drafter context is computed once and served from
     the memo on every later visit, validation batches never enter it, the hit rate is logged, the memo is emptied
-    when the fit ends, and the trained head is the one a fit without the memo trains."""
-    stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16"]
+    when the fit ends, and the trained head is the one a fit without the memo trains -- with the features read
+    from the store or computed by the online target."""
+    stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16",
+             *(ONLINE_FEATURES if features == "online" else [])]
     cli = fit_tiny(tmp_path / "memo", *stage, steps=8)  # 57 training examples: the fit revisits them
     memo = cli.model.context_memo
     loader = cli.datamodule.train_dataloader()
@@ -169,6 +177,7 @@ def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_vali
     assert float(logged) == pytest.approx(memo.hits / served)
     assert "val/context_memo_hit_rate" not in cli.trainer.callback_metrics
     assert len(memo) == 0 and memo.bytes == 0  # its memory went back at fit end
+    assert ("features" in next(iter(loader))) == (features == "store")  # the parametrisation's premise
 
     plain = fit_tiny(tmp_path / "plain", *stage, "--model.context_memo_mb=0", steps=8)
     assert plain.model.context_memo is None

@@ -167,8 +167,8 @@ class DraftContext:
 class ContextMemo:
     """A frozen drafter's :class:`DraftContext` per training example, kept in memory up to ``max_bytes``.
 
-    A head trained on a frozen drafter with features from the store sees every sequence many times (the demo's
-    head stage: each about 140 times), and the context half of the drafter's forward -- ``fc`` over the
+    A head trained on a frozen drafter sees every sequence many times (the demo's head stage: each about 140
+    times), and the context half of the drafter's forward -- ``fc`` over the
     concatenated features and every layer's context K/V, most of its FLOPs at a block of 8 -- depends only on
     the sequence and the weights. The memo computes it once per example (its first batch) and then assembles
     batches from it; rows are zero past each example's length, as the padded forward computes them. Keyed
