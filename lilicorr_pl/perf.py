@@ -40,6 +40,11 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     Timed with Lightning's ``SimpleProfiler``, through the same profiler actions the system reports under a
     Trainer (``lilicorr fit --trainer.profiler=simple``): the phases of ``compute_step``, then backward and
     optimizer.
+
+    With the system's context memo on (``model.context_memo_mb``), the steps run with it as ``fit``'s do, timed in
+    its steady state: a fit revisits every example many times (the demo's head stage about 140), so the memo is
+    first filled from ``batches`` untimed and the timed steps are served from it (``context_memo_hit_rate`` in
+    the result: the share of the timed steps' examples served from the memo).
     """
     from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 
@@ -49,14 +54,22 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     system.train()
     opt = torch.optim.AdamW(system.trainable_parameters(), lr=1e-4)
     profiler, untimed = SimpleProfiler(), PassThroughProfiler()
+    memo = system.context_memo
+    if memo is not None:
+        memo.clear(counts=True)
+        with torch.no_grad():
+            for batch in batches:
+                system.compute_step(batch, memo=memo)
     try:
         for i in range(warmup + steps):
             batch = batches[i % len(batches)]
             active = profiler if i >= warmup else untimed
+            if memo is not None and i == warmup:
+                before = (memo.hits, memo.misses)
             system.profiler = active
             with active.profile("step_total"):
                 with active.profile("forward"):
-                    out = system.compute_step(batch)
+                    out = system.compute_step(batch, memo=memo)
                 opt.zero_grad(set_to_none=True)
                 with active.profile("backward"):
                     out["loss"].backward()
@@ -69,6 +82,10 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     forward = durations.pop("forward")
     timed = {phase: durations.pop(phase) for phase in STEP_PHASES if phase in durations}
     timed["other_forward"] = forward - sum(timed.values())
+    if memo is not None:
+        hits, misses = memo.hits - before[0], memo.misses - before[1]
+        durations["context_memo_hit_rate"] = hits / (hits + misses)
+        memo.clear(counts=True)
     return {**timed, **durations}
 
 
@@ -726,6 +743,12 @@ class PerfCLI(LilicorrCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         super().add_arguments_to_parser(parser)
         parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
+        # The config.yaml a fit saves in its run folder carries fit's own arguments too; perf reads that file as it
+        # is and loads weights with --ckpt only (a resumed fit's ckpt_path is named in the printout, never loaded).
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="fit's resume checkpoint, as a saved config.yaml has it; not read (use --ckpt)")
+        parser.add_argument("--weights_only", type=bool | None, default=None,
+                            help="fit's checkpoint-loading flag, as a saved config.yaml has it; not read")
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
         if not (config.get("cost_model") or config.get("round_timing")):  # shapes only: no data is built
@@ -748,6 +771,9 @@ class PerfCLI(LilicorrCLI):
             check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt)
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
+        if self.config.get("ckpt_path"):
+            print(f"lilicorr perf: ckpt_path {self.config.ckpt_path} (fit's resume checkpoint) is not loaded; "
+                  + ("weights come from --ckpt" if self.config.get("ckpt") else "pass --ckpt to time or check trained weights"))
 
     def instantiate_classes(self) -> None:
         if not (self.config.get("cost_model") or self.config.get("round_timing")):  # they build their own modules
@@ -810,6 +836,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for k in ("target", "drafter", "head", "losses", "other_forward", "backward", "optimizer", "step_total"):
         if k in result:
             print(f"{k:<16} {1000 * result[k]:>10.1f} {100 * result[k] / total:>6.1f}%")
+    if "context_memo_hit_rate" in result:
+        print(f"context memo: on, timed in its steady state ({100 * result['context_memo_hit_rate']:.0f} % of the "
+              "timed steps' examples served from it; model.context_memo_mb=0 times the plain drafter forward)")
     if options.json:
         write_json_atomic(Path(options.json), result)
     return result

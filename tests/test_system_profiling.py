@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lilicorr_pl.metrics
 import lilicorr_pl.system
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("target", "drafter", "head", "losses")
 
 
-def test_fit_profiles_each_phase_and_computes_diagnostics_once_per_step(tmp_path, monkeypatch):
+def test_fit_profiles_each_phase_and_computes_diagnostics_once_per_step(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     calls = []
     original = lilicorr_pl.system.lattice_diagnostics
@@ -40,6 +41,27 @@ def test_fit_profiles_each_phase_and_computes_diagnostics_once_per_step(tmp_path
     assert set(PHASES) <= set(result) and result["step_total"] > 0
     parts = sum(result[k] for k in (*PHASES, "other_forward", "backward", "optimizer"))
     assert parts == pytest.approx(result["step_total"], rel=0.2)
+
+    # ... and the config.yaml that fit saved in its run folder, fit's own keys (ckpt_path, weights_only) included;
+    # a resume checkpoint named there is said to be left unloaded.
+    saved = tmp_path / "runs" / "tiny" / "config.yaml"
+    assert {"ckpt_path", "weights_only"} <= set(yaml.safe_load(saved.read_text()))
+    result = main(["perf", "-c", str(saved), "--ckpt_path", "resume.ckpt", "--steps", "1", "--warmup", "0"])
+    assert set(PHASES) <= set(result)
+    assert "ckpt_path resume.ckpt (fit's resume checkpoint) is not loaded; pass --ckpt" in capsys.readouterr().out
+
+
+def test_perf_times_the_head_stage_with_its_context_memo_served_as_in_a_fit(capsys):
+    """A fit revisits every example many times, so `perf` times the memo's steady state: every timed example is
+    served from it; with the memo off the key is absent (and the drafter runs its plain forward)."""
+    stage = ["-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"),
+             "--data.batch_size=8", "--steps", "3", "--warmup", "1"]
+    result = main(["perf", *stage])
+    assert result["context_memo_hit_rate"] == 1.0
+    assert "steady state (100 %" in capsys.readouterr().out
+    assert result["drafter"] > 0 and result["step_total"] > 0
+    plain = main(["perf", *stage, "--model.context_memo_mb=0"])
+    assert "context_memo_hit_rate" not in plain and plain["drafter"] > 0
 
 
 def test_perf_penalty_error_refuses_offline_features_before_any_work(capsys):
