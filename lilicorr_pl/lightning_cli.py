@@ -48,7 +48,16 @@ def git_commit() -> str | None:
 
 
 class LoggerSaveConfigCallback(SaveConfigCallback):
-    """Writes ``config.yaml`` as usual and records the resolved config and git commit in W&B."""
+    """Writes the run's config into its folder and records the resolved config and git commit in W&B.
+
+    ``fit`` writes ``config.yaml`` (a resumed fit rewrites it: the same run); ``validate``, ``test`` and ``predict``
+    write ``<subcommand>-config.yaml`` beside it, so evaluating a run never replaces the record of how it was trained.
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        name = str(getattr(stage, "value", stage))  # a TrainerFn: "fit", "validate", "test", "predict"
+        self.config_filename = "config.yaml" if name == "fit" else f"{name}-config.yaml"
+        super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for logger in trainer.loggers:
@@ -267,9 +276,23 @@ def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
     dm.require_logit_cache(system.needs_logit_cache(offline_features=offline), system.logit_cache_reason(offline))
 
 
+def add_saved_fit_arguments(parser: Any, command: str) -> None:
+    """Accept the arguments of ``fit`` itself that the ``config.yaml`` a fit saves in its run folder carries
+    (``ckpt_path``, ``weights_only``), so a command with ``fit``'s parser reads that file as it is. ``command``
+    never reads them: it names itself in their help."""
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help=f"fit's resume checkpoint, as a saved config.yaml has it; {command} does not read it")
+    parser.add_argument("--weights_only", type=bool | None, default=None,
+                        help=f"fit's checkpoint-loading flag, as a saved config.yaml has it; {command} does not read it")
+
+
 class PrepareCLI(LilicorrCLI):
     """``fit``'s parser; builds the data module, and the system on the meta device only to ask which stores a fit
     will read (no weights, no warm starts, no trainer or logger)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        add_saved_fit_arguments(parser, "prepare")  # the stores depend on the data and the target, not on weights
 
     def instantiate_classes(self) -> None:
         import torch

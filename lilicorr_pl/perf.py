@@ -29,7 +29,7 @@ from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
-from lilicorr_pl.lightning_cli import LilicorrCLI, run_lightning
+from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning
 from lilicorr_pl.models.dflash import DFlashDrafter
 from lilicorr_pl.target import DeviceName
 
@@ -743,12 +743,8 @@ class PerfCLI(LilicorrCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         super().add_arguments_to_parser(parser)
         parser.add_function_arguments(perf_options, nested_key=None, as_group=True)
-        # The config.yaml a fit saves in its run folder carries fit's own arguments too; perf reads that file as it
-        # is and loads weights with --ckpt only (a resumed fit's ckpt_path is named in the printout, never loaded).
-        parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="fit's resume checkpoint, as a saved config.yaml has it; not read (use --ckpt)")
-        parser.add_argument("--weights_only", type=bool | None, default=None,
-                            help="fit's checkpoint-loading flag, as a saved config.yaml has it; not read")
+        # perf loads weights with --ckpt only: a resumed fit's ckpt_path is named in the printout, never loaded.
+        add_saved_fit_arguments(parser, "perf (weights come from --ckpt)")
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
         if not (config.get("cost_model") or config.get("round_timing")):  # shapes only: no data is built

@@ -203,6 +203,8 @@ def test_tiny_loss_falls_over_fifty_steps(tmp_path):
 def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     fit_tiny(tmp_path, steps=2)
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    saved = tmp_path / "runs" / "tiny" / "config.yaml"
+    trained_with = saved.read_bytes()
     root = f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}"  # reads the stores fit wrote there
     cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
                 "--trainer.enable_progress_bar=false"])
@@ -212,6 +214,10 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     out = cli.trainer.predict_loop.predictions
     assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
     assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1
+    # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
+    assert saved.read_bytes() == trained_with
+    for stage in ("validate", "predict"):
+        assert "ckpt_path" in yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text()), stage
 
 
 # ---------------------------------------------------------------------------- one typed command line (issue 12.3)

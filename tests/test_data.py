@@ -622,3 +622,8 @@ def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, cap
                 "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"])
     assert cli.trainer.global_step == 1 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         p.name for p in paths.values())
+    # The config.yaml that fit saved in its run folder (fit's own ckpt_path and weights_only included) names the
+    # same stores: prepare reads it as it is, and finds them done.
+    saved = tmp_path / "runs" / "tiny" / "config.yaml"
+    assert "ckpt_path" in saved.read_text()
+    assert main(["prepare", "-c", str(saved)])["train"] == paths
