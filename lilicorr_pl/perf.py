@@ -54,13 +54,13 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     system.train()
     opt = torch.optim.AdamW(system.trainable_parameters(), lr=1e-4)
     profiler, untimed = SimpleProfiler(), PassThroughProfiler()
-    memo = system.context_memo
-    if memo is not None:
-        memo.clear(counts=True)
-        with torch.no_grad():
-            for batch in batches:
-                system.compute_step(batch, memo=memo)
+    memo, hit_rate = system.context_memo, None
     try:
+        if memo is not None:
+            memo.clear(counts=True)
+            with torch.no_grad():
+                for batch in batches:
+                    system.compute_step(batch, memo=memo)
         for i in range(warmup + steps):
             batch = batches[i % len(batches)]
             active = profiler if i >= warmup else untimed
@@ -75,17 +75,20 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
                     out["loss"].backward()
                 with active.profile("optimizer"):
                     opt.step()
+        if memo is not None:
+            hits, misses = memo.hits - before[0], memo.misses - before[1]
+            hit_rate = hits / (hits + misses)
     finally:
         system.profiler = None
+        if memo is not None:
+            memo.clear(counts=True)  # its memory goes back, as at the end of a fit
     durations = {name.removeprefix(PHASE_PREFIX): sum(times) / steps
                  for name, times in profiler.recorded_durations.items()}
     forward = durations.pop("forward")
     timed = {phase: durations.pop(phase) for phase in STEP_PHASES if phase in durations}
     timed["other_forward"] = forward - sum(timed.values())
-    if memo is not None:
-        hits, misses = memo.hits - before[0], memo.misses - before[1]
-        durations["context_memo_hit_rate"] = hits / (hits + misses)
-        memo.clear(counts=True)
+    if hit_rate is not None:
+        durations["context_memo_hit_rate"] = hit_rate
     return {**timed, **durations}
 
 

@@ -188,6 +188,30 @@ def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_vali
             torch.testing.assert_close(trained[key], value)
 
 
+def test_context_memo_of_online_features_matches_the_padded_forward(tmp_path):
+    """The online target's features are not zero at padded positions, where the memo stores zeros: no valid block
+    reads them, so a ragged batch gives the same drafter logits and loss with the memo (part hits, then all) as
+    without it."""
+    cli = fit_tiny(tmp_path, "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=8",
+                   *ONLINE_FEATURES, steps=1)
+    system, memo = cli.model, cli.model.context_memo
+    batch = {k: v.clone() for k, v in next(iter(cli.datamodule.train_dataloader())).items()}
+    for row, n in enumerate([64, 50, 40, 33, 64, 20, 57, 45][: len(batch["index"])]):
+        batch["attention_mask"][row, n:] = 0
+        batch["loss_mask"][row, n:] = False
+    pad = batch["attention_mask"] == 0
+    assert system.target(batch["input_ids"], attention_mask=batch["attention_mask"]).features[pad].abs().max() > 0.01
+    memo.clear(counts=True)
+    system.train()
+    system.compute_step({k: v[:4] for k, v in batch.items()}, memo=memo)  # half the rows stored first
+    for served in ("part from the memo", "all from the memo"):
+        with_memo = system.compute_step(batch, generator=torch.Generator().manual_seed(7), memo=memo)
+        plain = system.compute_step(batch, generator=torch.Generator().manual_seed(7))
+        torch.testing.assert_close(with_memo["slot_logits"], plain["slot_logits"], msg=served)
+        torch.testing.assert_close(with_memo["loss"], plain["loss"], msg=served)
+    assert memo.misses == len(batch["index"]) and memo.hits == len(batch["index"]) + 4
+
+
 def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     import csv
 
@@ -217,7 +241,7 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
     assert saved.read_bytes() == trained_with
     for stage in ("validate", "predict"):
-        assert "ckpt_path" in yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text()), stage
+        assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
 
 
 # ---------------------------------------------------------------------------- one typed command line (issue 12.3)

@@ -171,7 +171,8 @@ class ContextMemo:
     times), and the context half of the drafter's forward -- ``fc`` over the
     concatenated features and every layer's context K/V, most of its FLOPs at a block of 8 -- depends only on
     the sequence and the weights. The memo computes it once per example (its first batch) and then assembles
-    batches from it; rows are zero past each example's length, as the padded forward computes them. Keyed
+    batches from it; rows are zero past each example's length (as the padded forward computes them from stored
+    features; the online target's features there are not zero, but no block attends past its anchor). Keyed
     by the drafter's parameters (identity, storage, device, dtype, in-place version): a weight change or a move
     empties it.
     """
