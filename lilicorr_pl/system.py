@@ -525,7 +525,7 @@ class DraftSystem(L.LightningModule):
             if memo is not None:  # store or online features alike: a frozen target's depend only on the sequence
                 if "index" not in batch:
                     raise ValueError("model.context_memo_mb keys the drafter's context by each example's 'index' in its "
-                                     "store, and this batch has none; use the data module's batches or set it to 0")
+                                     "dataset, and this batch has none; use the data module's batches or set it to 0")
                 lengths = attn.sum(1) if attn is not None else torch.full_like(batch["index"], ids.shape[1])
                 context = memo.context(self.drafter, feats, batch["index"], lengths)
             draft: DraftOutput = self.drafter(feats, ids, anchors, target.embed, target.lm_head, context=context)
