@@ -50,13 +50,19 @@ def git_commit() -> str | None:
 class LoggerSaveConfigCallback(SaveConfigCallback):
     """Writes the run's config into its folder and records the resolved config and git commit in W&B.
 
-    ``fit`` writes ``config.yaml`` (a resumed fit rewrites it: the same run); ``validate``, ``test`` and ``predict``
-    write ``<subcommand>-config.yaml`` beside it, so evaluating a run never replaces the record of how it was trained.
+    ``fit`` writes ``config.yaml`` (or the ``config_filename`` given; a resumed fit rewrites it: the same run);
+    ``validate``, ``test`` and ``predict`` write ``<subcommand>-<that name>`` beside it, so evaluating a run never
+    replaces the record of how it was trained.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fit_config_filename = self.config_filename
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         name = str(getattr(stage, "value", stage))  # a TrainerFn: "fit", "validate", "test", "predict"
-        self.config_filename = "config.yaml" if name == "fit" else f"{name}-config.yaml"
+        base = self.fit_config_filename
+        self.config_filename = base if name == "fit" else f"{name}-{base}"
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -244,6 +244,21 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
         assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
 
 
+
+def test_each_subcommand_saves_its_config_under_its_own_name_of_the_given_file(monkeypatch):
+    """A config_filename given through save_config_kwargs stays fit's; the evaluations prefix it."""
+    from lightning.pytorch.cli import SaveConfigCallback
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lilicorr_pl.lightning_cli import LoggerSaveConfigCallback
+
+    written = []
+    monkeypatch.setattr(SaveConfigCallback, "setup", lambda self, *a: written.append(self.config_filename))
+    callback = LoggerSaveConfigCallback(None, None, config_filename="run.yaml")
+    for stage in (TrainerFn.VALIDATING, TrainerFn.FITTING, TrainerFn.PREDICTING, TrainerFn.TESTING):
+        callback.setup(None, None, stage)
+    assert written == ["validate-run.yaml", "run.yaml", "predict-run.yaml", "test-run.yaml"]
+
 # ---------------------------------------------------------------------------- one typed command line (issue 12.3)
 from conftest import user_error  # noqa: E402
 
