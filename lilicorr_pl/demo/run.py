@@ -79,15 +79,17 @@ SETTINGS = {
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
     "quick": dict(target="quick", prompts=160, docstring_prompts=50, prefix_tokens=48, new_tokens=64, base_steps=60,
                   steps=40, head_steps=60, bench_prompts=6, bench_new_tokens=32),
-    # full head_steps, chosen on 40 training-side prompts (stdlib-train, T = 0): the head stage on the dflash
-    # arm's drafter reached tau 4.82 after 1,500 steps and 5.14 after 3,000 (its drafter's top-1: 4.19).
+    # full head_steps, chosen on 40 + 40 training-side prompts (docstring and header cuts, T = 0) at block 16: the
+    # head stage on the dflash arm's drafter (top-1 4.02 / 5.37) reached LiLiCorr 4.90 / 6.59 after 1,500 steps and
+    # 5.10 / 7.02 after 3,000 (3,000 steps of 64 x 1 blocks: 4.92 / 6.62). 1,500, not 3,000: at block 16 a head
+    # step costs about 0.31 s here, and two 3,000-step head stages would take the full run to ~63 minutes.
     # full base_steps, chosen the same way (the dflash arm's top-1, 240 arm steps on top): tau 3.97 (slot 1 0.70)
     # after 600 shared steps, 4.34 (0.81) after 1,200 and 4.71 (0.87) after 2,000.
     # full docstring_prompts, chosen on 40 + 40 training-side prompts none of which was regenerated (docstring cuts,
     # header cuts; T = 0, top-1 / LiLiCorr): 900 header prompts alone gave 3.11 (slot 1 0.58) / 3.51 and 4.63 / 5.43;
     # 450 docstring prompts more gave 3.93 (0.75) / 4.35 and 4.79 / 5.39.
     "full": dict(target="full", prompts=900, docstring_prompts=450, prefix_tokens=64, new_tokens=96, base_steps=2000,
-                 steps=240, head_steps=3000, bench_prompts=40, bench_new_tokens=32),
+                 steps=240, head_steps=1500, bench_prompts=40, bench_new_tokens=32),
 }
 ArmName = Literal[tuple(ARMS)]  # type: ignore[valid-type]
 RESAMPLES = 2000  # bootstrap replicates for each ratio's 95 % interval
