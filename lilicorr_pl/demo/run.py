@@ -77,8 +77,9 @@ SETTINGS = {
     # Every arm = base_steps of shared DFlash training (stage A, done once) + steps of its own (stage B);
     # a head-stage arm keeps its source arm's drafter and trains its head for head_steps on top.
     # quick: about 5 minutes on 2 CPU cores; full: the reported comparison (>= 40 prompts per benchmark).
+    # (quick benchmarks 4 prompts: at block 16 its 6 took the run to 5.0 minutes on a slow day.)
     "quick": dict(target="quick", prompts=160, docstring_prompts=50, prefix_tokens=48, new_tokens=64, base_steps=60,
-                  steps=40, head_steps=60, bench_prompts=6, bench_new_tokens=32),
+                  steps=40, head_steps=60, bench_prompts=4, bench_new_tokens=32),
     # full head_steps, chosen on 40 + 40 training-side prompts (docstring and header cuts, T = 0) at block 16: the
     # head stage on the dflash arm's drafter (top-1 4.02 / 5.37) reached LiLiCorr 4.90 / 6.59 after 1,500 steps and
     # 5.10 / 7.02 after 3,000 (3,000 steps of 64 x 1 blocks: 4.92 / 6.62). 1,500, not 3,000: at block 16 a head
