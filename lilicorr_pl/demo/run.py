@@ -83,7 +83,7 @@ SETTINGS = {
     # full head_steps, chosen on 40 + 40 training-side prompts (docstring and header cuts, T = 0) at block 16: the
     # head stage on the dflash arm's drafter (top-1 4.02 / 5.37) reached LiLiCorr 4.90 / 6.59 after 1,500 steps and
     # 5.10 / 7.02 after 3,000 (3,000 steps of 64 x 1 blocks: 4.92 / 6.62). 1,500, not 3,000: at block 16 a head
-    # step costs about 0.31 s here, and two 3,000-step head stages would take the full run to ~63 minutes.
+    # step costs about 0.31 s here, and two 3,000-step head stages would add ~21 minutes to the full run.
     # full base_steps, chosen the same way (the dflash arm's top-1, 240 arm steps on top): tau 3.97 (slot 1 0.70)
     # after 600 shared steps, 4.34 (0.81) after 1,200 and 4.71 (0.87) after 2,000.
     # full docstring_prompts, chosen on 40 + 40 training-side prompts none of which was regenerated (docstring cuts,
