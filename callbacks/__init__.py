@@ -2,6 +2,7 @@
 
 from callbacks.acceptance import AcceptanceEval
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.progress import ProgressFile
 from callbacks.random_state import RandomStateCheckpoint
 
-__all__ = ["AcceptanceEval", "ModelCheckpoint", "RandomStateCheckpoint"]
+__all__ = ["AcceptanceEval", "ModelCheckpoint", "ProgressFile", "RandomStateCheckpoint"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,15 @@ def demo(tmp_path, *extra: str) -> dict:
 
 
 def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(tmp_path, capsys):
-    result = demo(tmp_path, "--temperatures", "0", "1")
+    # Two arm stages at once, each in a background process (later runs: one after the other, in this process).
+    result = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2")
+    assert result["settings"]["jobs"] == 2
+    for arm, key in result["stages"]["arms"].items():  # each stage's output and progress beside its W&B run
+        run_dir = tmp_path / "demo" / "runs" / f"{arm}-{key}"
+        assert "Trainer.fit` stopped: `max_steps=2` reached" in (run_dir / "train.log").read_text()
+        assert json.loads((run_dir / "progress.json").read_text()) | {"seconds": 0} == {
+            "step": 2, "max_steps": 2, "seconds": 0, "finished": True}
+        assert result["training"][arm]["seconds"] > 0 and result["training"][arm]["threads"] == 1
     assert result["tau_includes_bonus_token"] is True
     # The heads were benchmarked through torch.compile where this machine can compile (a C++ compiler), and the
     # JSON says which; the comparison is keyed by it.
@@ -113,7 +122,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     capsys.readouterr()
     again = demo(tmp_path, "--temperatures", "0", "1")
     log = capsys.readouterr().out
-    assert log.count(": reusing") == 1 + len(ARMS)  # the shared stage and every arm
+    assert log.count(": reusing") == 1 + len(ARMS)  # the shared stage and every arm, whatever --jobs trained them
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
@@ -190,3 +199,64 @@ def test_demo_compile_on_a_machine_that_cannot_is_refused_before_any_work(tmp_pa
     assert "torch.compile does not work on this machine (InvalidCxxCompiler" in err
     assert err.strip().endswith("or pass --compile false")
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(tmp_path):
+    """--jobs 2: a stage that fails in its background process raises one line naming the stage, the exit code,
+    the last line of its output and where the whole output is; no stage is left training."""
+    from conftest import save_tiny_target
+    from lilicorr_pl.demo import run
+
+    target = save_tiny_target(tmp_path / "target")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 8}) + "\n")
+    missing = tmp_path / "no-such-drafter"
+    with pytest.raises(RuntimeError) as err:
+        run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, missing, "k", steps=2, head_steps=2,
+                       seed=0, jobs=2)
+    message = str(err.value)
+    assert "background process (exit code 1)" in message and "--jobs 1 trains in this process" in message
+    stage = "dflash" if message.startswith("the dflash stage") else "domino"
+    log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, 'k', 2, 0)}" / "train.log"
+    assert f"its output is in {log_file}" in message and str(missing) in log_file.read_text()
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    if children.exists():  # Linux: the other stage's process was stopped, not left training
+        def cmdline(pid: str) -> bytes:
+            try:
+                return Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:  # exited meanwhile
+                return b""
+
+        assert [pid for pid in children.read_text().split() if b"lilicorr_pl.demo.run" in cmdline(pid)] == []
+    assert not list((tmp_path / "demo").glob("checkpoints/*.ckpt"))
+
+
+def test_progress_file_is_written_atomically_at_most_every_n_seconds_and_at_the_end(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import callbacks.progress as progress
+    from callbacks import ProgressFile
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    path = tmp_path / "sub" / "progress.json"
+    callback = ProgressFile(str(path), every_n_seconds=2.0)
+    trainer = SimpleNamespace(global_step=0, max_steps=10, is_global_zero=True)
+    callback.on_train_start(trainer, None)
+    assert json.loads(path.read_text()) == {"step": 0, "max_steps": 10, "seconds": 0.0, "finished": False}
+    trainer.global_step, now[0] = 1, 101.0
+    callback.on_train_batch_end(trainer, None, None, None, 0)  # 1 s after the last write: not yet
+    assert json.loads(path.read_text())["step"] == 0
+    trainer.global_step, now[0] = 2, 102.5
+    callback.on_train_batch_end(trainer, None, None, None, 1)
+    assert json.loads(path.read_text()) == {"step": 2, "max_steps": 10, "seconds": 2.5, "finished": False}
+    trainer.global_step, now[0] = 3, 103.0
+    callback.on_train_end(trainer, None)
+    assert json.loads(path.read_text()) == {"step": 3, "max_steps": 10, "seconds": 3.0, "finished": True}
+    assert [p.name for p in path.parent.iterdir()] == ["progress.json"]  # no temp file left beside it
+    trainer.is_global_zero = False  # other ranks never write
+    path.unlink()
+    callback.on_train_end(trainer, None)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="every_n_seconds"):
+        ProgressFile(str(path), every_n_seconds=-1)

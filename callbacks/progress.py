@@ -1,0 +1,46 @@
+"""A fit's progress as a small JSON file, for whoever watches it from outside the process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lilicorr_pl.files import write_json_atomic
+
+
+class ProgressFile(L.Callback):
+    """Writes ``{"step", "max_steps", "seconds", "finished"}`` to ``path`` at most every ``every_n_seconds``
+    during training and once at its end, atomically (a reader never sees half a file).
+
+    What a job scheduler, a dashboard or ``lilicorr demo --jobs 2`` (which trains stages in background
+    processes and draws their bars from these files) reads instead of a terminal's progress bar.
+    ``seconds`` counts from the start of training. Rank 0 writes.
+    """
+
+    def __init__(self, path: str, every_n_seconds: float = 1.0) -> None:
+        if every_n_seconds < 0:
+            raise ValueError(f"ProgressFile(every_n_seconds={every_n_seconds}): must be >= 0")
+        self.path = Path(path)
+        self.every_n_seconds = float(every_n_seconds)
+        self._started = self._written = 0.0
+
+    def _write(self, trainer: L.Trainer, finished: bool) -> None:
+        if trainer.is_global_zero:
+            now = time.monotonic()
+            write_json_atomic(self.path, {"step": int(trainer.global_step), "max_steps": int(trainer.max_steps),
+                                          "seconds": round(now - self._started, 2), "finished": finished})
+            self._written = now
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._started = time.monotonic()
+        self._write(trainer, finished=False)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if time.monotonic() - self._written >= self.every_n_seconds:
+            self._write(trainer, finished=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._write(trainer, finished=True)
