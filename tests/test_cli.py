@@ -244,7 +244,6 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
         assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
 
 
-
 def test_each_subcommand_saves_its_config_under_its_own_name_of_the_given_file(monkeypatch):
     """A config_filename given through save_config_kwargs stays fit's; the evaluations prefix it."""
     from lightning.pytorch.cli import SaveConfigCallback

@@ -10,7 +10,8 @@
    LiLiCorr arms (with and without the distractor penalty) keep the dflash arm's drafter, frozen, and train
    their head for ``head_steps`` with blocks drawn across 64 sequences per step
    (``configs/ablations/head_stage.yaml``): same drafter and drafter budget as DFlash, so their ratio to
-   DFlash is the head's. Same data and seed for all.
+   DFlash is the head's. Same data and seed for all. Arm stages that do not wait on each other train at once in
+   background processes (``--jobs``, 2 by default on a CPU-only machine), each with its share of the threads.
 4. Benchmark with real speculative decoding on HumanEval prompts and held-out stdlib prefixes,
    at T = 0 and T = 1, against plain target decoding in the same process, plus the top-K lattice
    oracle (T = 0), with a paired bootstrap 95 % interval on every τ ratio to DFlash and the measured

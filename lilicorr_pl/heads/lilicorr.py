@@ -49,13 +49,14 @@ class _LatticeAttention(nn.Module):
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # [M, N, 3D]
         q, k, v = (t.view(m, n, self.num_heads, d // self.num_heads).transpose(1, 2) for t in qkv.chunk(3, -1))
         dropout = self.dropout if self.training else 0.0
+        bias = bias.to(q.dtype)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # Training: the same function written out. With a bias that takes gradient, SDPA runs its math
             # fallback plus a fully-masked-row check over every [M, heads, N, N] score: about twice as slow.
-            scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias.to(q.dtype)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias
             attn = torch.matmul(F.dropout(scores.softmax(dim=-1), dropout), v)
         else:
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         return self.out_proj(attn.transpose(1, 2).reshape(m, n, d))  # attn: [M, heads, N, d_head]
 
 
