@@ -40,7 +40,10 @@ class ProgressFile(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
         if time.monotonic() - self._written >= self.every_n_seconds:
-            self._write(trainer, finished=False)
+            try:
+                self._write(trainer, finished=False)
+            except OSError:  # a full disk or a reader holding the file (Windows) must not stop training: next time
+                pass
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._write(trainer, finished=True)

@@ -120,9 +120,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
 
     # A rerun with the same settings reuses every stage, the measured comparison included.
     capsys.readouterr()
-    again = demo(tmp_path, "--temperatures", "0", "1")
+    again = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2")
     log = capsys.readouterr().out
     assert log.count(": reusing") == 1 + len(ARMS)  # the shared stage and every arm, whatever --jobs trained them
+    assert "background process" not in log  # nothing to train: no process started
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
@@ -260,3 +261,29 @@ def test_progress_file_is_written_atomically_at_most_every_n_seconds_and_at_the_
     assert not path.exists()
     with pytest.raises(ValueError, match="every_n_seconds"):
         ProgressFile(str(path), every_n_seconds=-1)
+
+
+def test_a_background_stage_refuses_a_key_other_than_the_demos_in_one_line(tmp_path):
+    """The stage's process recomputes its key: other code imported there (or code edited during the run) is refused
+    with exit status 2 and one line, which the demo raises as the user's error it is."""
+    import subprocess
+    import sys
+
+    from lilicorr_pl.demo import run
+
+    job = {"arm": "dflash", "key": "not-the-key", "workdir": str(tmp_path), "target_dir": str(tmp_path),
+           "data_file": str(tmp_path / "d.jsonl"), "init_dir": str(tmp_path), "init_key": "k", "steps": 2, "seed": 0,
+           "threads": 1, "progress_file": str(tmp_path / "p.json")}
+    with pytest.raises(run.UserInputError, match="computed stage key .* the demo not-the-key"):
+        run._train_arm_process(job)
+    done = subprocess.run([sys.executable, "-m", "lilicorr_pl.demo.run", json.dumps(job)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2 and done.stdout.strip().splitlines()[-1].endswith("(or use --jobs 1)")
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_train_arms_refuses_an_order_whose_arms_wait_on_arms_outside_it(tmp_path):
+    from lilicorr_pl.demo import run
+
+    with pytest.raises(ValueError, match=r"\['lilicorr'\] wait on arms not in the order"):
+        run.train_arms(["lilicorr"], tmp_path, "t", tmp_path / "d", tmp_path, "k", steps=1, head_steps=1, seed=0, jobs=2)

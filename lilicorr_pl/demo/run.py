@@ -311,7 +311,14 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
 
 
 def _train_arm_process(job: dict[str, Any]) -> None:
-    """A background process's whole job (``--jobs`` > 1, ``python -m lilicorr_pl.demo.run JOB``): one arm's stage."""
+    """A background process's whole job (``--jobs`` > 1, ``python -m lilicorr_pl.demo.run JOB``): one arm's stage.
+
+    Refuses to train under another key than the parent's (other code imported here, or a file edited meanwhile)."""
+    key = arm_key(job["arm"], job["init_key"], job["steps"], job["seed"])
+    if key != job["key"]:
+        raise UserInputError(f"the {job['arm']} stage's background process computed stage key {key}, the demo "
+                             f"{job['key']}: it imports other code ({Path(__file__).parent}) or the code changed "
+                             "during the run; rerun the demo (or use --jobs 1)")
     torch.set_num_threads(job["threads"])
     extra = ["--trainer.enable_progress_bar=false",  # the parent draws this stage's bar from the progress file
              "--trainer.callbacks+=callbacks.ProgressFile", f"--trainer.callbacks.path={job['progress_file']}"]
@@ -324,7 +331,8 @@ def default_jobs() -> int:
 
     On 2 CPU cores two single-thread stages train about 13 % faster together than one after the other with two
     threads each (the demo's head stage: 470 ms per step each against 269 ms); two stages would share a GPU."""
-    return 1 if torch.cuda.is_available() else min(2, torch.get_num_threads())
+    gpu = torch.cuda.is_available() or (hasattr(torch.backends, "mps") and torch.backends.mps.is_available())
+    return 1 if gpu else min(2, torch.get_num_threads())
 
 
 def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: Path, base_dir: Path, base_key: str,
@@ -361,6 +369,8 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
     try:
         while pending or running:
             ready = [a for a in pending if ARMS[a].head_stage_of in (None, *trained)]
+            if not ready and not running:
+                raise ValueError(f"train_arms: {pending} wait on arms not in the order; use training_order()")
             for arm in sorted(ready, key=lambda a: -start_of(a)[2]):  # the longest stages first
                 init_dir, init_key, n = start_of(arm)
                 key = arm_key(arm, init_key, n, seed)
@@ -376,18 +386,20 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
                 run_dir.mkdir(parents=True, exist_ok=True)
                 log_file, progress_file = run_dir / "train.log", run_dir / "progress.json"
                 progress_file.unlink(missing_ok=True)  # this stage's own file, from an interrupted earlier try
-                job = {"arm": arm, "workdir": str(workdir), "target_dir": target_dir, "data_file": str(data_file),
-                       "init_dir": str(init_dir), "init_key": init_key, "steps": n, "seed": seed, "threads": threads,
-                       "progress_file": str(progress_file)}
-                with open(log_file, "w") as out:
+                job = {"arm": arm, "key": key, "workdir": str(workdir), "target_dir": target_dir,
+                       "data_file": str(data_file), "init_dir": str(init_dir), "init_key": init_key, "steps": n,
+                       "seed": seed, "threads": threads, "progress_file": str(progress_file)}
+                slot = min(set(range(jobs)) - {r[5] for r in running.values()})  # a terminal line of its own
+                with open(log_file, "w") as out:  # cwd: the run's folder, so `-m` puts no user directory first
                     process = subprocess.Popen([sys.executable, "-m", "lilicorr_pl.demo.run", json.dumps(job)],
-                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                               cwd=run_dir)
+                running[arm] = (process, key, log_file, progress_file, None, slot)
+                pending.remove(arm)
                 log(f"   {arm}: training in a background process ({threads} thread{'s' * (threads > 1)}, "
                     f"{n} steps; output in {log_file})")
-                slot = min(set(range(jobs)) - {r[5] for r in running.values()})  # a terminal line of its own
                 bar = tqdm(total=n, desc=f"   {arm}", unit="step", position=slot, leave=True, mininterval=1.0)
                 running[arm] = (process, key, log_file, progress_file, bar, slot)
-                pending.remove(arm)
             time.sleep(0.5)
             for arm, (process, key, log_file, progress_file, bar, _) in list(running.items()):
                 try:
@@ -396,21 +408,33 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
                     pass  # not written yet
                 if process.poll() is None:
                     continue
-                bar.close()
                 del running[arm]
                 done = finished_arm(workdir, arm, key) if process.returncode == 0 else None
                 if done is None:
-                    tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] if log_file.exists() else []
-                    raise RuntimeError(f"the {arm} stage failed in its background process (exit code "
-                                       f"{process.returncode}): {tail[0] if tail else 'no output'}; its output is in "
-                                       f"{log_file} (--jobs 1 trains in this process)")
+                    bar.close()
+                    lines = log_file.read_text(errors="replace").strip().splitlines() if log_file.exists() else []
+                    if process.returncode == 2 and lines:  # the stage's one-line user error (bad input)
+                        raise UserInputError(f"{lines[-1]} (the {arm} stage; its output is in {log_file})")
+                    what = ("exited without a finished stage" if process.returncode == 0 else
+                            f"failed in its background process (exit code {process.returncode}"
+                            f"{', killed by a signal' if process.returncode < 0 else ''})")
+                    last = next((line for line in reversed(lines) if line.strip()), "no output")
+                    raise RuntimeError(f"the {arm} stage {what}: {last.strip()}; its output is in {log_file} "
+                                       "(--jobs 1 trains in this process)")
+                bar.update(bar.total - bar.n)
+                bar.close()
                 trained[arm] = done
                 log(f"   {arm}: trained in {done[1]['seconds']} s ({done[0]})")
     finally:
         for process, *_, bar, _ in running.values():  # a failed or interrupted demo leaves no stage training
-            process.terminate()
-            process.wait()
-            bar.close()
+            process.terminate()  # Lightning stops at its next batch; a stage in validation gets 30 s, then SIGKILL
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            if bar is not None:
+                bar.close()
     return trained
 
 
@@ -848,4 +872,8 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
 if __name__ == "__main__":  # one arm's stage in a background process of train_arms (--jobs > 1)
     import sys
 
-    _train_arm_process(json.loads(sys.argv[1]))
+    try:
+        _train_arm_process(json.loads(sys.argv[1]))
+    except UserInputError as err:  # one line, exit status 2: the parent raises it as the user's error it is
+        print(err, flush=True)
+        raise SystemExit(2) from None
