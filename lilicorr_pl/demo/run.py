@@ -364,7 +364,7 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
     threads = max(1, torch.get_num_threads() // jobs)
     # A fresh interpreter per stage (no forked thread pools, no re-run of the caller's script), importing what this
     # one imports.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [*sys.path] if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     pending, running = list(order), {}
     try:
         while pending or running:
@@ -389,17 +389,16 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
                 job = {"arm": arm, "key": key, "workdir": str(workdir), "target_dir": target_dir,
                        "data_file": str(data_file), "init_dir": str(init_dir), "init_key": init_key, "steps": n,
                        "seed": seed, "threads": threads, "progress_file": str(progress_file)}
+                log(f"   {arm}: training in a background process ({threads} thread{'s' * (threads > 1)}, "
+                    f"{n} steps; output in {log_file})")
                 slot = min(set(range(jobs)) - {r[5] for r in running.values()})  # a terminal line of its own
+                bar = tqdm(total=n, desc=f"   {arm}", unit="step", position=slot, leave=True, mininterval=1.0)
                 with open(log_file, "w") as out:  # cwd: the run's folder, so `-m` puts no user directory first
                     process = subprocess.Popen([sys.executable, "-m", "lilicorr_pl.demo.run", json.dumps(job)],
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                                cwd=run_dir)
-                running[arm] = (process, key, log_file, progress_file, None, slot)
+                running[arm] = (process, key, log_file, progress_file, bar, slot)  # tracked from its start
                 pending.remove(arm)
-                log(f"   {arm}: training in a background process ({threads} thread{'s' * (threads > 1)}, "
-                    f"{n} steps; output in {log_file})")
-                bar = tqdm(total=n, desc=f"   {arm}", unit="step", position=slot, leave=True, mininterval=1.0)
-                running[arm] = (process, key, log_file, progress_file, bar, slot)
             time.sleep(0.5)
             for arm, (process, key, log_file, progress_file, bar, _) in list(running.items()):
                 try:
@@ -433,8 +432,7 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-            if bar is not None:
-                bar.close()
+            bar.close()
     return trained
 
 
