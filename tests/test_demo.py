@@ -287,3 +287,19 @@ def test_train_arms_refuses_an_order_whose_arms_wait_on_arms_outside_it(tmp_path
 
     with pytest.raises(ValueError, match=r"\['lilicorr'\] wait on arms not in the order"):
         run.train_arms(["lilicorr"], tmp_path, "t", tmp_path / "d", tmp_path, "k", steps=1, head_steps=1, seed=0, jobs=2)
+
+
+def test_a_user_error_in_a_background_stage_is_raised_as_one_line_naming_the_stage(tmp_path):
+    """--jobs 2: the stage's one-line user error (exit status 2) comes back as the user's error it is, with the
+    stage and its log named, not as a failure with a traceback."""
+    from conftest import save_tiny_target
+    from lilicorr_pl.demo import run
+
+    target = save_tiny_target(tmp_path / "target")
+    missing = tmp_path / "no-such-data.jsonl"
+    with pytest.raises(run.UserInputError) as err:
+        run.train_arms(["dflash"], tmp_path / "demo", target, missing, tmp_path, "k", steps=2, head_steps=2, seed=0,
+                       jobs=2)
+    log_file = tmp_path / "demo" / "runs" / f"dflash-{run.arm_key('dflash', 'k', 2, 0)}" / "train.log"
+    assert str(err.value) == (f"data file '{missing}' does not exist (resolved to {missing}); fix data.train_files "
+                              f"(the dflash stage; its output is in {log_file})")
