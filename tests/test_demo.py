@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,15 @@ def demo(tmp_path, *extra: str) -> dict:
 
 def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(tmp_path, capsys):
     # Two arm stages at once, each in a background process (later runs: one after the other, in this process).
-    result = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2")
-    assert result["settings"]["jobs"] == 2
+    result = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true")
+    assert result["settings"]["jobs"] == 2 and result["settings"]["point_mass"] is True
+    # The two benchmarks measured at once too, one process each, with their output and progress kept.
+    assert result["benchmark"] == {"processes": 2, "threads": max(1, torch.get_num_threads() // 2)}
+    for bench in ("humaneval", "stdlib-heldout"):
+        scratch = tmp_path / "demo" / "bench" / result["stages"]["bench"]
+        assert f"{bench} T=1 dflash: tau" in (scratch / f"{bench}.log").read_text()
+        # 2 prompts at T = 0 and T = 1, and the oracle's 2 at T = 0.
+        assert json.loads((scratch / f"{bench}.progress.json").read_text())["step"] == 6
     for arm, key in result["stages"]["arms"].items():  # each stage's output and progress beside its W&B run
         run_dir = tmp_path / "demo" / "runs" / f"{arm}-{key}"
         assert "Trainer.fit` stopped: `max_steps=2` reached" in (run_dir / "train.log").read_text()
@@ -120,7 +128,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
 
     # A rerun with the same settings reuses every stage, the measured comparison included.
     capsys.readouterr()
-    again = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2")
+    again = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true")
     log = capsys.readouterr().out
     assert log.count(": reusing") == 1 + len(ARMS)  # the shared stage and every arm, whatever --jobs trained them
     assert "background process" not in log  # nothing to train: no process started
@@ -142,11 +150,14 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert len(ckpts) == 2
     # A head-stage arm asked for alone: its source arm is trained (here reused) but not compared.
     capsys.readouterr()
-    fourth = demo(tmp_path, "--temperatures", "0", "--head-steps", "3", "--arms", "lilicorr")
+    fourth = demo(tmp_path, "--temperatures", "0", "1", "--head-steps", "3", "--arms", "lilicorr")
     log = capsys.readouterr().out
     assert "dflash: reusing" in log and "lilicorr: reusing" not in log
     assert {r["arm"] for r in fourth["results"]} == {"lilicorr", "oracle"} and set(fourth["training"]) == {"lilicorr"}
     assert fourth["stages"]["arms"]["lilicorr"] != result["stages"]["arms"]["lilicorr"]
+    # Measured in this process (--quick: one job), and at T = 1 under the proposal rule alone (no --point-mass).
+    assert fourth["benchmark"] == {"processes": 1, "threads": torch.get_num_threads()}
+    assert [r.get("tau_point_mass") for r in fourth["results"] if r["temperature"] == 1.0] == [None, None]
 
 
 def assert_same_drafter(workdir: Path, source_key: str, arm: str, arm_key: str) -> None:
@@ -216,7 +227,7 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
         run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, missing, "k", steps=2, head_steps=2,
                        seed=0, jobs=2)
     message = str(err.value)
-    assert "background process (exit code 1)" in message and "--jobs 1 trains in this process" in message
+    assert "background process (exit code 1)" in message and "--jobs 1 runs every stage in this process" in message
     stage = "dflash" if message.startswith("the dflash stage") else "domino"
     log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, 'k', 2, 0)}" / "train.log"
     assert f"its output is in {log_file}" in message and str(missing) in log_file.read_text()
@@ -271,7 +282,7 @@ def test_a_background_stage_refuses_a_key_other_than_the_demos_in_one_line(tmp_p
 
     from lilicorr_pl.demo import run
 
-    job = {"arm": "dflash", "key": "not-the-key", "workdir": str(tmp_path), "target_dir": str(tmp_path),
+    job = {"kind": "arm", "arm": "dflash", "key": "not-the-key", "workdir": str(tmp_path), "target_dir": str(tmp_path),
            "data_file": str(tmp_path / "d.jsonl"), "init_dir": str(tmp_path), "init_key": "k", "steps": 2, "seed": 0,
            "threads": 1, "progress_file": str(tmp_path / "p.json")}
     with pytest.raises(run.UserInputError, match="computed stage key .* the demo not-the-key"):
@@ -303,3 +314,32 @@ def test_a_user_error_in_a_background_stage_is_raised_as_one_line_naming_the_sta
     log_file = tmp_path / "demo" / "runs" / f"dflash-{run.arm_key('dflash', 'k', 2, 0)}" / "train.log"
     assert str(err.value) == (f"data file '{missing}' does not exist (resolved to {missing}); fix data.train_files "
                               f"(the dflash stage; its output is in {log_file})")
+
+
+def test_sigterm_stops_the_background_stages_and_restores_the_handler(tmp_path):
+    """A demo stopped with SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C: every stage still running in
+    the background is terminated, and the previous SIGTERM handler is back afterwards."""
+    import signal
+    import subprocess
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from lilicorr_pl.demo import run
+
+    before = signal.getsignal(signal.SIGTERM)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            with run.Background(1) as background:
+                background.running["stage"] = run._Process(sleeper, tmp_path / "log", tmp_path / "progress.json",
+                                                           tqdm(total=1, disable=True), 0)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises at the next bytecode, well before this ends
+        assert stopped.value.code == 128 + signal.SIGTERM
+        assert sleeper.poll() == -signal.SIGTERM  # terminated, not left sleeping
+        assert background.running == {} and signal.getsignal(signal.SIGTERM) == before
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()

@@ -10,7 +10,7 @@ result so callers can sum them across processes and recompute every statistic ex
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +202,7 @@ def evaluate_arms(
     timing: bool = False,
     stop_token_ids: Sequence[int] | None = None,
     warmup_tokens: int = 4,
+    on_prompt: Callable[[], None] | None = None,
 ) -> tuple[list[GenerationResult], dict[str, ArmResult]]:
     """Plain decoding and every arm, **interleaved**: all of them decode prompt ``i`` before any decodes
     prompt ``i + 1``, in an order rotated by one place per prompt.
@@ -213,7 +214,7 @@ def evaluate_arms(
 
     Before the timed loop every variant generates ``warmup_tokens`` untimed tokens of the first prompt at this
     temperature and rule, so lazy initialisation (a compiled selector's tracing, a sampling path's first use)
-    is billed to no prompt.
+    is billed to no prompt. ``on_prompt`` is called once each prompt is done by every variant (progress).
 
     Returns:
         The plain-decoding results (the reference: ``lossless`` and ``plain_step_ms`` of every arm come from
@@ -236,6 +237,8 @@ def evaluate_arms(
                 target, spec.drafter, spec.selector, ids, max_new_tokens, temperature=temperature,
                 generator=generator, timing=timing, draft_sampling=spec.draft_sampling, stop_token_ids=stop_token_ids,
             ))
+        if on_prompt is not None:
+            on_prompt()
     return plain, {
         name: _arm_result(results[name], prompts, spec.drafter.num_slots, temperature, spec.draft_sampling, plain)
         for name, spec in arms.items()
