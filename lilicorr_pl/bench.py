@@ -66,6 +66,34 @@ def selector_for(name: str, system: Any) -> Any:
     )
 
 
+def _lattice_settings(head: Any) -> dict[str, Any] | None:
+    from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+
+    if not isinstance(head, LiLiCorrHead):
+        return None
+    return {"top_k": head.serve_top_k or head.top_k, "trained_top_k": head.top_k, "walk": head.decode}
+
+
+def serve_lattice(head: Any, lattice_k: int | None, walk: str | None) -> None:
+    """Sets a trained LiLiCorr head's serving-time lattice width and T = 0 walk (None: keep the head's own)."""
+    from lilicorr_pl.heads.lilicorr import DECODERS, LiLiCorrHead
+
+    if lattice_k is None and walk is None:
+        return
+    if not isinstance(head, LiLiCorrHead):
+        raise ValueError(f"--lattice_k and --walk set a LiLiCorr head's decoding, and this checkpoint's head is "
+                         f"{type(head).__name__ if head is not None else 'none'}; drop them")
+    if lattice_k is not None:
+        if not 1 <= lattice_k <= head.top_k:
+            raise ValueError(f"--lattice_k {lattice_k} is outside 1..{head.top_k}: the head was trained with "
+                             f"K={head.top_k} and can serve any k <= {head.top_k}")
+        head.serve_top_k = lattice_k
+    if walk is not None:
+        if walk not in DECODERS:
+            raise ValueError(f"--walk must be one of {DECODERS}, got {walk!r}")
+        head.decode = walk
+
+
 def run_bench(
     system: Any,
     benchmark: str,
@@ -128,6 +156,8 @@ def run_bench(
             "synchronized_timing": timing,
             "interleaved": True,
             "compiled_selectors": compile,
+            # The trained LiLiCorr head's decoding: lattice width served and T = 0 walk (None without one).
+            "lattice": _lattice_settings(system.head),
             "target_tokens_per_s": target_tps,
             "selectors": {},
         }
@@ -241,6 +271,8 @@ def bench(
     output: str | None = None,
     plot: str | None = None,
     compile: bool = False,
+    lattice_k: PositiveInt | None = None,
+    walk: Literal["greedy", "viterbi"] | None = None,
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
 
@@ -270,6 +302,10 @@ def bench(
         compile: run every selector with weights through torch.compile for deterministic drafts (T = 0 and
             the point-mass rule; sampled drafts and the parameter-free top1 stay eager), as the serving engines
             run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
+        lattice_k: serve the checkpoint's LiLiCorr head with a narrower lattice, k <= the K it was trained with
+            (its rank-ordered candidates; the engines choose k at serving time). Default: the head's own.
+        walk: the LiLiCorr head's T = 0 walk: greedy (the method) or viterbi (the max-sum ablation). Default: the
+            head's own.
     """
     from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
 
@@ -308,6 +344,7 @@ def bench(
     try:
         for name in names:
             selector_for(name, system)
+        serve_lattice(system.head, lattice_k, walk)
     except ValueError as err:
         raise UserInputError(str(err)) from None
     system.configure_model()

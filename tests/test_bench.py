@@ -127,6 +127,23 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
                 assert c["selectors"][name]["point_mass"]["histogram"] == e["selectors"][name]["point_mass"]["histogram"]
 
 
+def test_bench_lattice_k_1_serves_the_head_as_top1_and_records_the_lattice(tiny_run, tmp_path):
+    """--lattice_k: the trained head served with a narrower lattice. At k = 1 the lattice holds only the drafter's
+    top-1 at every slot, so the head's drafts are top-1's, round for round; the JSON records what was served."""
+    _, ckpt = tiny_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):\n", "import os\nclass Path:\n")))
+    args = ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12",
+            "--temperature", "0", "--selectors", "top1,lilicorr"]
+    (full,) = cli_main(args)
+    (narrow,) = cli_main([*args, "--lattice-k", "1", "--walk", "viterbi"])
+    trained = full["lattice"]["trained_top_k"]
+    assert full["lattice"] == {"top_k": trained, "trained_top_k": trained, "walk": "greedy"} and trained > 1
+    assert narrow["lattice"] == {"top_k": 1, "trained_top_k": trained, "walk": "viterbi"}
+    top1, head = narrow["selectors"]["top1"], narrow["selectors"]["lilicorr"]
+    assert head["histogram"] == top1["histogram"] and head["tau"] == top1["tau"] and head["lossless"] is True
+
+
 def write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -153,6 +170,7 @@ def write(path: Path, text: str) -> str:
         ("plot_is_a_file", "--plot .* is a file"),
         ("cuda_without_cuda", "CUDA is not available"),
         ("past_the_context", "exceeds the target's max_position_embeddings"),
+        ("lattice_k_too_wide", r"--lattice_k 99 is outside 1\.\.\d+: the head was trained with K="),
     ],
 )
 def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, case, message):
@@ -196,6 +214,8 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--device"] = "cuda"
     elif case == "past_the_context":
         args["--max-new-tokens"] = "100000"
+    elif case == "lattice_k_too_wide":
+        args["--lattice-k"] = "99"
     argv = ["bench", *(x for kv in args.items() for x in kv)]
     import lilicorr_pl.decoding.evaluate as evaluate
 

@@ -432,6 +432,15 @@ def test_serving_with_smaller_top_k(embedding):
     assert torch.equal(one.tokens, sl.argmax(-1))  # a 1-wide lattice is the top-1 selector
     with pytest.raises(ValueError, match="can serve any k <= 4"):
         head.score_lattice(sh, sl, a, valid, embedding, top_k=5)
+    # serve_top_k: the width select() decodes with by default (training keeps top_k); an explicit top_k wins.
+    head.serve_top_k = 2
+    with torch.no_grad():
+        served = _select(head, sh, sl, a, embedding)
+        explicit = _select(head, sh, sl, a, embedding, top_k=4)
+    assert served.lattice.candidates.shape == (5, 4, 2) and torch.equal(served.lattice.pair, small.pair)
+    assert explicit.lattice.candidates.shape == (5, 4, 4)
+    with pytest.raises(ValueError, match="serve_top_k 5 is outside 1..4"):
+        LiLiCorrHead(top_k=4, hidden_size=16, num_heads=4, factor_dim=8, serve_top_k=5)
 
 
 def test_blocks_are_independent_and_batch_order_does_not_matter(embedding):

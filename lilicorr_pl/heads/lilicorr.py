@@ -112,6 +112,7 @@ class LiLiCorrHead(Selector):
         vector_eps: float = 1e-4,
         logit_scale: float = 8.0,
         decode: Decode = "greedy",
+        serve_top_k: int | None = None,
         block_size: int | None = None,
         rms_norm_eps: float | None = None,
         dropout: float = 0.0,
@@ -134,6 +135,9 @@ class LiLiCorrHead(Selector):
                 the shared backbone.
             decode: the T = 0 walk, ``"greedy"`` (the method) or ``"viterbi"`` (max-sum ablation);
                 sampled drafts (T > 0) always follow the sampled left-to-right walk.
+            serve_top_k: lattice width when decoding (:meth:`select`), ``1 <= serve_top_k <= top_k``; training
+                always keeps ``top_k``. None: ``top_k``. A serving-time choice, as in the engines
+                (``lilicorr bench --lattice_k``).
             block_size: the drafter's block size B; sizes the slot embedding (``B - 1`` slots) and the
                 relative-slot bias (``2B - 1`` offsets). None: follow the drafter (the system passes it
                 to :meth:`build`). A head built for B also scores shorter blocks (the learned prefix).
@@ -162,6 +166,9 @@ class LiLiCorrHead(Selector):
             raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
         if logit_scale <= 0:
             raise ValueError(f"logit_scale (σ) must be positive, got {logit_scale}; the recipe uses 8.0")
+        if serve_top_k is not None and not 1 <= serve_top_k <= top_k:
+            raise ValueError(f"serve_top_k {serve_top_k} is outside 1..{top_k}: a head trained with K={top_k} can "
+                             f"serve any k <= {top_k}")
         if block_size is not None and block_size < 2:
             raise ValueError(f"block_size must be >= 2 (one speculative slot), got {block_size}")
         self.top_k = top_k
@@ -173,6 +180,7 @@ class LiLiCorrHead(Selector):
         self.vector_eps = float(vector_eps)
         self.logit_scale = float(logit_scale)
         self.decode = decode
+        self.serve_top_k = serve_top_k
         self.block_size = block_size
         self.rms_norm_eps = None if rms_norm_eps is None else float(rms_norm_eps)
         self.dropout = dropout
@@ -375,11 +383,12 @@ class LiLiCorrHead(Selector):
         proposal ``q`` is that distribution placed on the candidates' token ids (zero elsewhere).
 
         Args:
-            top_k: serve with a narrower lattice ``k <= self.top_k`` (rank-ordered features).
+            top_k: serve with a narrower lattice ``k <= self.top_k`` (rank-ordered features); default
+                ``serve_top_k``.
         """
         lattice = self.score_lattice(
             draft.slot_hidden, draft.slot_logits, draft.anchor_feature, draft.anchor_feature_valid,
-            context.embed, top_k,
+            context.embed, self.serve_top_k if top_k is None else top_k,
         )
         if context.sampling is None:
             index = lattice.walk(self.decode)  # [b, S]
