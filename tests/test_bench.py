@@ -135,8 +135,23 @@ def test_bench_lattice_k_1_serves_the_head_as_top1_and_records_the_lattice(tiny_
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):\n", "import os\nclass Path:\n")))
     args = ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12",
             "--temperature", "0", "--selectors", "top1,lilicorr"]
-    (full,) = cli_main(args)
-    (narrow,) = cli_main([*args, "--lattice-k", "1", "--walk", "viterbi"])
+    from lilicorr_pl.heads.lilicorr import LiLiCorrHead
+
+    widths, real = [], LiLiCorrHead.score_lattice  # the width every decoding round's lattice was scored at
+
+    def spy(self, *a, **k):
+        lattice = real(self, *a, **k)
+        widths.append(lattice.candidates.shape[-1])
+        return lattice
+
+    LiLiCorrHead.score_lattice = spy
+    try:
+        (full,) = cli_main(args)
+        full_widths, widths[:] = set(widths), []
+        (narrow,) = cli_main([*args, "--lattice-k", "1", "--walk", "viterbi"])
+    finally:
+        LiLiCorrHead.score_lattice = real
+    assert full_widths == {full["lattice"]["trained_top_k"]} and set(widths) == {1}
     trained = full["lattice"]["trained_top_k"]
     assert full["lattice"] == {"top_k": trained, "trained_top_k": trained, "walk": "greedy"} and trained > 1
     assert narrow["lattice"] == {"top_k": 1, "trained_top_k": trained, "walk": "viterbi"}
@@ -171,6 +186,7 @@ def write(path: Path, text: str) -> str:
         ("cuda_without_cuda", "CUDA is not available"),
         ("past_the_context", "exceeds the target's max_position_embeddings"),
         ("lattice_k_too_wide", r"--lattice_k 99 is outside 1\.\.\d+: the head was trained with K="),
+        ("lattice_k_without_the_head", r"--selectors top1 does not decode with it; add lilicorr to --selectors"),
     ],
 )
 def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, case, message):
@@ -216,6 +232,9 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--max-new-tokens"] = "100000"
     elif case == "lattice_k_too_wide":
         args["--lattice-k"] = "99"
+        args["--selectors"] = "top1,lilicorr"
+    elif case == "lattice_k_without_the_head":
+        args["--lattice-k"] = "2"
     argv = ["bench", *(x for kv in args.items() for x in kv)]
     import lilicorr_pl.decoding.evaluate as evaluate
 

@@ -15,9 +15,9 @@
 4. Benchmark with real speculative decoding on HumanEval prompts and held-out stdlib prefixes,
    at T = 0 and T = 1, against plain target decoding in the same process, plus the top-K lattice
    oracle (T = 0), with a paired bootstrap 95 % interval on every τ ratio to DFlash and the measured
-   cost of a round in plain decoding steps. τ includes the target's bonus token. At T > 0 τ is
-   reported both ways: sampled drafts verified with ``min(1, p/q)`` (the row's ``tau``) and the
-   point-mass rule (``tau_point_mass``).
+   cost of a round in plain decoding steps. τ includes the target's bonus token. At T > 0 the row's ``tau``
+   samples drafts verified with ``min(1, p/q)``; ``--point-mass true`` adds the point-mass rule
+   (``tau_point_mass``). With ``--jobs`` > 1 the two benchmarks run at once, one process each.
 
 Every stage is keyed by what produced it (target build, data settings, config file contents, code, steps,
 seed): a rerun reuses exactly the stages whose key matches and retrains the rest under a new key, so a
@@ -409,7 +409,8 @@ class _Process:
 class Background:
     """Demo stages in background processes (``python -m lilicorr_pl.demo.run JOB``), at most ``slots`` at once, as a
     context manager: each started with its own progress bar (read from the stage's progress file), and every one
-    still running stopped when the block is left by a failure, Ctrl-C or SIGTERM (terminated; killed 30 s later).
+    still running stopped when the block is left by a failure, Ctrl-C or SIGTERM (all terminated at once; those still
+    running 30 s later killed).
 
     Each process is a fresh interpreter (no forked thread pools, no re-run of the caller's script) importing what this
     one imports, started in the stage's own folder so ``-m`` puts no user directory first on its import path."""
@@ -420,6 +421,7 @@ class Background:
         self.slots = slots
         self.running: dict[str, _Process] = {}
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._handles_sigterm = False
         self._previous_sigterm: Any = None
 
     def __enter__(self) -> Background:
@@ -428,33 +430,42 @@ class Background:
 
         if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
             self._previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+            self._handles_sigterm = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import signal
-        import subprocess
 
+        if self._handles_sigterm:  # a second SIGTERM must not cut the cleanup short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            for stage in self.running.values():  # a failed or interrupted demo leaves no stage running
-                stage.process.terminate()  # Lightning stops at its next batch; a stage in validation gets 30 s
+            # A failed or interrupted demo leaves no stage running: every stage is told to stop first (Lightning
+            # stops at its next batch), then all get 30 s together (a stage in validation), then SIGKILL.
+            for stage in self.running.values():
+                stage.process.terminate()
+            deadline = time.monotonic() + 30
+            for stage in self.running.values():
                 try:
-                    stage.process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
+                    stage.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except BaseException:  # noqa: BLE001 - TimeoutExpired, or a Ctrl-C during the wait: kill it
                     stage.process.kill()
                     stage.process.wait()
                 stage.bar.close()
             self.running.clear()
         finally:
-            if self._previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            if self._handles_sigterm:  # None: a handler not set from Python, i.e. the default
+                signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None
+                              else signal.SIG_DFL)
 
     def full(self) -> bool:
         return len(self.running) >= self.slots
 
     def start(self, name: str, job: dict[str, Any], log_file: Path, progress_file: Path, total: int, unit: str) -> None:
         """Starts ``job`` (its ``progress_file`` added) with its output in ``log_file`` and a bar of ``total`` units."""
+        import signal
         import subprocess
         import sys
+        import threading
 
         from tqdm.auto import tqdm
 
@@ -462,11 +473,25 @@ class Background:
         progress_file.unlink(missing_ok=True)  # this stage's own file, from an interrupted earlier try
         slot = min(set(range(self.slots)) - {s.slot for s in self.running.values()})  # a terminal line of its own
         bar = tqdm(total=total, desc=f"   {name}", unit=unit, position=slot, leave=True, mininterval=1.0)
-        with open(log_file, "w") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "lilicorr_pl.demo.run", json.dumps({**job, "progress_file": str(progress_file)})],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env, cwd=log_file.parent)
-        self.running[name] = _Process(process, log_file, progress_file, bar, slot)  # tracked from its start
+        # Ctrl-C and SIGTERM wait until the process is tracked, so none is started that nobody would stop.
+        held = {signal.SIGINT, signal.SIGTERM}
+        blocking = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+        if blocking:
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            with open(log_file, "w") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "lilicorr_pl.demo.run",
+                     json.dumps({**job, "progress_file": str(progress_file)})],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env,
+                    cwd=log_file.parent)
+            self.running[name] = _Process(process, log_file, progress_file, bar, slot)
+        except BaseException:
+            bar.close()
+            raise
+        finally:
+            if blocking:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
     def poll(self) -> list[tuple[str, int, Path]]:
         """Moves every bar; returns ``(name, exit code, log file)`` of each process that has ended (no longer tracked)."""
@@ -1007,7 +1032,7 @@ def _bench_process(job: dict[str, Any]) -> None:
     decoding's per-prompt numbers written atomically to ``job["output"]``, its progress to ``job["progress_file"]``.
 
     Refuses to measure with other code than the parent's (other code imported here, or a file edited meanwhile)."""
-    from lilicorr_pl.files import jsonable, write_json_atomic
+    from lilicorr_pl.files import write_json_atomic
 
     if code_fingerprint() != job["code"]:
         raise UserInputError(f"the {job['benchmark']} benchmark's background process runs other code than the demo "
@@ -1026,8 +1051,10 @@ def _bench_process(job: dict[str, Any]) -> None:
     rows, plain = measure({a: Path(p) for a, p in job["ckpts"].items()}, [job["benchmark"]], job["temperatures"],
                           job["num_prompts"], job["max_new_tokens"], job["prefix_tokens"], job["seed"], job["compile"],
                           job["point_mass"], on_prompt=on_prompt)
-    write_json_atomic(Path(job["output"]), jsonable({
-        "rows": rows, "plain": [[b, t, v["tokens"], v["seconds"]] for (b, t), v in plain.items()]}))
+    # Not through `jsonable`: an undefined statistic (a prompt without a round: NaN) must reach the parent as NaN,
+    # as it does in one process, not as null.
+    write_json_atomic(Path(job["output"]), {
+        "rows": rows, "plain": [[b, t, v["tokens"], v["seconds"]] for (b, t), v in plain.items()]})
 
 
 if __name__ == "__main__":  # one stage in a background process (--jobs > 1): an arm's training or a benchmark
