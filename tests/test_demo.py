@@ -155,6 +155,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "dflash: reusing" in log and "lilicorr: reusing" not in log
     assert {r["arm"] for r in fourth["results"]} == {"lilicorr", "oracle"} and set(fourth["training"]) == {"lilicorr"}
     assert fourth["stages"]["arms"]["lilicorr"] != result["stages"]["arms"]["lilicorr"]
+    # A statistic with no data (one new token: no speculative round, τ undefined) goes through the benchmark's
+    # processes as NaN and comes out as null in results.json, and a rerun reusing that comparison plots and tabulates
+    # it as the first run did.
+    for _ in range(2):
+        fifth = demo(tmp_path, "--temperatures", "0", "--bench-new-tokens", "1", "--jobs", "2", "--arms", "dflash,lilicorr")
+        assert fifth["benchmark"]["processes"] == 2 and all(r["tau"] is None for r in fifth["results"])
+    assert "reusing the measured comparison" in capsys.readouterr().out
     # Measured in this process (--quick: one job), and at T = 1 under the proposal rule alone (no --point-mass).
     assert fourth["benchmark"] == {"processes": 1, "threads": torch.get_num_threads()}
     assert [r.get("tau_point_mass") for r in fourth["results"] if r["temperature"] == 1.0] == [None, None]

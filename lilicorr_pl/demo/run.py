@@ -703,7 +703,7 @@ def demo(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir = Path(workdir).resolve()
     out = Path(output).resolve() if output else workdir / "results.json"
-    from lilicorr_pl.files import check_output_paths
+    from lilicorr_pl.files import check_output_paths, write_json_atomic
 
     try:
         check_output_paths(str(out), str(workdir / "plots"))
@@ -793,7 +793,9 @@ def demo(
         cached = {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "processes": bench_jobs,
                   "threads": max(1, torch.get_num_threads() // bench_jobs)}
-        _write_json(bench_file, cached)
+        # Kept with NaN for an undefined statistic (a prompt without a round), so a rerun that reuses it plots and
+        # tabulates what this run does; results.json, for other tools, has null there.
+        write_json_atomic(bench_file, cached)
     rows = cached["rows"]
     timings["benchmark"] = time.time() - t0
     result = {
