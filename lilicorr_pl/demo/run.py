@@ -948,8 +948,6 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     rows = [row for bench in BENCHMARKS for row in ended[bench]["rows"]]
     plain = {(b, t): {"tokens": tokens, "seconds": seconds}
              for bench in BENCHMARKS for b, t, tokens, seconds in ended[bench]["plain"]}
-    for row in rows:
-        log(f"   {row['benchmark']} T={row['temperature']:g} {row['arm']}: tau {row['tau']:.2f}")
     add_ratio_intervals(rows, plain, seed=seed)
     return rows
 
