@@ -171,6 +171,9 @@ def run_bench(
                 "lossless": r.lossless,
                 "per_position_acceptance": r.per_position_acceptance,
                 "histogram": r.histogram,
+                # Slot 1 of the round drafted right after the prompt, and of every later round.
+                "slot1_first_round": r.slot1_first_round,
+                "slot1_later_rounds": r.slot1_later_rounds,
                 "head_time_fraction": r.head_time_fraction,
                 "draft_time_fraction": r.draft_time_fraction,
                 "round_ms": r.round_ms,

@@ -102,3 +102,25 @@ def test_accepts_generation_results():
     assert out["tokens_per_s"].item() == pytest.approx(13 / 3)
     metric.reset()
     assert metric.compute()["rounds"].item() == 0
+
+
+def test_arm_result_splits_slot1_by_first_round():
+    """Slot-1 acceptance of each prompt's first round (drafted right after the prompt) and of the later rounds,
+    from hand-made rounds; a prompt without a round counts in neither."""
+    from lilicorr_pl.decoding.benchmarks import PromptSet
+    from lilicorr_pl.decoding.evaluate import _arm_result
+
+    results = [
+        GenerationResult(tokens=list(range(9)), accepted_lengths=[0, 3, 0], num_rounds=3, total=2.0),
+        GenerationResult(tokens=list(range(4)), accepted_lengths=[2, 0, 1, 1], num_rounds=4, total=1.0),
+        GenerationResult(tokens=[5], total=0.5),  # stopped at the prefill's token: no round
+    ]
+    prompts = PromptSet("hand", [[1], [2], [3]], ["a", "b", "c"], False, False)
+    r = _arm_result(results, prompts, num_slots=3, temperature=0.0, draft_sampling="proposal", reference=None)
+    assert r.per_prompt_first_round == [0, 2, -1]
+    assert r.slot1_first_round == pytest.approx(1 / 2)
+    assert r.slot1_later_rounds == pytest.approx(3 / 5)  # 3, 0 | 0, 1, 1
+    # Together they are the pooled slot-1 acceptance.
+    assert r.per_position_acceptance[0] == pytest.approx((1 + 3) / (2 + 5))
+    empty = _arm_result(results[2:], prompts, num_slots=3, temperature=0.0, draft_sampling="proposal", reference=None)
+    assert math.isnan(empty.slot1_first_round) and math.isnan(empty.slot1_later_rounds)

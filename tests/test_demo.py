@@ -96,6 +96,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
             # Timed interleaved with plain decoding: per-prompt times give intervals on the tokens/s ratios,
             # computed from those times (the pooled value, then a paired bootstrap around it).
             assert len(r["per_prompt_seconds"]) == len(r["per_prompt_tokens"]) == len(r["per_prompt_rounds"])
+            assert 0.0 <= r["slot1_first_round"] <= 1.0  # slot 1 of the round right after the prompt
             assert r["tokens_per_s"] == pytest.approx(sum(r["per_prompt_tokens"]) / sum(r["per_prompt_seconds"]))
             ref = next(x for x in rows if x["arm"] == "dflash" and x["benchmark"] == r["benchmark"]
                        and x["temperature"] == r["temperature"])

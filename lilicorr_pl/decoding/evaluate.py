@@ -53,6 +53,14 @@ class ArmResult:
     per_prompt_tau: list[float] = field(default_factory=list)
     per_prompt_rounds: list[int] = field(default_factory=list)
     """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
+    per_prompt_first_round: list[int] = field(default_factory=list)
+    """Accepted drafts of each prompt's first verify round (-1: no round). The first round drafts right after the
+    prompt, where a prompt unlike the training data hurts most."""
+    slot1_first_round: float = math.nan
+    """Share of first rounds (one per prompt with a round) that accepted their first draft (NaN: none)."""
+    slot1_later_rounds: float = math.nan
+    """Share of every later round that accepted its first draft (NaN: none). With :attr:`slot1_first_round` it
+    splits ``per_position_acceptance[0]`` by whether the block starts at the prompt's boundary."""
     per_prompt_tokens: list[int] = field(default_factory=list)
     per_prompt_seconds: list[float] = field(default_factory=list)
     """Generated tokens and end-to-end seconds of each prompt: pooled tokens/s on any subset (bootstrap)."""
@@ -290,6 +298,8 @@ def _arm_result(
 
     plain_ms = plain_step_ms(reference) if reference is not None else math.nan
     round_ms = per_round_ms(busy)
+    first = [r.accepted_lengths[0] for r in results if r.accepted_lengths]
+    later = [acc for r in results for acc in r.accepted_lengths[1:]]
     return ArmResult(
         tau=float(out["tau"]),
         per_position_acceptance=[float(x) for x in out["per_position_acceptance"]],
@@ -303,6 +313,9 @@ def _arm_result(
         draft_sampling=draft_sampling if temperature > 0 else None,
         per_prompt_tau=[r.tau if r.num_rounds else math.nan for r in results],
         per_prompt_rounds=[int(r.num_rounds) for r in results],
+        per_prompt_first_round=[int(r.accepted_lengths[0]) if r.accepted_lengths else -1 for r in results],
+        slot1_first_round=sum(acc > 0 for acc in first) / len(first) if first else math.nan,
+        slot1_later_rounds=sum(acc > 0 for acc in later) / len(later) if later else math.nan,
         per_prompt_tokens=[len(r.tokens) for r in results],
         per_prompt_seconds=[float(r.total) for r in results],
         examples=[{"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds}

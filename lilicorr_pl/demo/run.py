@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -847,6 +847,8 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "lossless": r.lossless, "draft_sampling": r.draft_sampling, "target_tokens_per_s": target_tps,
         "per_prompt_tau": r.per_prompt_tau, "per_prompt_rounds": r.per_prompt_rounds,
         "per_prompt_tokens": r.per_prompt_tokens, "per_prompt_seconds": r.per_prompt_seconds,
+        # Slot-1 acceptance of the round that starts at the prompt's boundary, and of the rest.
+        "slot1_first_round": r.slot1_first_round, "slot1_later_rounds": r.slot1_later_rounds,
         # Measured cost of one speculative round, split, and in plain decoding steps of the same run.
         "round_cost_ratio": r.round_cost_ratio, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms,
         "verify_ms": r.verify_ms, "bookkeeping_ms": r.bookkeeping_ms, "plain_step_ms": r.plain_step_ms,
@@ -897,6 +899,12 @@ def arm_selector(arm: str, system: Any) -> Any:
 BENCHMARKS = ("humaneval", "stdlib-heldout")
 
 
+def lattice_arm(arms: Iterable[str]) -> str | None:
+    """The arm whose drafter and top-K lattice the T = 0 oracle row measures: the first that decodes with a LiLiCorr
+    head; None when no arm does (then the comparison has no oracle row)."""
+    return next((arm for arm in arms if ARMS[arm].selector == "lilicorr"), None)
+
+
 def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompts: int, max_new_tokens: int,
                    prefix_tokens: int, seed: int, compile: bool = False, point_mass: bool = False, jobs: int = 1,
                    scratch: Path | None = None) -> list[dict[str, Any]]:
@@ -914,8 +922,7 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     output, progress and rows of each under ``scratch``): every ratio is still measured side by side, plain decoding
     and the arms interleaved within one process, and batch-1 decoding of a small target runs as fast on one thread.
     """
-    total = num_prompts * (len(temperatures) + (0.0 in temperatures and any(ARMS[a].selector == "lilicorr"
-                                                                            for a in ckpts)))
+    total = num_prompts * (len(temperatures) + (0.0 in temperatures and lattice_arm(ckpts) is not None))
     if jobs == 1:
         from tqdm.auto import tqdm
 
@@ -1015,15 +1022,15 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
                 rows.append(row)
                 log(f"   {bench} T={temp:g} {name}: tau {r.tau:.2f}{note}, {r.tokens_per_s:.1f} tok/s "
                     f"({r.tokens_per_s / max(target_tps, 1e-9):.2f}x), lossless={r.lossless}")
-            lattice_arm = next((a for a in systems if ARMS[a].selector == "lilicorr"), None)
-            if temp == 0 and lattice_arm is not None:
-                lil = systems[lattice_arm]
+            oracle_arm = lattice_arm(systems)
+            if temp == 0 and oracle_arm is not None:
+                lil = systems[oracle_arm]
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k), on_prompt=on_prompt)
                 rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
                              "tokens_per_s": None, "speedup_vs_target": None,
                              "per_position_acceptance": o["per_position_acceptance"],
                              "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
-                log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, {lattice_arm} drafter): tau {o['tau']:.2f}")
+                log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, {oracle_arm} drafter): tau {o['tau']:.2f}")
     return rows, plain
 
 
