@@ -710,6 +710,7 @@ def perf_options(
     prompts: PositiveInt = 8,
     device: DeviceName = "cpu",
     compile: bool = False,
+    allow_module: Sequence[str] = (),
 ) -> None:
     """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
 
@@ -737,6 +738,8 @@ def perf_options(
         prompts: round timing: random prompts, each decoded plainly and with each selector, interleaved.
         device: round timing: where to run (cpu, cuda, cuda:1, mps).
         compile: round timing: run the LiLiCorr head through torch.compile (as the demo's benchmark does).
+        allow_module: also trust components from these packages when the --ckpt checkpoint names them (as for
+            ``bench`` and ``export``).
     """
 
 
@@ -767,7 +770,8 @@ class PerfCLI(LilicorrCLI):
             from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
 
             self.checkpoint = read_checkpoint(self.config.ckpt)
-            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt)
+            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt,
+                              self.config.get("allow_module") or ())
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
         if self.config.get("ckpt_path"):

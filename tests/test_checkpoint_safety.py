@@ -149,6 +149,21 @@ def test_components_outside_trusted_packages_are_not_imported(tiny_run, tmp_path
         DraftSystem.from_checkpoint(path)
 
 
+def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path, capsys):
+    """``perf --ckpt`` refuses a checkpoint naming a package outside the trusted ones, as bench and export do, and
+    takes it with the user's ``--allow_module`` (perf builds from the -c files: the named module is never imported)."""
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["head"]["class_path"] = "no_such_heads_pkg.Head"
+    path = tmp_path / "foreign.ckpt"
+    torch.save(state, path)
+    args = ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1", "--warmup", "0"]
+    err = user_error(capsys, args)
+    assert "outside the trusted packages" in err and "no_such_heads_pkg" in err and "--allow-module" in err
+    numbers = cli_main([*args, "--allow-module", "no_such_heads_pkg"])
+    assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
+
+
 def _flip_bytes_in_largest_tensor(src: Path, dst: Path, count: int = 400) -> None:
     shutil.copyfile(src, dst)
     with zipfile.ZipFile(dst) as zf:
