@@ -346,11 +346,11 @@ def bench(
     meta = system.checkpoint_meta
     try:
         chosen = [selector_for(name, system) for name in names]
+        serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
         if (lattice_k is not None or walk is not None) and not any(c is system.head for c in chosen):
             raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
                              f"{','.join(names)} does not decode with it; add {getattr(system.head, 'name', 'it')} "
                              "to --selectors or drop them")
-        serve_lattice(system.head, lattice_k, walk)
     except ValueError as err:
         raise UserInputError(str(err)) from None
     system.configure_model()

@@ -113,14 +113,22 @@ def _class_paths(value: Any) -> Iterable[str]:
             yield from _class_paths(item)
 
 
-def check_class_paths(hparams: Mapping[str, Any], path: str | Path, allow: Iterable[str] = ()) -> None:
-    """Refuse components outside the trusted packages: importing a named module runs its code."""
+def config_modules(config: Any) -> list[str]:
+    """The modules of every component a run's own config names (its ``class_path`` values). The user chose them and
+    the run imports them anyway, so a checkpoint naming components of the same modules runs no other code."""
+    return sorted({p.rpartition(".")[0] for p in _class_paths(config) if "." in p})
+
+
+def check_class_paths(hparams: Mapping[str, Any], path: str | Path, allow: Iterable[str] = (),
+                      fix: str = "allow the package explicitly (--allow-module NAME)") -> None:
+    """Refuse components outside the trusted packages (plus the ``allow``-ed modules): importing a named module runs
+    its code. ``fix`` is the command's way to allow one."""
     trusted = tuple(TRUSTED_MODULES) + tuple(f"{a.rstrip('.')}." for a in allow)
     bad = sorted({p for p in _class_paths(hparams) if not p.startswith(trusted)})
     if bad:
         raise CheckpointError(
             f"checkpoint {path} names components outside the trusted packages: {bad}; importing them would run "
-            "their code. If you trust this checkpoint, allow the package explicitly (--allow-module NAME)"
+            f"their code. If you trust this checkpoint, {fix}"
         )
 
 

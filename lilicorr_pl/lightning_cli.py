@@ -27,7 +27,8 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from lilicorr_pl import builtin
-from lilicorr_pl.checkpoint import CheckpointError, UserInputError, check_class_paths, read_checkpoint
+from lilicorr_pl.checkpoint import (CheckpointError, UserInputError, check_class_paths, config_modules,
+                                    read_checkpoint)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.system import DraftSystem, check_resume_settings, plain_data
@@ -219,9 +220,12 @@ class LilicorrCLI(LightningCLI):
             return
         checkpoint = read_checkpoint(ckpt, verify=False)  # the checksum is verified when Lightning restores it
         saved = checkpoint.get("hyper_parameters") or {}
-        check_class_paths(saved, ckpt)
-        del checkpoint
         current = plain_data(self.config[subcommand].get("model"))
+        # The model is built from this run's config, whose components are the user's choice: their modules are trusted.
+        check_class_paths(saved, ckpt, config_modules(current),
+                          fix="name the same components in this run's config (-c or --model.*): the modules a run's "
+                              "own config names are trusted")
+        del checkpoint
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)

@@ -435,7 +435,7 @@ def load_round_modules(
     target = model.get("target") or {}
     source = target_config or target.get("name_or_path")
     if not source:
-        raise ValueError("no target to read shapes from: set model.target.name_or_path or pass --target-config")
+        raise ValueError("no target to read shapes from: set model.target.name_or_path in a -c file or pass --target-config")
     try:
         config = AutoConfig.from_pretrained(resolve_target_path(str(source)))
     except (OSError, ValueError) as err:
@@ -462,7 +462,8 @@ def load_round_modules(
         if len(scaled) != len(layer_ids):
             raise ValueError(
                 f"model.target.layer_ids {list(layer_ids)} of {layers} layers do not stay {len(layer_ids)} distinct "
-                f"layers at {depth} ({scaled}); set model.target.layer_ids for that depth"
+                f"layers at {depth} ({scaled}); set model.target.layer_ids for that depth in a -c file (the cost model "
+                "and round timing read shapes from the -c files only)"
             )
         layer_ids = scaled
     drafter = _component(model.get("drafter"), DFlashDrafter, "model.drafter")
@@ -767,11 +768,13 @@ class PerfCLI(LilicorrCLI):
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
         if self.config.get("ckpt") and not (self.config.get("cost_model") or self.config.get("round_timing")):
-            from lilicorr_pl.checkpoint import check_class_paths, read_checkpoint
+            from lilicorr_pl.checkpoint import check_class_paths, config_modules, read_checkpoint
+            from lilicorr_pl.system import plain_data
 
             self.checkpoint = read_checkpoint(self.config.ckpt)
-            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt,
-                              self.config.get("allow_module") or ())
+            # perf builds from the -c files: the modules they name are trusted, as in fit; others need --allow-module.
+            allowed = [*(self.config.get("allow_module") or ()), *config_modules(plain_data(self.config.get("model")))]
+            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt, allowed)
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
         if self.config.get("ckpt_path"):

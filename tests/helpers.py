@@ -218,3 +218,16 @@ def make_tiny_target_dir(
         cfg["mask_token_id"] = n_tokens
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return str(out)
+
+
+def _renamed_head() -> type:
+    from lilicorr_pl.heads import LiLiCorrHead
+
+    class RenamedLiLiCorrHead(LiLiCorrHead):
+        """A user's own head: the reference head, from a module outside the trusted packages (checkpoint trust)."""
+
+    RenamedLiLiCorrHead.__module__, RenamedLiLiCorrHead.__qualname__ = __name__, "RenamedLiLiCorrHead"
+    return RenamedLiLiCorrHead
+
+
+RenamedLiLiCorrHead = _renamed_head()

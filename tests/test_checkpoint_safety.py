@@ -164,6 +164,28 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
 
 
+def test_validate_and_resume_trust_the_components_their_own_config_names(tiny_run, tmp_path, capsys):
+    """A run trained with the user's own head (a module outside the trusted packages) can be validated and resumed:
+    the run's own config names that module, which the run imports anyway. A config that does not name it gets the
+    fix these commands have (no --allow-module)."""
+    from helpers import RenamedLiLiCorrHead
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["head"]["class_path"] = "helpers.RenamedLiLiCorrHead"
+    path = tmp_path / "custom.ckpt"
+    torch.save(state, path)
+    base = ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={path}",
+            f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
+            "--trainer.limit_val_batches=1"]
+    err = user_error(capsys, base)
+    assert "helpers.RenamedLiLiCorrHead" in err and "this run's config" in err and "--allow-module" not in err
+    cli = cli_main([*base, "--model.head.class_path=helpers.RenamedLiLiCorrHead"])
+    assert type(cli.model.head) is RenamedLiLiCorrHead and "val/loss" in cli.trainer.callback_metrics
+    # fit --ckpt_path runs the same check, with the same fix.
+    assert "this run's config" in user_error(capsys, ["fit", *base[1:]])
+
+
 def _flip_bytes_in_largest_tensor(src: Path, dst: Path, count: int = 400) -> None:
     shutil.copyfile(src, dst)
     with zipfile.ZipFile(dst) as zf:

@@ -161,7 +161,8 @@ def load_prompts(
             "flag the training data was rendered with"
         )
     if use_template and not has_template:
-        raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False")
+        raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False (lilicorr bench: "
+                         "--chat_template no)")
     ids: list[list[int]] = []
     for text in texts:
         if use_template:

@@ -86,7 +86,7 @@ class CompiledSelector(nn.Module):
             raise RuntimeError(
                 f"the compiled {self.name!r} head met more input shapes than torch._dynamo.config.recompile_limit "
                 f"({limit}) allows, so it would silently run eagerly; benchmark fewer lattice widths or block sizes "
-                "in one process, or run without --compile"
+                "in one process, or run without compiling (--compile false)"
             ) from error
 
 
