@@ -276,6 +276,7 @@ def bench(
     compile: bool = False,
     lattice_k: PositiveInt | None = None,
     walk: Literal["greedy", "viterbi"] | None = None,
+    target: str | None = None,
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
 
@@ -309,6 +310,8 @@ def bench(
             (its rank-ordered candidates; the engines choose k at serving time). Default: the head's own.
         walk: the LiLiCorr head's T = 0 walk: greedy (the method) or viterbi (the max-sum ablation). Default: the
             head's own.
+        target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
+            same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
     """
     from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
 
@@ -342,7 +345,8 @@ def bench(
     from lilicorr_pl.system import DraftSystem
 
     system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
-                                         allow_modules=list(allow_module))  # CheckpointError: one line
+                                         allow_modules=list(allow_module),  # CheckpointError: one line
+                                         target_path=target)
     meta = system.checkpoint_meta
     try:
         chosen = [selector_for(name, system) for name in names]

@@ -22,6 +22,7 @@ def export(
     trust_remote_code: bool = False,
     allow_module: Sequence[str] = (),
     overwrite: bool = False,
+    target: str | None = None,
 ) -> Path:
     """Export a trained drafter as a serving checkpoint directory.
 
@@ -35,6 +36,8 @@ def export(
         trust_remote_code: allow the target's own code (never taken from the checkpoint).
         allow_module: also trust components from these packages when the checkpoint names them.
         overwrite: allow a non-empty output; only the exported files are replaced, nothing else is touched.
+        target: read the target from this directory or hub name instead of the one the checkpoint recorded (the
+            same model, moved or cached elsewhere).
     """
     if not Path(ckpt).is_file():
         raise UserInputError(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
@@ -46,7 +49,8 @@ def export(
     from lilicorr_pl.system import DraftSystem
 
     system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
-                                         allow_modules=list(allow_module))  # CheckpointError: one line
+                                         allow_modules=list(allow_module),  # CheckpointError: one line
+                                         target_path=target)
     head = system.head if isinstance(system.head, LiLiCorrHead) else None
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "

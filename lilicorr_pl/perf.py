@@ -773,7 +773,8 @@ class PerfCLI(LilicorrCLI):
 
             self.checkpoint = read_checkpoint(self.config.ckpt)
             # perf builds from the -c files: the modules they name are trusted, as in fit; others need --allow-module.
-            allowed = [*(self.config.get("allow_module") or ()), *config_modules(plain_data(self.config.get("model")))]
+            allowed = [*(self.config.get("allow_module") or ()),
+                       *config_modules(plain_data(self.config.get("model")))]
             check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt, allowed)
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)

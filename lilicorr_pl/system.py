@@ -449,17 +449,28 @@ class DraftSystem(L.LightningModule):
         map_location: Any = "cpu",
         trust_remote_code: bool = False,
         allow_modules: Sequence[str] = (),
+        target_path: str | None = None,
     ) -> DraftSystem:
         """Rebuild a trained system from a ``lilicorr fit`` checkpoint that may come from anyone.
 
         Weights-only load (a pickled object is refused before it is built), checksum verified, components
         limited to trusted packages (plus ``allow_modules``), and ``trust_remote_code`` only from the
         caller: a checkpoint trained with it is refused unless ``trust_remote_code=True`` is passed here.
+        ``target_path``: the same target model from another place (a checkpoint trained elsewhere records that
+        machine's directory); a recorded local directory missing here is refused with one line naming it.
         """
         checkpoint = read_checkpoint(path, verify=False)  # the checksum is verified once, in on_load_checkpoint
         hparams = checkpoint.get("hyper_parameters") or {}
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
+        if target_path is not None:
+            target["name_or_path"] = str(target_path)
+        recorded = str(target.get("name_or_path") or "")
+        if recorded.startswith(("/", "./", "../", "~")) and not Path(recorded).expanduser().is_dir():
+            raise CheckpointError(
+                f"checkpoint {path} loads its target from {recorded}, which is not a directory on this machine; pass "
+                "the same target model's directory or hub name (--target)"
+            )
         check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
         target["trust_remote_code"] = bool(trust_remote_code)
         meta = dict(checkpoint.get("lilicorr") or {})

@@ -186,6 +186,30 @@ def test_validate_and_resume_trust_the_components_their_own_config_names(tiny_ru
     assert "this run's config" in user_error(capsys, ["fit", *base[1:]])
 
 
+def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_run, tmp_path, capsys):
+    """A checkpoint trained elsewhere records that machine's target directory: bench and export refuse it with one
+    line naming --target (before loading anything), and run with the same model from where it is here."""
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    here = state["hyper_parameters"]["target"]["name_or_path"]
+    state["hyper_parameters"]["target"]["name_or_path"] = str(tmp_path / "elsewhere" / "target")
+    moved = tmp_path / "moved.ckpt"
+    torch.save(state, moved)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    bench = ["bench", "--ckpt", str(moved), "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "3",
+             "--selectors", "top1", "--temperature", "0", "--chat-template", "no"]
+    err = user_error(capsys, bench)
+    assert "elsewhere" in err and "--target" in err
+    runs = cli_main([*bench, "--target", here])
+    assert runs[0]["selectors"]["top1"]["lossless"] is True
+    out = tmp_path / "exported"
+    assert "--target" in user_error(capsys, ["export", "--ckpt", str(moved), "--output", str(out)])
+    assert not out.exists()
+    cli_main(["export", "--ckpt", str(moved), "--output", str(out), "--target", here])
+    assert (out / "model.safetensors").is_file()
+
+
 def _flip_bytes_in_largest_tensor(src: Path, dst: Path, count: int = 400) -> None:
     shutil.copyfile(src, dst)
     with zipfile.ZipFile(dst) as zf:
