@@ -25,9 +25,10 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output") -> None:
+def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output", plot_flag: str = "--plot",
+                       plot_fix: str = "pass a directory for the PNGs") -> None:
     """Raise ``ValueError`` when results could not be written, before any benchmark work starts
-    (``output_flag``: the option that named ``output``, for the message)."""
+    (``output_flag`` / ``plot_flag``: what named ``output`` / ``plot``, and ``plot_fix`` the fix, for the messages)."""
     if output:
         out = Path(output)
         if out.is_dir():
@@ -36,8 +37,8 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
     if plot:
         directory = Path(plot)
         if directory.exists() and not directory.is_dir():
-            raise ValueError(f"--plot {directory} is a file; pass a directory for the PNGs")
-        check_writable_dir(directory, f"--plot {directory}")
+            raise ValueError(f"{plot_flag} {directory} is a file; {plot_fix}")
+        check_writable_dir(directory, f"{plot_flag} {directory}")
 
 
 def check_writable_dir(directory: Path, what: str) -> None:

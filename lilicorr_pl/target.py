@@ -253,10 +253,11 @@ class FrozenTarget(nn.Module):
                 name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **load_kwargs
             )
         except OSError as err:
+            first = (str(err).strip().splitlines() or [""])[0]
             raise OSError(
-                f"could not load the target model {name_or_path!r}: {err}\n"
-                "Pass a local directory saved with save_pretrained, or a hub name on a machine with "
-                "network access (model.target.name_or_path)."
+                f"could not load the target model {name_or_path!r} ({type(err).__name__}: {first}); pass a local "
+                "directory saved with save_pretrained, or a hub name on a machine with network access "
+                "(model.target.name_or_path; bench and export: --target)"
             ) from err
         tokenizer = None
         if load_tokenizer:

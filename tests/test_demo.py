@@ -195,6 +195,11 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     err = user_error(capsys, ["demo", "--quick", "--prefix-tokens", "4", "--workdir", str(tmp_path / "demo")])
     assert err.strip().endswith("--prefix-tokens 4 is too short for a code prefix; use at least 8")
     assert not (tmp_path / "demo").exists()
+    taken = tmp_path / "taken"  # a workdir whose plots folder is a file: the demo's own fix, not bench's --plot
+    taken.mkdir()
+    (taken / "plots").write_text("x")
+    err = user_error(capsys, ["demo", "--quick", "--workdir", str(taken)])
+    assert "the demo's plots folder" in err and err.strip().endswith("is a file; choose another --workdir")
 
 
 def test_demo_asking_more_prompts_than_the_corpus_has_is_one_line(tmp_path, capsys):

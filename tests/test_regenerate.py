@@ -262,6 +262,12 @@ def test_bad_settings_fail_before_the_model_loads(target_dir, input_file, tmp_pa
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_missing_chat_template_file_names_regenerates_own_option(target_dir, input_file, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"neither a Jinja template nor an existing file; .*\(--chat-template\)"):
+        run(target_dir, input_file, tmp_path / "out.jsonl", chat_template="no_such_template.jinja")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_builtin_and_missing_targets_get_one_clear_line(input_file, tmp_path):
     with pytest.raises(ValueError, match="lilicorr build-target"):
         regenerate("builtin:full", input_file, tmp_path / "out.jsonl")

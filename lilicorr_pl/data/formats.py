@@ -242,8 +242,9 @@ def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> 
 
 
 # ---------------------------------------------------------------------- chat templates
-def resolve_chat_template(chat_template: str | None) -> str | None:
-    """``chat_template`` may be a Jinja string or the path of a file holding one."""
+def resolve_chat_template(chat_template: str | None, option: str = "data.chat_template") -> str | None:
+    """``chat_template`` may be a Jinja string or the path of a file holding one (``option``: where the user set it,
+    for the message)."""
     if chat_template is None:
         return None
     if "{" not in chat_template and len(chat_template) < 4096:
@@ -252,7 +253,7 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
             return path.read_text(encoding="utf-8")
         raise FileNotFoundError(
             f"chat_template {chat_template!r} is neither a Jinja template nor an existing file; "
-            "pass the template text or a path to a .jinja file (data.chat_template)"
+            f"pass the template text or a path to a .jinja file ({option})"
         )
     return chat_template
 

@@ -315,7 +315,7 @@ def regenerate(
     # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error).
     if str(target).startswith((".", "/", "~")) and not Path(target).expanduser().is_dir():
         raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
-    template = resolve_chat_template(chat_template)
+    template = resolve_chat_template(chat_template, option="--chat-template")
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)

@@ -706,7 +706,8 @@ def demo(
     from lilicorr_pl.files import check_output_paths, write_json_atomic
 
     try:
-        check_output_paths(str(out), str(workdir / "plots"))
+        check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
+                           plot_fix="choose another --workdir")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     from lilicorr_pl.decoding.compiled import check_compile_available
