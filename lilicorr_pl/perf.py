@@ -29,7 +29,7 @@ from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
-from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning
+from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning, wire_logit_cache
 from lilicorr_pl.models.dflash import DFlashDrafter
 from lilicorr_pl.target import DeviceName
 
@@ -94,13 +94,14 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
 
 def penalty_cache_error(system: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Distractor penalty from the top-M cache versus exact candidate logits, on the same blocks."""
-    if "topm_ids" not in batches[0]:
-        raise ValueError("the batches carry no target-logit cache; enable data.logit_cache")
-    system.configure_model()
-    system.eval()
     names = [l.name for l in system.losses if l.requires_target_logits]
     if not names:
         raise ValueError("no loss component reads target logits (add DistractorPenalty)")
+    if "topm_ids" not in batches[0]:
+        raise ValueError("the batches carry no target-logit store (topm_ids); build them with the data module's "
+                         "logit_cache on (`lilicorr perf --penalty_error` does)")
+    system.configure_model()
+    system.eval()
     cached, exact = [], []
     mode = system.target_logits_mode
     try:
@@ -819,12 +820,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
-    if options.penalty_error and dm.feature_cache:
-        # Exact candidate logits come from the online target, which offline features replace: refuse before any work.
-        raise UserInputError("--penalty_error compares the logit store with exact logits from the online target, but "
-                             "data.feature_cache: true runs without it; add --data.feature_cache=false")
-    # The penalty check compares the store with exact logits, whatever the training run would read.
-    dm.require_logit_cache(system.needs_target_logits, "lilicorr perf's distractor-penalty check (store vs exact)")
+    try:
+        if options.penalty_error:
+            if dm.feature_cache:  # exact candidate logits come from the online target, which offline features replace
+                raise UserInputError("--penalty_error compares the logit store with exact logits from the online "
+                                     "target, but data.feature_cache: true runs without it; add "
+                                     "--data.feature_cache=false")
+            if not system.needs_target_logits:
+                raise UserInputError("--penalty_error measures the distractor penalty, and no active loss in "
+                                     "model.losses reads target logits; pass the config of a run that trains with "
+                                     "DistractorPenalty (weight > 0)")
+            # The check compares the store with exact logits, whatever the training run would read.
+            dm.require_logit_cache(True, "lilicorr perf --penalty_error (it compares the store with exact logits)")
+        else:  # timing: the data exactly as `lilicorr fit` builds it for this config
+            system.check_offline_features(dm.feature_cache)
+            wire_logit_cache(system, dm)
+    except ValueError as err:  # model and data settings that contradict each other: one line, before any work
+        raise UserInputError(str(err)) from None
     dm.prepare_data()
     dm.setup("fit")
     if cli.checkpoint is not None:

@@ -90,7 +90,8 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
         detail = "; ".join(f"model.{k}: checkpoint {_short(saved.get(k))} vs now {_short(current.get(k))}" for k in refused)
         raise CheckpointError(
             f"cannot resume: the checkpoint was trained with other {', '.join(refused)} settings ({detail}); "
-            "resume with the checkpoint's settings, or start a new run (warm start: model.init_drafter_from)"
+            "resume with the checkpoint's settings, or start a new run (to start from its weights: `lilicorr export` "
+            "it, then model.init_drafter_from / model.init_head_from the exported directory)"
         )
     return [f"model.{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in differing]
 

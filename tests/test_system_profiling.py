@@ -71,3 +71,17 @@ def test_perf_penalty_error_refuses_offline_features_before_any_work(capsys):
     err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--penalty_error", "true",
                               "--data.feature_cache=true", "--steps", "1"])
     assert "data.feature_cache: true" in err and "--data.feature_cache=false" in err
+
+
+def test_perf_builds_the_data_as_fit_does_and_penalty_error_needs_a_penalty(capsys):
+    """Timing: the logit store exactly as `lilicorr fit` decides it (a config that reads exact logits online and turns
+    the store off runs, as it trains). --penalty_error without a loss that reads target logits: one line, up front."""
+    from conftest import user_error
+
+    tiny = ["-c", str(ROOT / "configs" / "tiny.yaml")]
+    result = main(["perf", *tiny, "--model.target_logits=exact", "--data.logit_cache=false",
+                   "--data.feature_cache=false", "--steps", "1", "--warmup", "0"])
+    assert result["step_total"] > 0
+    err = user_error(capsys, ["perf", *tiny, "-c", str(ROOT / "configs" / "ablations" / "no_distractor.yaml"),
+                              "--penalty_error", "true", "--data.feature_cache=false", "--steps", "1"])
+    assert "no active loss in model.losses reads target logits" in err and "DistractorPenalty" in err

@@ -491,8 +491,9 @@ class DraftDataModule(L.LightningDataModule):
         if len(self.val_dataset) < replicas:
             raise ValueError(
                 f"the validation set has {len(self.val_dataset)} examples, fewer than the {replicas} data-parallel "
-                "processes (each evaluates its own share); add validation data, raise data.val_fraction, or set "
-                "data.val_fraction: 0"
+                "processes (each evaluates its own share); add validation data ("
+                + ("data.val_files" if self.val_files else "data.val_files, or a larger data.val_fraction")
+                + ") or use fewer devices"
             )
         return DataLoader(
             self.val_dataset,
