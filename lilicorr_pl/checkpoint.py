@@ -115,7 +115,8 @@ def _class_paths(value: Any) -> Iterable[str]:
 
 def config_modules(config: Any) -> list[str]:
     """The modules of every component a run's own config names (its ``class_path`` values). The user chose them and
-    the run imports them anyway, so a checkpoint naming components of the same modules runs no other code."""
+    the run imports them anyway; trusting a module also trusts its submodules (prefix match), as ``--allow-module``
+    trusts a package."""
     return sorted({p.rpartition(".")[0] for p in _class_paths(config) if "." in p})
 
 

@@ -830,6 +830,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 raise UserInputError("--penalty_error measures the distractor penalty, and no active loss in "
                                      "model.losses reads target logits; pass the config of a run that trains with "
                                      "DistractorPenalty (weight > 0)")
+            if dm.logit_cache_setting is False:
+                raise UserInputError("--penalty_error compares the logit store with exact logits, and "
+                                     "data.logit_cache: false turns the store off; add --data.logit_cache=true")
             # The check compares the store with exact logits, whatever the training run would read.
             dm.require_logit_cache(True, "lilicorr perf --penalty_error (it compares the store with exact logits)")
         else:  # timing: the data exactly as `lilicorr fit` builds it for this config

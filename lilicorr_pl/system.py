@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -465,13 +466,20 @@ class DraftSystem(L.LightningModule):
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
         if target_path is not None:
-            target["name_or_path"] = str(target_path)
-        recorded = str(target.get("name_or_path") or "")
-        if recorded.startswith(("/", "./", "../", "~")) and not Path(recorded).expanduser().is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} loads its target from {recorded}, which is not a directory on this machine; pass "
-                "the same target model's directory or hub name (--target)"
-            )
+            from lilicorr_pl.builtin import resolve_target_path
+
+            # `builtin:<preset>` is built (or found cached) here, as `lilicorr fit` resolved it when training.
+            target["name_or_path"] = resolve_target_path(os.path.expanduser(str(target_path)), progress=True)
+        where = str(target.get("name_or_path") or "")
+        if where.startswith(("/", "./", "../", "~")):
+            target["name_or_path"] = where = os.path.expanduser(where)  # transformers does not expand "~"
+            if not Path(where).is_dir():
+                raise CheckpointError(
+                    f"--target {target_path} is not a directory on this machine; pass the target model's directory "
+                    "or hub name" if target_path is not None else
+                    f"checkpoint {path} loads its target from {where}, which is not a directory on this machine; "
+                    "pass the same target model's directory or hub name (--target)"
+                )
         check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
         target["trust_remote_code"] = bool(trust_remote_code)
         meta = dict(checkpoint.get("lilicorr") or {})
@@ -480,6 +488,10 @@ class DraftSystem(L.LightningModule):
         overrides = dict(target=target, init_drafter_from=None, init_head_from=None,
                          init_drafter_layers_from_target=False)
         instantiator = hparams.get("_instantiator")
+        if instantiator is not None and instantiator != "lightning.pytorch.cli.instantiate_module":
+            # Lightning imports the named instantiator (older releases without an allow-list): only its own.
+            raise CheckpointError(f"checkpoint {path} names an unknown instantiator {instantiator!r}; importing it "
+                                  "would run its code, so it is refused")
         if instantiator is None:
             raise CheckpointError(
                 f"checkpoint {path} does not record how to rebuild its drafter and head (it was not trained with "

@@ -149,6 +149,19 @@ def test_components_outside_trusted_packages_are_not_imported(tiny_run, tmp_path
         DraftSystem.from_checkpoint(path)
 
 
+def test_an_instantiator_other_than_lightnings_is_refused_unimported(tiny_run, tmp_path):
+    """The checkpoint's ``_instantiator`` is imported by Lightning when it rebuilds the system: only its own."""
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["_instantiator"] = "antigravity.fly"
+    path = tmp_path / "instantiator.ckpt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="unknown instantiator 'antigravity.fly'"):
+        DraftSystem.from_checkpoint(path)
+
+
 def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path, capsys):
     """``perf --ckpt`` refuses a checkpoint naming a package outside the trusted ones, as bench and export do, and
     takes it with the user's ``--allow_module`` (perf builds from the -c files: the named module is never imported)."""
@@ -186,7 +199,7 @@ def test_validate_and_resume_trust_the_components_their_own_config_names(tiny_ru
     assert "this run's config" in user_error(capsys, ["fit", *base[1:]])
 
 
-def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_run, tmp_path, capsys):
+def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_run, tmp_path, capsys, monkeypatch):
     """A checkpoint trained elsewhere records that machine's target directory: bench and export refuse it with one
     line naming --target (before loading anything), and run with the same model from where it is here."""
     _, good = tiny_run
@@ -201,12 +214,18 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
              "--selectors", "top1", "--temperature", "0", "--chat-template", "no"]
     err = user_error(capsys, bench)
     assert "elsewhere" in err and "--target" in err
-    runs = cli_main([*bench, "--target", here])
+    # A --target that is not there either names --target, not the checkpoint.
+    err = user_error(capsys, [*bench, "--target", str(tmp_path / "typo")])
+    assert f"--target {tmp_path / 'typo'} is not a directory" in err
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~" is expanded here: transformers would not
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "target").symlink_to(here)
+    runs = cli_main([*bench, "--target", "~/models/target"])
     assert runs[0]["selectors"]["top1"]["lossless"] is True
     out = tmp_path / "exported"
     assert "--target" in user_error(capsys, ["export", "--ckpt", str(moved), "--output", str(out)])
     assert not out.exists()
-    cli_main(["export", "--ckpt", str(moved), "--output", str(out), "--target", here])
+    cli_main(["export", "--ckpt", str(moved), "--output", str(out), "--target", "builtin:tiny"])  # as fit named it
     assert (out / "model.safetensors").is_file()
 
 

@@ -85,3 +85,6 @@ def test_perf_builds_the_data_as_fit_does_and_penalty_error_needs_a_penalty(caps
     err = user_error(capsys, ["perf", *tiny, "-c", str(ROOT / "configs" / "ablations" / "no_distractor.yaml"),
                               "--penalty_error", "true", "--data.feature_cache=false", "--steps", "1"])
     assert "no active loss in model.losses reads target logits" in err and "DistractorPenalty" in err
+    err = user_error(capsys, ["perf", *tiny, "--penalty_error", "true", "--data.feature_cache=false",
+                              "--data.logit_cache=false", "--steps", "1"])
+    assert err.strip().endswith("data.logit_cache: false turns the store off; add --data.logit_cache=true")

@@ -850,6 +850,7 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
         "per_prompt_tokens": r.per_prompt_tokens, "per_prompt_seconds": r.per_prompt_seconds,
         # Slot-1 acceptance of the round that starts at the prompt's boundary, and of the rest.
         "slot1_first_round": r.slot1_first_round, "slot1_later_rounds": r.slot1_later_rounds,
+        "per_prompt_first_round": r.per_prompt_first_round,
         # Measured cost of one speculative round, split, and in plain decoding steps of the same run.
         "round_cost_ratio": r.round_cost_ratio, "round_ms": r.round_ms, "draft_ms": r.draft_ms, "head_ms": r.head_ms,
         "verify_ms": r.verify_ms, "bookkeeping_ms": r.bookkeeping_ms, "plain_step_ms": r.plain_step_ms,
