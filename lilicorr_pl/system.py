@@ -465,11 +465,8 @@ class DraftSystem(L.LightningModule):
         hparams = checkpoint.get("hyper_parameters") or {}
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
-        if target_path is not None:
-            from lilicorr_pl.builtin import resolve_target_path
-
-            # `builtin:<preset>` is built (or found cached) here, as `lilicorr fit` resolved it when training.
-            target["name_or_path"] = resolve_target_path(os.path.expanduser(str(target_path)), progress=True)
+        if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
+            target["name_or_path"] = os.path.expanduser(str(target_path))
         where = str(target.get("name_or_path") or "")
         if where.startswith(("/", "./", "../", "~")):
             target["name_or_path"] = where = os.path.expanduser(where)  # transformers does not expand "~"

@@ -217,6 +217,7 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
     # A --target that is not there either names --target, not the checkpoint.
     err = user_error(capsys, [*bench, "--target", str(tmp_path / "typo")])
     assert f"--target {tmp_path / 'typo'} is not a directory" in err
+    assert "--target: unknown built-in target 'builtin:nope'" in user_error(capsys, [*bench, "--target", "builtin:nope"])
     monkeypatch.setenv("HOME", str(tmp_path))  # "~" is expanded here: transformers would not
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "target").symlink_to(here)
