@@ -345,12 +345,9 @@ def bench(
     from lilicorr_pl.system import DraftSystem
 
     if target is not None:
-        from lilicorr_pl.builtin import resolve_target_path
+        from lilicorr_pl.builtin import resolve_target_option
 
-        try:  # `builtin:<preset>`, built or cached, as fit resolves it
-            target = resolve_target_path(target, progress=True)
-        except ValueError as err:  # an unknown preset: one line
-            raise UserInputError(f"--target: {err}") from None
+        target = resolve_target_option(target)
     system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
                                          allow_modules=list(allow_module),  # CheckpointError: one line
                                          target_path=target)

@@ -54,6 +54,17 @@ def resolve_target_path(name_or_path: str, progress: bool = False) -> str:
     return str(build_tiny_target(TARGET_PRESETS[preset], progress=progress))
 
 
+def resolve_target_option(target: str, flag: str = "--target") -> str:
+    """A command's target option (bench, export): ``builtin:<preset>`` built or found cached, as ``fit`` resolves it;
+    an unknown preset is the user's error, in one line naming ``flag``."""
+    from lilicorr_pl.checkpoint import UserInputError
+
+    try:
+        return resolve_target_path(target, progress=True)
+    except ValueError as err:
+        raise UserInputError(f"{flag}: {err}") from None
+
+
 def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
     """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records."""
     if not str(path).startswith(PREFIX):

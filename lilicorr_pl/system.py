@@ -466,7 +466,7 @@ class DraftSystem(L.LightningModule):
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
         if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
-            target["name_or_path"] = os.path.expanduser(str(target_path))
+            target["name_or_path"] = str(target_path)
         where = str(target.get("name_or_path") or "")
         if where.startswith(("/", "./", "../", "~")):
             target["name_or_path"] = where = os.path.expanduser(where)  # transformers does not expand "~"
