@@ -174,6 +174,8 @@ def run_bench(
                 # Slot 1 of the round drafted right after the prompt, and of every later round.
                 "slot1_first_round": r.slot1_first_round,
                 "slot1_later_rounds": r.slot1_later_rounds,
+                # Each prompt's first-round accepted length (-1: the prompt had no round), for a bootstrap of the split.
+                "per_prompt_first_round": r.per_prompt_first_round,
                 "head_time_fraction": r.head_time_fraction,
                 "draft_time_fraction": r.draft_time_fraction,
                 "round_ms": r.round_ms,

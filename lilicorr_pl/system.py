@@ -40,7 +40,7 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import ContextMemo, DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
-from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, refuse_builtin_name
+from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, is_local_path, refuse_builtin_name
 
 TARGET_PREFIX = "target."
 # Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
@@ -468,7 +468,7 @@ class DraftSystem(L.LightningModule):
         if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
             target["name_or_path"] = str(target_path)
         where = str(target.get("name_or_path") or "")
-        if where.startswith(("/", "./", "../", "~")):
+        if is_local_path(where):
             target["name_or_path"] = where = os.path.expanduser(where)  # transformers does not expand "~"
             if not Path(where).is_dir():
                 raise CheckpointError(

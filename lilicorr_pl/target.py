@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import PureWindowsPath
 from typing import Any, Literal
 
 import torch
@@ -101,6 +103,15 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
 
 
 BUILTIN_PREFIX = "builtin:"
+
+
+def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
+    """Whether a target name can only be a local path, never a hub id ``org/name``: it starts with ``/``, ``~`` or
+    ``.`` (``./``, ``../``; no hub id starts with a dot), or it is a Windows path (a drive or a backslash). A relative
+    path without ``./`` (``models/qwen``) reads as a hub id, as transformers reads it when no such directory exists.
+    """
+    name = os.fspath(name_or_path)
+    return name.startswith(("/", "~", ".")) or "\\" in name or bool(PureWindowsPath(name).drive)
 
 
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:

@@ -52,10 +52,13 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         assert all(a is None or 0.0 <= a <= 1.0 for a in acc)
         assert 0.0 <= r["head_time_fraction"] <= 1.0
         # Slot 1 split into the first round of each prompt and the later rounds: shares that pool back to slot 1
-        # (the first rounds are at most one per prompt).
+        # (one first round per prompt that had a round, counted from the per-prompt lengths).
         first, later = r["slot1_first_round"], r["slot1_later_rounds"]
         assert 0.0 <= first <= 1.0 and (later is None or 0.0 <= later <= 1.0), name
-        n_first = min(run["num_prompts"], rounds)
+        per_prompt = r["per_prompt_first_round"]
+        assert len(per_prompt) == run["num_prompts"] and all(-1 <= a < BLOCK for a in per_prompt), name
+        n_first = sum(a >= 0 for a in per_prompt)
+        assert first == pytest.approx(sum(a > 0 for a in per_prompt) / n_first), name
         assert acc[0] * rounds == pytest.approx(first * n_first + (later or 0.0) * (rounds - n_first)), name
         # The measured round-cost split: positive, additive, and the ratio to a measured plain step.
         split = [r[k] for k in ("draft_ms", "head_ms", "verify_ms", "bookkeeping_ms")]

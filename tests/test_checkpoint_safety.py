@@ -223,6 +223,11 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
     (tmp_path / "models" / "target").symlink_to(here)
     runs = cli_main([*bench, "--target", "~/models/target"])
     assert runs[0]["selectors"]["top1"]["lossless"] is True
+    # A checkpoint trained on Windows records a path that is not a hub id either: refused with the same line.
+    state["hyper_parameters"]["target"]["name_or_path"] = "C:\\Users\\me\\target"
+    torch.save(state, tmp_path / "windows.ckpt")
+    err = user_error(capsys, [*bench[:2], str(tmp_path / "windows.ckpt"), *bench[3:]])
+    assert "C:\\Users\\me\\target" in err and "--target" in err
     out = tmp_path / "exported"
     assert "--target" in user_error(capsys, ["export", "--ckpt", str(moved), "--output", str(out)])
     assert not out.exists()

@@ -273,3 +273,5 @@ def test_builtin_and_missing_targets_get_one_clear_line(input_file, tmp_path):
         regenerate("builtin:full", input_file, tmp_path / "out.jsonl")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         regenerate(str(tmp_path / "nope"), input_file, tmp_path / "out.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # a path written on Windows is a path too
+        regenerate("C:\\models\\target", input_file, tmp_path / "out.jsonl")

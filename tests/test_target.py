@@ -8,7 +8,7 @@ from conftest import save_tiny_target, tiny_qwen3_config
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from tokenizers import Tokenizer, models
 
-from lilicorr_pl.target import FrozenTarget, default_layer_ids
+from lilicorr_pl.target import FrozenTarget, default_layer_ids, is_local_path
 
 
 def test_default_layer_ids_match_published_rule():
@@ -17,6 +17,17 @@ def test_default_layer_ids_match_published_rule():
     assert default_layer_ids(6, 3) == [1, 2, 3]
     with pytest.raises(ValueError, match="layer_ids"):
         default_layer_ids(3, 2)
+
+
+@pytest.mark.parametrize("name, local", [
+    ("/models/qwen", True), ("./qwen", True), ("../qwen", True), ("~/qwen", True), (".cache/qwen", True),
+    ("C:\\models\\qwen", True), ("C:/models/qwen", True), ("models\\qwen", True),
+    ("Qwen/Qwen3-8B", False), ("gpt2", False), ("org/name.v2", False),
+])
+def test_is_local_path_tells_paths_from_hub_ids(name, local):
+    """One rule for every command that checks a target directory (regenerate, bench/export via from_checkpoint):
+    a name that can only be a path here, including one written on Windows; a hub id ``org/name`` is not one."""
+    assert is_local_path(name) is local
 
 
 def test_target_is_frozen_and_stays_in_eval(tiny_target):

@@ -427,16 +427,19 @@ class DraftDataModule(L.LightningDataModule):
         for kind in ("logits", "features"):
             if kind in opened and opened[kind].shard_examples != tokens.shard_examples:
                 raise CacheError(f"{kind} cache {opened[kind].path} is not sharded like token cache {tokens.path}; "
-                                 f"delete {opened[kind].path} and rerun prepare_data")
+                                 f"delete {opened[kind].path} and rerun prepare_data (`lilicorr fit` or "
+                                 "`lilicorr prepare`) to rebuild it")
         if "logits" in opened:
             m = opened["logits"].shape(0, "topm_ids")[1]
             if m != self.logit_top_m:
-                raise CacheError(f"logit cache {opened['logits'].path} has M={m}, expected {self.logit_top_m}")
+                raise CacheError(f"logit cache {opened['logits'].path} has M={m}, expected {self.logit_top_m}; "
+                                 f"set data.logit_top_m={m} to use it, or delete it and rerun prepare_data")
         if "features" in opened:
             for s in range(len(tokens.shard_examples)):
                 if opened["features"].shape(s, "features")[0] != tokens.shape(s, "input_ids")[0]:
                     raise CacheError(f"feature cache {opened['features'].path} shard {s} does not line up with token "
-                                     f"cache {tokens.path}; delete it and rerun prepare_data")
+                                     f"cache {tokens.path}; delete it and rerun prepare_data (`lilicorr fit` or "
+                                     "`lilicorr prepare`) to rebuild it")
 
     # ------------------------------------------------------------------ loaders
     def buckets(self) -> list[int] | None:
