@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PureWindowsPath
@@ -105,13 +106,21 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
 BUILTIN_PREFIX = "builtin:"
 
 
+#: A Hugging Face hub id: ``name`` or ``org/name`` of letters, digits, ``-``, ``_`` and ``.``.
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
 def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
     """Whether a target name can only be a local path, never a hub id ``org/name``: it starts with ``/``, ``~`` or
-    ``.`` (``./``, ``../``; no hub id starts with a dot), or it is a Windows path (a drive or a backslash). A relative
-    path without ``./`` (``models/qwen``) reads as a hub id, as transformers reads it when no such directory exists.
+    ``.`` (``./``, ``../``; no hub id starts with a dot), it is a Windows path (a drive or a backslash), or it is no
+    hub id at all (``runs/x/target``, ``org/name/``). A relative path of the hub's form (``models/qwen``) reads as a
+    hub id, as transformers reads it when no such directory exists.
     """
     name = os.fspath(name_or_path)
-    return name.startswith(("/", "~", ".")) or "\\" in name or bool(PureWindowsPath(name).drive)
+    if not name:
+        return False
+    return (name.startswith(("/", "~", ".")) or "\\" in name or bool(PureWindowsPath(name).drive)
+            or _HUB_ID.fullmatch(name) is None)
 
 
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:

@@ -275,3 +275,16 @@ def test_builtin_and_missing_targets_get_one_clear_line(input_file, tmp_path):
         regenerate(str(tmp_path / "nope"), input_file, tmp_path / "out.jsonl")
     with pytest.raises(FileNotFoundError, match="does not exist"):  # a path written on Windows is a path too
         regenerate("C:\\models\\target", input_file, tmp_path / "out.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # no hub id has two slashes
+        regenerate("runs/x/target", input_file, tmp_path / "out.jsonl")
+
+
+def test_a_target_under_home_is_found_with_tilde(target_dir, input_file, tmp_path, monkeypatch):
+    """``~`` is expanded for the load too, not just for the existence check (transformers does not expand it)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "target").symlink_to(target_dir)
+    out = tmp_path / "out.jsonl"
+    stats = run("~/models/target", input_file, out)
+    assert stats.succeeded == 5 and stats.failed == 0
+    assert len(read(out)) == 5

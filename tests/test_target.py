@@ -22,7 +22,8 @@ def test_default_layer_ids_match_published_rule():
 @pytest.mark.parametrize("name, local", [
     ("/models/qwen", True), ("./qwen", True), ("../qwen", True), ("~/qwen", True), (".cache/qwen", True),
     ("C:\\models\\qwen", True), ("C:/models/qwen", True), ("models\\qwen", True),
-    ("Qwen/Qwen3-8B", False), ("gpt2", False), ("org/name.v2", False),
+    ("runs/x/target", True), ("org/name/", True), ("my model", True),
+    ("Qwen/Qwen3-8B", False), ("gpt2", False), ("org/name.v2", False), ("models/qwen", False), ("", False),
 ])
 def test_is_local_path_tells_paths_from_hub_ids(name, local):
     """One rule for every command that checks a target directory (regenerate, bench/export via from_checkpoint):

@@ -432,8 +432,9 @@ class DraftDataModule(L.LightningDataModule):
         if "logits" in opened:
             m = opened["logits"].shape(0, "topm_ids")[1]
             if m != self.logit_top_m:
-                raise CacheError(f"logit cache {opened['logits'].path} has M={m}, expected {self.logit_top_m}; "
-                                 f"set data.logit_top_m={m} to use it, or delete it and rerun prepare_data")
+                raise CacheError(f"logit cache {opened['logits'].path} holds M={m} where its manifest says "
+                                 f"M={self.logit_top_m}; delete it and rerun prepare_data (`lilicorr fit` or "
+                                 "`lilicorr prepare`)")
         if "features" in opened:
             for s in range(len(tokens.shard_examples)):
                 if opened["features"].shape(s, "features")[0] != tokens.shape(s, "input_ids")[0]:

@@ -312,9 +312,13 @@ def regenerate(
     if str(target).startswith("builtin:"):
         raise ValueError(f"--target {target}: regenerate needs a model directory or hub name; build the built-in "
                          "target with `lilicorr build-target --preset full` and pass the directory it prints")
-    # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error).
-    if is_local_path(target) and not Path(target).expanduser().is_dir():
-        raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
+    # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error),
+    # with "~" expanded, which transformers does not do.
+    if is_local_path(target):
+        where = os.path.expanduser(target)
+        if not Path(where).is_dir():
+            raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
+        target = where
     template = resolve_chat_template(chat_template, option="--chat-template")
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
