@@ -13,7 +13,6 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import PureWindowsPath
 from typing import Any, Literal
 
 import torch
@@ -117,10 +116,8 @@ def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
     hub id, as transformers reads it when no such directory exists.
     """
     name = os.fspath(name_or_path)
-    if not name:
-        return False
-    return (name.startswith(("/", "~", ".")) or "\\" in name or bool(PureWindowsPath(name).drive)
-            or _HUB_ID.fullmatch(name) is None)
+    # "/", "~", a drive's ":" and a backslash are outside the hub's alphabet; a leading dot is inside it.
+    return bool(name) and (name.startswith(".") or _HUB_ID.fullmatch(name) is None)
 
 
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:
