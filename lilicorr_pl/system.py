@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +39,7 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import ContextMemo, DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
-from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, is_local_path, refuse_builtin_name
+from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, local_target_path, refuse_builtin_name
 
 TARGET_PREFIX = "target."
 # Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
@@ -467,9 +466,9 @@ class DraftSystem(L.LightningModule):
         target = dict(hparams.get("target") or {})
         if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
             target["name_or_path"] = str(target_path)
-        where = str(target.get("name_or_path") or "")
-        if is_local_path(where):
-            target["name_or_path"] = where = os.path.expanduser(where)  # transformers does not expand "~"
+        where = local_target_path(str(target.get("name_or_path") or ""))
+        if where is not None:
+            target["name_or_path"] = where
             if not Path(where).is_dir():
                 raise CheckpointError(
                     f"--target {target_path} is not a directory on this machine; pass the target model's directory "

@@ -120,6 +120,12 @@ def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
     return bool(name) and (name.startswith(".") or _HUB_ID.fullmatch(name) is None)
 
 
+def local_target_path(name_or_path: str | os.PathLike[str]) -> str | None:
+    """The directory a target name names on this machine, with ``~`` expanded (transformers does not expand it), or
+    ``None`` for a hub id. Whether that directory exists is the caller's check, with its own message."""
+    return os.path.expanduser(os.fspath(name_or_path)) if is_local_path(name_or_path) else None
+
+
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:
     """Raise for a ``builtin:`` name: only the ``lilicorr`` command resolves those (it may build the target)."""
     if str(name_or_path).startswith(BUILTIN_PREFIX):

@@ -8,7 +8,7 @@ from conftest import save_tiny_target, tiny_qwen3_config
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from tokenizers import Tokenizer, models
 
-from lilicorr_pl.target import FrozenTarget, default_layer_ids, is_local_path
+from lilicorr_pl.target import FrozenTarget, default_layer_ids, is_local_path, local_target_path
 
 
 def test_default_layer_ids_match_published_rule():
@@ -29,6 +29,16 @@ def test_is_local_path_tells_paths_from_hub_ids(name, local):
     """One rule for every command that checks a target directory (regenerate, bench/export via from_checkpoint):
     a name that can only be a path here, including one written on Windows; a hub id ``org/name`` is not one."""
     assert is_local_path(name) is local
+
+
+def test_local_target_path_expands_home_and_leaves_hub_ids(monkeypatch, tmp_path):
+    """The one expansion regenerate and from_checkpoint share: ``~`` becomes the home directory (transformers would
+    read ``~/qwen`` as a malformed repo id); a hub id stays a hub id (``None``)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert local_target_path("~/qwen") == str(tmp_path / "qwen")
+    assert local_target_path("./qwen") == "./qwen"
+    assert local_target_path("Qwen/Qwen3-8B") is None
+    assert local_target_path("") is None
 
 
 def test_target_is_frozen_and_stays_in_eval(tiny_target):

@@ -41,7 +41,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
 from lilicorr_pl.files import write_json_atomic
-from lilicorr_pl.target import DeviceName, DTypeName, is_local_path
+from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
 from lilicorr_pl.data.formats import (
     DataFormatError,
     _require_pyarrow,
@@ -312,10 +312,9 @@ def regenerate(
     if str(target).startswith("builtin:"):
         raise ValueError(f"--target {target}: regenerate needs a model directory or hub name; build the built-in "
                          "target with `lilicorr build-target --preset full` and pass the directory it prints")
-    # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error),
-    # with "~" expanded, which transformers does not do.
-    if is_local_path(target):
-        where = os.path.expanduser(target)
+    # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error).
+    where = local_target_path(target)
+    if where is not None:
         if not Path(where).is_dir():
             raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
         target = where
