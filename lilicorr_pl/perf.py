@@ -834,7 +834,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 raise UserInputError("--penalty_error compares the logit store with exact logits, and "
                                      "data.logit_cache: false turns the store off; add --data.logit_cache=true")
             # The check compares the store with exact logits, whatever the training run would read.
-            dm.require_logit_cache(True, "lilicorr perf --penalty_error (it compares the store with exact logits)")
+            dm.require_logit_cache(True, "lilicorr perf --penalty_error reads the target-logit store "
+                                         "(to compare it with exact logits)")
         else:  # timing: the data exactly as `lilicorr fit` builds it for this config
             system.check_offline_features(dm.feature_cache)
             wire_logit_cache(system, dm)

@@ -370,9 +370,9 @@ class DraftSystem(L.LightningModule):
             return "no active loss in model.losses reads target logits"
         mode = self.target_logits_mode
         if mode == "auto":
-            where = "the store, in offline mode" if offline_features else "exact logits from the online target"
+            where = "the target-logit store" if offline_features else "exact logits from the online target"
             return f"model.target_logits: auto with data.feature_cache: {str(offline_features).lower()} reads {where}"
-        return f"model.target_logits: {mode} reads " + ("the store" if mode == "cache" else
+        return f"model.target_logits: {mode} reads " + ("the target-logit store" if mode == "cache" else
                                                          "exact logits from the online target")
 
     # ------------------------------------------------------------------ target lifecycle

@@ -432,7 +432,8 @@ def test_a_data_setting_the_system_would_override_is_an_error_or_a_warning_namin
     assert cli.datamodule.logit_cache is False
     # tiny.yaml trains on the store (model.target_logits: cache): switching it off is refused, naming both.
     cli = run_lightning([*tiny, "--data.logit_cache=false"], run=False)
-    with pytest.raises(UserInputError, match=r"data\.logit_cache: false, but model\.target_logits: cache reads"):
+    with pytest.raises(UserInputError, match=r"data\.logit_cache: false, but model\.target_logits: cache reads the "
+                       r"target-logit store; remove data\.logit_cache \(or set it true\), or change the model setting$"):
         cli._wire_data()
     # Left unset, the system decides without a word.
     cli = run_lightning([*tiny, "--model.target_logits=exact"], run=False)

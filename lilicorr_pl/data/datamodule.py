@@ -195,16 +195,17 @@ class DraftDataModule(L.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ configuration
-    def require_logit_cache(self, flag: bool, reason: str = "the training system") -> None:
+    def require_logit_cache(self, flag: bool, reason: str = "the training system reads the target-logit store") -> None:
         """Called by the training system: build/read the target-logit store only if a loss reads it.
 
-        ``reason`` names the model setting that decided (for the messages): a ``data.logit_cache`` set
+        ``reason`` is the clause naming the setting that decided and what it reads (for the messages,
+        ``"model.target_logits: cache reads the target-logit store"``): a ``data.logit_cache`` set
         explicitly the other way is an error (off, but read) or a warning (on, but unused), never overridden
         silently.
         """
         if self.logit_cache_setting is False and flag:
             raise ValueError(
-                f"data.logit_cache: false, but {reason} reads the target-logit store; remove data.logit_cache "
+                f"data.logit_cache: false, but {reason}; remove data.logit_cache "
                 "(or set it true), or change the model setting"
             )
         if self.logit_cache_setting is True and not flag:
