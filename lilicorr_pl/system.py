@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 # LightningCLI's record of the parsed config of the object being built (class_path/init_args of each injected
 # part); private to Lightning, but the mechanism its CLI uses; from_checkpoint sets it the same way.
@@ -758,6 +760,12 @@ class DraftSystem(L.LightningModule):
             self.context_memo.clear()  # its memory goes back once training ends
 
     def on_fit_start(self) -> None:
+        # Lightning warns when training starts with modules in eval mode (counted as below); the frozen target's are
+        # by design (its train() keeps them there). Silenced for exactly that count, only when they are all the target's.
+        in_eval = [module for _, module in self.named_modules() if not module.training]
+        if in_eval and self.target is not None and set(in_eval) <= set(self.target.modules()):
+            warnings.filterwarnings("ignore", message=rf"Found {len(in_eval)} module\(s\) in eval mode ",
+                                    category=PossibleUserWarning)
         if self.context_memo is not None:
             self.context_memo.clear(counts=True)  # examples are indices into this fit's stores
         total = self.trainer.estimated_stepping_batches  # before the sanity check, so validation sees it too

@@ -169,3 +169,36 @@ def test_ready_block_mask_equals_the_mask_hugging_face_builds(tmp_path, attn):
                    return_logits=True)
     torch.testing.assert_close(with_mask.logits, built.logits, atol=0, rtol=0)
     torch.testing.assert_close(with_mask.logits, full.logits[:, 7:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter_layer_in_eval", [False, True])
+def test_fit_does_not_warn_about_the_frozen_targets_eval_mode_only(tmp_path, drafter_layer_in_eval):
+    """Lightning warns when training starts with modules in eval mode. The frozen target's are by design and no
+    longer warn; a drafter module left in eval still does, with its count."""
+    import warnings
+
+    import lightning as L
+
+    from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
+    from lilicorr_pl.data.datamodule import DraftDataModule
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+    from lilicorr_pl.target import TargetSpec
+
+    spec = TargetSpec(name_or_path=resolve_target_path("builtin:tiny"), layer_ids=[1, 2])
+    system = DraftSystem(spec, DFlashDrafter(num_layers=1, block_size=4), num_anchors=4, max_length=48)
+    data = DraftDataModule([resolve_data_file("builtin:stdlib-train:16")], max_length=48, batch_size=4,
+                           logit_cache=False, cache_dir=str(tmp_path / "cache"), target=spec, progress=False)
+    if drafter_layer_in_eval:
+        system.drafter.layers[0].eval()
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(system, data)
+    eval_warnings = [str(w.message) for w in caught if "in eval mode at the start of training" in str(w.message)]
+    if drafter_layer_in_eval:
+        in_eval = sum(1 for _, module in system.named_modules() if not module.training)  # as Lightning counts
+        assert [m.split(" module(s)")[0] for m in eval_warnings] == [f"Found {in_eval}"]
+    else:
+        assert eval_warnings == []
