@@ -61,6 +61,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
             assert r["compiled_head"] is expected, r["arm"]
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
+    # The build the numbers came from, by its weights' checksum (the same settings can build other weights elsewhere).
+    from lilicorr_pl.data.fingerprint import file_sha256
+    from lilicorr_pl.demo.tiny_target import default_cache_root
+
+    weights = default_cache_root() / result["target"]["path_name"] / "model.safetensors"
+    assert result["target"]["weights_sha256"] == file_sha256(weights)
+    assert result["target"]["versions"]["torch"] == torch.__version__
     # The regeneration prompts: 12 cut after a header, then 4 cut right after a function's docstring.
     prompts = [json.loads(line) for line in
                (tmp_path / "demo" / "data" / result["stages"]["data"] / "prompts.jsonl").read_text().splitlines()]
