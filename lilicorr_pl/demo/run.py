@@ -821,7 +821,7 @@ def demo(
             "heldout_top1": report.get("heldout_top1"),
             "repetition_rate_greedy": report.get("repetition_rate_greedy", report.get("repetition_rate_t0")),
             "repetition_rate_t1": report.get("repetition_rate_t1"),
-            # Which build: another CPU (its bf16 kernels) can build other weights from the same settings.
+            # Which build: another machine can build other weights from the same settings.
             "weights_sha256": report.get("files", {}).get("model.safetensors", {}).get("sha256"),
             "bf16_autocast": report.get("train_bf16_autocast"),
             "versions": report.get("versions"),
