@@ -627,3 +627,37 @@ def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, cap
     saved = tmp_path / "runs" / "tiny" / "config.yaml"
     assert "ckpt_path" in saved.read_text()
     assert main(["prepare", "-c", str(saved)])["train"] == paths
+
+
+class _FakeStore:
+    """The three things the alignment check reads from an opened store."""
+
+    def __init__(self, path: str, shard_examples: list[int], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.path, self.shard_examples, self._shapes = path, shard_examples, shapes
+
+    def shape(self, shard: int, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+
+@pytest.mark.parametrize("broken, what", [
+    ("logit_shards", r"logits cache logits-x is not sharded like token cache tokens-x; delete logits-x"),
+    ("logit_m", r"logit cache logits-x holds M=4 where its manifest says M=8; delete it"),
+    ("feature_rows", r"feature cache features-x shard 0 does not line up with token cache tokens-x; delete it"),
+])
+def test_misaligned_stores_are_refused_naming_the_store_and_the_rebuild(tmp_path, train_file, target_dir, broken,
+                                                                        what):
+    dm = make_dm(train_file, target_dir, tmp_path / "cache")  # logit_top_m=8
+    tokens = _FakeStore("tokens-x", [3, 2], {"input_ids": (3, 64)})
+    logits = _FakeStore("logits-x", [3] if broken == "logit_shards" else [3, 2],
+                        {"topm_ids": (3, 4 if broken == "logit_m" else 8)})
+    features = _FakeStore("features-x", [3, 2], {"features": (2 if broken == "feature_rows" else 3, 64)})
+    with pytest.raises(CacheError, match=what + r" and rerun prepare_data \(`lilicorr fit` or `lilicorr prepare`\) "
+                                              r"to rebuild it$"):
+        dm._check_alignment({"tokens": tokens, "logits": logits, "features": features})
+
+
+def test_aligned_stores_pass_the_alignment_check(tmp_path, train_file, target_dir):
+    dm = make_dm(train_file, target_dir, tmp_path / "cache")
+    tokens = _FakeStore("tokens-x", [3, 2], {"input_ids": (3, 64)})
+    dm._check_alignment({"tokens": tokens, "logits": _FakeStore("logits-x", [3, 2], {"topm_ids": (3, 8)}),
+                         "features": _FakeStore("features-x", [3, 2], {"features": (3, 64)})})

@@ -54,6 +54,10 @@ def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
     raise TypeError(f"data.target must be a TargetSpec or a dict, got {type(target).__name__}")
 
 
+#: How a store that fails its checks is rebuilt, in every message that asks for it.
+_REBUILD = "rerun prepare_data (`lilicorr fit` or `lilicorr prepare`) to rebuild it"
+
+
 class DraftDataModule(L.LightningDataModule):
     """Training data for a DFlash drafter: tokenized chats/text plus the frozen target's stores.
 
@@ -428,20 +432,17 @@ class DraftDataModule(L.LightningDataModule):
         for kind in ("logits", "features"):
             if kind in opened and opened[kind].shard_examples != tokens.shard_examples:
                 raise CacheError(f"{kind} cache {opened[kind].path} is not sharded like token cache {tokens.path}; "
-                                 f"delete {opened[kind].path} and rerun prepare_data (`lilicorr fit` or "
-                                 "`lilicorr prepare`) to rebuild it")
+                                 f"delete {opened[kind].path} and {_REBUILD}")
         if "logits" in opened:
             m = opened["logits"].shape(0, "topm_ids")[1]
             if m != self.logit_top_m:
                 raise CacheError(f"logit cache {opened['logits'].path} holds M={m} where its manifest says "
-                                 f"M={self.logit_top_m}; delete it and rerun prepare_data (`lilicorr fit` or "
-                                 "`lilicorr prepare`)")
+                                 f"M={self.logit_top_m}; delete it and {_REBUILD}")
         if "features" in opened:
             for s in range(len(tokens.shard_examples)):
                 if opened["features"].shape(s, "features")[0] != tokens.shape(s, "input_ids")[0]:
                     raise CacheError(f"feature cache {opened['features'].path} shard {s} does not line up with token "
-                                     f"cache {tokens.path}; delete it and rerun prepare_data (`lilicorr fit` or "
-                                     "`lilicorr prepare`) to rebuild it")
+                                     f"cache {tokens.path}; delete it and {_REBUILD}")
 
     # ------------------------------------------------------------------ loaders
     def buckets(self) -> list[int] | None:
