@@ -134,6 +134,32 @@ def test_two_independent_runs_sharing_a_cache_both_finish_with_one_valid_store(t
     assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
 
 
+def test_a_finalize_racing_another_finalize_stands_down_without_error(tmp_path, monkeypatch):
+    """Two runs sharing a cache finalize the same store at once (CI saw it with two `lilicorr fit` processes): while
+    one writes its manifest, the other finishes and renames the directory into place. The first must neither lose
+    its manifest's temporary file to the other's clean-up of killed writers' files nor fail when the directory
+    moves: it stands down, and one valid store remains, with no temporary file in it."""
+    import lilicorr_pl.data.store as store_module
+
+    dest = tmp_path / "c"
+    a, b = StoreWriter(dest, "features", {"a": 1}), StoreWriter(dest, "features", {"a": 1})
+    a.write(0, (0, 2), {"features": FEATURES[:5]})
+    a.write(1, (2, 3), {"features": FEATURES[5:]})
+    real_replace, raced = os.replace, []
+
+    def b_finishes_first(src, dst):  # a's manifest is written, not yet renamed: b finalizes now (once)
+        if Path(dst).name == "manifest.json" and not raced:
+            raced.append(None)
+            raced[0] = b.finalize(2)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(store_module.os, "replace", b_finishes_first)
+    assert a.finalize(2) == dest and raced == [dest]
+    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json", shard_name(0), shard_name(1)]
+    assert not a.partial.exists()
+    assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
+
+
 def test_truncated_shard_is_refused_with_one_line(tmp_path):
     dest = _write(tmp_path / "c")
     shard = dest / shard_name(1)

@@ -38,7 +38,6 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from lilicorr_pl.data.fingerprint import _json_default, canonical_json, file_sha256, fingerprint
-from lilicorr_pl.files import write_json_atomic
 
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -144,27 +143,32 @@ class StoreWriter:
                 "examples": f"{int(examples[0])}:{int(examples[1])}"}
         data = safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                                  metadata={METADATA_KEY: canonical_json(meta)})
-        if self.finished_elsewhere():
+        if self.finished_elsewhere() or not self._write_into_partial(shard_name(index), data):
             return self.dest / shard_name(index)
+        return self.partial / shard_name(index)
+
+    def _write_into_partial(self, name: str, data: bytes) -> bool:
+        """Write file ``name`` of the partial directory atomically: a temporary name that says which writer made it
+        (``.<name>.<host>-<pid>-<rand>.tmp``, so another writer's ``finalize`` never removes it while this one lives),
+        then a rename. ``False`` if another process finalized the same store meanwhile: theirs stands, and this
+        writer's temporary file, moved along with their directory, is removed from it."""
         self.partial.mkdir(parents=True, exist_ok=True)
-        path = self.partial / shard_name(index)
-        tmp = self.partial / f".{path.name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.partial / f".{name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, self.partial / name)
         except FileNotFoundError:
-            # Another process finalized the same store while this shard was being written: theirs stands.
             if self.finished_elsewhere():
-                (self.dest / tmp.name).unlink(missing_ok=True)  # moved along with the finished directory
-                return self.dest / shard_name(index)
+                (self.dest / tmp.name).unlink(missing_ok=True)
+                return False
             raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return path
+        return True
 
     def finalize(self, num_shards: int, meta: Mapping[str, Any] | None = None,
                  provenance: Mapping[str, Any] | None = None) -> Path:
@@ -194,7 +198,9 @@ class StoreWriter:
             "meta": dict(meta or {}),
             "provenance": dict(provenance or {}),
         }
-        write_json_atomic(self.partial / MANIFEST_NAME, json.loads(json.dumps(manifest, default=_json_default)))
+        if not self._write_into_partial(MANIFEST_NAME, json.dumps(manifest, default=_json_default, indent=2).encode()):
+            open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
+            return self.dest
         for leftover in self.partial.glob(".*.tmp"):  # temp files of killed writers (never a live writer's)
             if _writer_is_gone(leftover):
                 leftover.unlink(missing_ok=True)
