@@ -6,10 +6,14 @@ refuses an unwritable destination the same way, before heavy work, and never lea
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 import os
+import re
+import socket
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +68,30 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def writer_tag() -> str:
+    """``<host>-<pid>-<rand>``: put in a temporary file's or directory's name, it says which process is writing it,
+    so a clean-up of killed writers' leftovers (:func:`writer_is_gone`) never removes a live writer's."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def writer_is_gone(tmp: Path) -> bool:
+    """Whether the process that named ``tmp`` (``….<writer_tag()>.tmp``) has exited.
+
+    A writer on this host is checked by its pid; one on another host (a cache on a shared file system) counts as gone
+    after a day. The host is matched as a whole suffix, not split at dots: host names may hold dots
+    (``node1.cluster``) and hyphens, and so may the names before them. A name without a writer tag was not written
+    this way, and counts as gone."""
+    this_host = re.search(rf"\.{re.escape(socket.gethostname())}-(\d+)-[^-]+\.tmp$", tmp.name)
+    try:
+        if this_host is not None:
+            os.kill(int(this_host.group(1)), 0)
+            return False
+        if re.search(r"-\d+-[^-]+\.tmp$", tmp.name) is None:
+            return True
+        return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400
+    except (ValueError, ProcessLookupError, FileNotFoundError):
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False

@@ -115,6 +115,25 @@ def test_interrupted_write_leaves_nothing_under_the_real_name_and_keeps_finished
     assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
 
 
+@pytest.mark.parametrize("host", ["node1.cluster.example", "gpu-07.dc-2"])
+def test_leftovers_are_judged_by_the_whole_host_name_even_with_dots_and_hyphens(tmp_path, monkeypatch, host):
+    """A dotted (or hyphenated) host name is this host's: a killed writer's temp file is removed at once and a live
+    one's kept. Split at dots, ``node1.cluster.example`` read as host ``example``, another host's, so a killed
+    writer's file stayed for a day."""
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    w = StoreWriter(tmp_path / "c", "features", {"a": 1})
+    w.write(0, (0, 2), {"features": FEATURES[:5]})
+    w.write(1, (2, 3), {"features": FEATURES[5:]})
+    dead = w.partial / f".{shard_name(1)}.{host}-999999-dead.tmp"
+    live = w.partial / f".{shard_name(1)}.{host}-{os.getpid()}-live.tmp"
+    other = w.partial / f".{shard_name(1)}.elsewhere.example-999999-fresh.tmp"  # another host's, written just now
+    for path in (dead, live, other):
+        path.write_bytes(b"partial")
+    w.finalize(2)
+    names = {p.name for p in (tmp_path / "c").iterdir()}
+    assert dead.name not in names and live.name in names and other.name in names
+
+
 def test_two_independent_runs_sharing_a_cache_both_finish_with_one_valid_store(tmp_path):
     """Two runs (not cooperating) compute the same store at once: the first to finish publishes it, the
     other's later writes and its finalize stand down without error, and a live writer's temp file is

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,23 @@ def test_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(KeyboardInterrupt):
         build_tiny_target("test", cache_dir=tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_clears_killed_builds_temporaries_and_never_a_live_one(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before building, leftovers of this build's killed runs are removed; a live build's temporary directory, on this
+    host or on another sharing the cache, is not (its pid means nothing here: before the host was in the name, a
+    build on another node lost its directory to this clean-up)."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "node1.cluster")
+    monkeypatch.setattr(tiny_target, "train_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    name = f"tiny-target-test-{tiny_target.build_fingerprint(TinyTargetConfig.preset('test'))}"
+    dead, live, remote = (tmp_path / f".{name}.{tag}.tmp" for tag in
+                          ("node1.cluster-999999-dead", f"node1.cluster-{os.getpid()}-live", "node2.cluster-1-busy"))
+    for path in (dead, live, remote):
+        path.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_target("test", cache_dir=tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name])
 
 
 def test_heldout_prefixes_are_deterministic_and_fit(built: tuple[Path, Path]) -> None:

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import socket
-import uuid
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -38,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from lilicorr_pl.data.fingerprint import _json_default, canonical_json, file_sha256, fingerprint
+from lilicorr_pl.files import writer_is_gone, writer_tag
 
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -89,22 +89,6 @@ def provenance(**extra: Any) -> dict[str, Any]:
     }
 
 
-def _writer_is_gone(tmp: Path) -> bool:
-    """Whether the process that named temp file ``tmp`` (``.<shard>.<host>-<pid>-<rand>.tmp``) has exited.
-
-    A writer on this host is checked by its pid; one on another host counts as gone after a day."""
-    try:
-        host, pid = tmp.name.rsplit(".", 2)[-2].rsplit("-", 2)[:2]
-        if host == socket.gethostname():
-            os.kill(int(pid), 0)
-            return False
-        return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400
-    except (ValueError, ProcessLookupError, FileNotFoundError):
-        return True
-    except PermissionError:  # alive, owned by someone else
-        return False
-
-
 class StoreWriter:
     """Writes the shards of one store into ``.<name>.partial/`` and finalizes it (see the module docstring)."""
 
@@ -153,7 +137,7 @@ class StoreWriter:
         then a rename. ``False`` if another process finalized the same store meanwhile: theirs stands, and this
         writer's temporary file, moved along with their directory, is removed from it."""
         self.partial.mkdir(parents=True, exist_ok=True)
-        tmp = self.partial / f".{name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.partial / f".{name}.{writer_tag()}.tmp"
         try:
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -202,7 +186,7 @@ class StoreWriter:
             open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
             return self.dest
         for leftover in self.partial.glob(".*.tmp"):  # temp files of killed writers (never a live writer's)
-            if _writer_is_gone(leftover):
+            if writer_is_gone(leftover):
                 leftover.unlink(missing_ok=True)
         try:
             os.replace(self.partial, self.dest)

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from lilicorr_pl.data import corpus
+from lilicorr_pl.files import writer_is_gone, writer_tag
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
 BUILDER_VERSION = 1
@@ -794,15 +795,11 @@ def _build_into(directory: Path, config: TinyTargetConfig, fingerprint: str, pro
 
 
 def _remove_stale_temporaries(root: Path, name: str) -> None:
-    """Delete temp dirs of interrupted builds of ``name`` whose process no longer runs."""
-    for path in root.glob(f".{name}.tmp-*"):
-        try:
-            pid = int(path.name.rsplit("-", 2)[-2])
-            os.kill(pid, 0)  # raises if no such process
-        except ProcessLookupError:
+    """Delete temp dirs of interrupted builds of ``name`` whose process no longer runs (:func:`writer_is_gone`: a
+    build on another host sharing this cache is left alone for a day)."""
+    for path in root.glob(f".{name}.*.tmp"):
+        if writer_is_gone(path):
             shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, PermissionError, IndexError):
-            continue
 
 
 def _training_threads(config: TinyTargetConfig) -> int:
@@ -850,7 +847,7 @@ def build_tiny_target(
 
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(root, name)
-    temporary = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary = root / f".{name}.{writer_tag()}.tmp"
     temporary.mkdir()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(_training_threads(config))
