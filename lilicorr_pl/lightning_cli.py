@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -31,6 +33,7 @@ from lilicorr_pl.checkpoint import (CheckpointError, UserInputError, check_class
                                     read_checkpoint)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
+from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import DraftSystem, check_resume_settings, plain_data
 
 # Lightning's ckpt_path keywords (not files).
@@ -117,6 +120,87 @@ class StepTQDMProgressBar(TQDMProgressBar):
         total = _train_total(trainer, batch_idx)
         if bar is not None and math.isfinite(total) and bar.total != total:
             bar.total = total
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class LogProgressBar(ProgressBar):
+    """Lightning progress for a log file: a line every ``interval`` seconds of training, and one when training ends.
+
+    ``epoch 3 step 400/2000 (20%) | 1.93 it/s | elapsed 3:27 | left 13:49 | train/loss 0.512``: optimizer steps against
+    ``max_steps`` (or batches of the epoch without it), with the bar's metrics (what a rich bar would show beside it).
+    """
+
+    def __init__(self, interval: float = LOG_INTERVAL, stream: IO[str] | None = None) -> None:
+        super().__init__()
+        self.interval = float(interval)
+        self.stream = stream
+        self._enabled = True
+        self._started = 0.0
+        self._first_step = 0
+        self._last_line = -math.inf
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._started = time.monotonic()
+        self._first_step = trainer.global_step  # a resumed run's rate counts only the steps it ran
+        self._last_line = self._started
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.monotonic()
+        if now - self._last_line >= self.interval:
+            self._last_line = now
+            self._write(self.line(trainer, pl_module, now))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._write(self.line(trainer, pl_module, time.monotonic()))
+
+    def line(self, trainer: Any, pl_module: Any, now: float) -> str:
+        """The progress line at time ``now`` (``time.monotonic()``)."""
+        elapsed = now - self._started
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            done, total, unit = trainer.global_step, trainer.max_steps, "step"
+        else:
+            done, total, unit = trainer.fit_loop.epoch_loop.batch_progress.current.completed, \
+                self.total_train_batches, "batch"
+        ran = done - self._first_step if unit == "step" else done
+        rate = ran / elapsed if elapsed > 0 else 0.0
+        parts = [f"epoch {trainer.current_epoch} {unit} {done}/{total if math.isfinite(total) else '?'}"
+                 + (f" ({100 * done / total:.0f}%)" if math.isfinite(total) and total > 0 else ""),
+                 f"{rate:.2f} it/s", f"elapsed {_duration(elapsed)}"]
+        if math.isfinite(total) and rate > 0:
+            parts.append(f"left {_duration((total - done) / rate)}")
+        for name, value in self.get_metrics(trainer, pl_module).items():
+            if name == "v_num":
+                continue
+            parts.append(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}")
+        return " | ".join(parts)
+
+    def _write(self, line: str) -> None:
+        if not self._enabled:
+            return
+        stream = sys.stdout if self.stream is None else self.stream
+        stream.write(line + "\n")
+        stream.flush()
 
 
 class LilicorrCLI(LightningCLI):
@@ -242,12 +326,16 @@ class LilicorrCLI(LightningCLI):
             raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer as configured, with :class:`StepProgressBar` unless the config names a bar or disables it."""
+        """The Trainer as configured, with :class:`StepProgressBar` (:class:`LogProgressBar` when
+        the output is not a terminal) unless the config names a bar or disables it."""
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            bar = StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+            if not is_terminal(sys.stdout):  # a log file: plain lines, where a redrawn bar shows nothing or a mess
+                bar = LogProgressBar()
+            else:
+                bar = StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
             kwargs.setdefault("callbacks", [*callbacks, bar])
         return super().instantiate_trainer(**kwargs)
 

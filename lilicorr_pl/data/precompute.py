@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lilicorr_pl.data.store import Store, StoreWriter, provenance
+from lilicorr_pl.progress import progress_bar
 
 # ---------------------------------------------------------------------- sizes
 
@@ -340,11 +341,9 @@ def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
 
 def run_in_process(job: PrecomputeJob, target: Any, progress: bool = True, **provenance_extra: Any) -> dict[str, dict[str, Path]]:
     """The whole job in this process (``prepare_data``): every shard, then the manifests."""
-    from tqdm.auto import tqdm
-
     job.check(target)
     print(job.report(target.hidden_size * target.num_features), file=sys.stderr)
-    for batch in tqdm(job.batches(), desc="target precompute", unit="batch", disable=not progress, dynamic_ncols=True):
+    for batch in progress_bar(job.batches(), desc="target precompute", unit="batch", disable=not progress, dynamic_ncols=True):
         job.add(batch, job.compute(target, _to(batch, target.device)))
     return job.finalize(processes=1, **provenance_extra)
 

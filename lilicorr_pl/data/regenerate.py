@@ -41,6 +41,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
 from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
 from lilicorr_pl.data.formats import (
     DataFormatError,
@@ -293,7 +294,6 @@ def regenerate(
         dtype: target weights dtype; ``auto`` = bfloat16 on CUDA, float32 on CPU.
         device: where to run; None = CUDA when available.
     """
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lilicorr_pl.target import resolve_dtype
@@ -378,7 +378,7 @@ def regenerate(
         where_of[index] = where
         records.append((index, record))
 
-    bar = tqdm(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
     with open(output_path, "a", encoding="utf-8") as out:
 
         def write(job: _Job, new_ids: list[int], finish: str) -> None:

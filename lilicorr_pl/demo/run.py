@@ -42,6 +42,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.command import shipped_configs
+from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
 BASE_CONFIG = "demo/base.yaml"
@@ -467,12 +468,10 @@ class Background:
         import sys
         import threading
 
-        from tqdm.auto import tqdm
-
         log_file.parent.mkdir(parents=True, exist_ok=True)
         progress_file.unlink(missing_ok=True)  # this stage's own file, from an interrupted earlier try
         slot = min(set(range(self.slots)) - {s.slot for s in self.running.values()})  # a terminal line of its own
-        bar = tqdm(total=total, desc=f"   {name}", unit=unit, position=slot, leave=True, mininterval=1.0)
+        bar = progress_bar(total=total, desc=f"   {name}", unit=unit, position=slot, leave=True, mininterval=1.0)
         # Ctrl-C and SIGTERM wait until the process is tracked, so none is started that nobody would stop.
         held = {signal.SIGINT, signal.SIGTERM}
         blocking = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
@@ -930,9 +929,7 @@ def run_comparison(ckpts: dict[str, Path], temperatures: list[float], num_prompt
     """
     total = num_prompts * (len(temperatures) + (0.0 in temperatures and lattice_arm(ckpts) is not None))
     if jobs == 1:
-        from tqdm.auto import tqdm
-
-        with tqdm(total=total * len(BENCHMARKS), desc="   benchmark", unit="prompt", mininterval=1.0) as bar:
+        with progress_bar(total=total * len(BENCHMARKS), desc="   benchmark", unit="prompt", mininterval=1.0) as bar:
             rows, plain = measure(ckpts, BENCHMARKS, temperatures, num_prompts, max_new_tokens, prefix_tokens, seed,
                                   compile, point_mass, on_prompt=lambda: bar.update(1))
         add_ratio_intervals(rows, plain, seed=seed)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from lilicorr_pl.data import corpus
 from lilicorr_pl.files import writer_is_gone, writer_tag
+from lilicorr_pl.progress import progress_bar
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
 BUILDER_VERSION = 1
@@ -585,8 +586,6 @@ def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, prog
     The forward runs under bf16 autocast when this CPU multiplies bf16 natively (about 2x faster on
     AVX512-BF16; weights, optimizer and loss stay fp32), else in fp32.
     """
-    from tqdm.auto import tqdm
-
     window = config.max_seq_len + 1
     if stream.numel() <= window:
         raise ValueError(f"The training stream has {stream.numel()} tokens, fewer than one window of {window}; "
@@ -603,7 +602,7 @@ def train_model(model: Any, stream: torch.Tensor, config: TinyTargetConfig, prog
     log_every = max(1, config.train_steps // 50)
     tokens_per_step = config.batch_size * config.max_seq_len
     start = time.perf_counter()
-    bar = tqdm(range(config.train_steps), desc="tiny target", disable=not progress, mininterval=2.0)
+    bar = progress_bar(range(config.train_steps), desc="tiny target", disable=not progress, mininterval=2.0)
     for step in bar:
         threads = tuner.threads_for(step)
         step_start = time.perf_counter()

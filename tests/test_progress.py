@@ -1,0 +1,91 @@
+"""Progress on a terminal and in a log file: bars redraw in place on a terminal and write plain lines in a file."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lilicorr_pl import progress
+from lilicorr_pl.progress import progress_bar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_in_a_log_a_bar_writes_whole_lines_at_most_every_interval_and_always_the_last():
+    log = io.StringIO()
+    for _ in progress_bar(range(500), desc="   lilicorr", position=1, file=log, mininterval=1.0):
+        pass
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b" not in text  # no redraws, no cursor moves
+    lines = text.splitlines()
+    assert 1 <= len(lines) <= 3 and all(line.startswith("   lilicorr:") for line in lines)  # not one per item
+    assert "500/500" in lines[-1]
+
+
+def test_in_a_log_a_bar_writes_again_once_the_interval_has_passed(monkeypatch):
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)
+    log = io.StringIO()
+    bar = progress_bar(total=3, desc="regenerate", file=log, mininterval=0.0)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    assert [re.search(r"(\d)/3", line).group(1) for line in log.getvalue().splitlines()] == ["0", "1", "2", "3"]
+
+
+def test_on_a_terminal_the_bar_redraws_in_place():
+    screen = _Terminal()
+    for _ in progress_bar(range(3), desc="x", file=screen):
+        pass
+    assert "\r" in screen.getvalue()
+
+
+def test_a_disabled_bar_writes_nothing_anywhere():
+    log = io.StringIO()
+    for _ in progress_bar(range(3), file=log, disable=True):
+        pass
+    assert log.getvalue() == ""
+
+
+def test_a_fit_logged_to_a_file_gets_progress_lines_with_steps_rate_time_left_and_loss():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lilicorr_pl.lightning_cli import LogProgressBar
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train/loss", out["loss"], prog_bar=True)
+            return out
+
+    log = io.StringIO()
+    torch.manual_seed(0)
+    trainer = Trainer(max_steps=4, callbacks=[LogProgressBar(interval=0.0, stream=log)], logger=False,
+                      enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Model())
+    lines = log.getvalue().splitlines()
+    assert [re.search(r"step (\d)/4", line).group(1) for line in lines] == ["1", "2", "3", "4", "4"]  # + the end
+    assert re.match(r"epoch \d step 4/4 \(100%\) \| [\d.]+ it/s \| elapsed 0:\d\d \| ", lines[-1])
+    assert "| left 0:00" in lines[-1] and re.search(r"\| train/loss -?\d", lines[-1])
+
+
+def test_lilicorr_fit_uses_the_log_bar_when_its_output_is_not_a_terminal_and_the_rich_bar_on_one(
+        monkeypatch, tmp_path):
+    from lilicorr_pl.lightning_cli import LogProgressBar, StepProgressBar, run_lightning
+
+    monkeypatch.chdir(tmp_path)
+    args = ["-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false"]
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # a log file
+    assert isinstance(run_lightning(args, run=False).trainer.progress_bar_callback, LogProgressBar)
+    monkeypatch.setattr("sys.stdout", _Terminal())
+    pytest.importorskip("rich")
+    assert isinstance(run_lightning(args, run=False).trainer.progress_bar_callback, StepProgressBar)
