@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -192,6 +193,29 @@ def test_stage_keys_carry_the_code(monkeypatch):
     assert run.code_fingerprint.__wrapped__() == run.code_fingerprint()  # recomputed: same sources, same hash
     monkeypatch.setattr(run, "code_fingerprint", lambda: "an-edited-checkout")
     assert run.stage_key(stage="arm", steps=3) != key
+
+
+def test_a_rebuilt_target_with_other_weights_under_the_same_name_gets_new_stage_keys(tmp_path):
+    """A build times its steps to choose threads and bf16, so a forced rebuild can give other weights under the same
+    settings-derived name: keyed by the name alone, its data, stages and benchmark rows were reused for the new
+    weights, and results.json paired the new build's checksum with the old build's numbers."""
+    from lilicorr_pl.demo import run
+
+    cfg = run.SETTINGS["quick"]
+    builds = []
+    for weights in ("a" * 64, "b" * 64):
+        build = tmp_path / weights[0] / "tiny-target-quick-0123456789abcdef"
+        build.mkdir(parents=True)
+        (build / "build_report.json").write_text(json.dumps({"files": {
+            "model.safetensors": {"sha256": weights, "bytes": 1}, "tokenizer.json": {"sha256": "c" * 64, "bytes": 1}}}))
+        builds.append(str(build))
+    assert run.target_identity(builds[0])["name"] == run.target_identity(builds[1])["name"]
+    assert run.data_stage_key(builds[0], cfg, 0) != run.data_stage_key(builds[1], cfg, 0)
+    assert run.data_stage_key(builds[0], cfg, 0) == run.data_stage_key(builds[0], cfg, 0)
+    # Another copy of the same build, elsewhere: the same keys (nothing is retrained for a moved cache).
+    (tmp_path / "copy").mkdir()
+    copy = shutil.copytree(builds[0], tmp_path / "copy" / Path(builds[0]).name)
+    assert run.data_stage_key(str(copy), cfg, 0) == run.data_stage_key(builds[0], cfg, 0)
 
 
 def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):

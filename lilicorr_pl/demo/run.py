@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -240,11 +240,33 @@ def _diagnostics(cli: Any) -> dict[str, float]:
     return out
 
 
+def target_identity(target_dir: str) -> dict[str, Any]:
+    """What every demo stage is keyed by for its target: the build's name and its files' checksums.
+
+    The name is the build's settings, not its weights: a build times its steps to choose threads and bf16, so a
+    rebuild (``--force``, a corrupt cache) can give other weights under the same name, and the data, stages and
+    measurements of the old weights must not be reused for it. The checksums are the build report's manifest, which
+    is verified against the files whenever a cached build is used."""
+    from lilicorr_pl.demo.tiny_target import load_build_report
+
+    files = load_build_report(target_dir).get("files") or {}
+    return {"name": Path(target_dir).name, "sha256": {name: files[name].get("sha256") for name in sorted(files)}}
+
+
+def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int) -> str:
+    """The regenerated data's key: the target build (:func:`target_identity`), the corpus and the prompt settings."""
+    from lilicorr_pl.data.corpus import corpus_fingerprint
+
+    return stage_key(stage="data", target=target_identity(target_dir), corpus=corpus_fingerprint(),
+                     prompts=cfg["prompts"], docstring_prompts=cfg["docstring_prompts"],
+                     prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed)
+
+
 def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, steps: int, seed: int) -> tuple[Path, str]:
     """Stage A, shared by every arm: DFlash from the target's top layers; exported for the arms' warm start."""
     from lilicorr_pl.interop import export_drafter
 
-    key = stage_key(stage="base", target=Path(target_dir).name, data=data_key, steps=steps, seed=seed,
+    key = stage_key(stage="base", target=target_identity(target_dir), data=data_key, steps=steps, seed=seed,
                     config=file_digest(CONFIG_DIR / BASE_CONFIG), overrides=target_overrides(target_dir))
     stage = workdir / "stages" / f"base-{key}"
     drafter_dir, meta_path = stage / "drafter", stage / "stage.json"
@@ -732,7 +754,6 @@ def demo(
     from transformers import AutoTokenizer
 
     from lilicorr_pl.data.regenerate import regenerate
-    from lilicorr_pl.data.corpus import corpus_fingerprint
     from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
 
     log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")
@@ -744,10 +765,7 @@ def demo(
 
     log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
     t0 = time.time()
-    data_key = stage_key(stage="data", target=Path(target_dir).name, corpus=corpus_fingerprint(),
-                         prompts=cfg["prompts"], docstring_prompts=cfg["docstring_prompts"],
-                         prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"],
-                         seed=seed)
+    data_key = data_stage_key(target_dir, cfg, seed)
     data_dir = workdir / "data" / data_key
     prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
     if not prompts_file.exists():
