@@ -16,7 +16,7 @@ import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError
-from lilicorr_pl.files import check_output_paths, jsonable, write_json_atomic
+from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import DeviceName, check_device
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
@@ -382,6 +382,6 @@ def bench(
     if output:
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
         out = Path(output)
-        write_json_atomic(out, jsonable(payload))
+        write_results_json(out, payload, "bench")
         print(f"results: {out}")
     return runs

@@ -31,12 +31,17 @@ def jsonable(value: Any) -> Any:
 
 def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output", plot_flag: str = "--plot",
                        plot_fix: str = "pass a directory for the PNGs") -> None:
-    """Raise ``ValueError`` when results could not be written, before any benchmark work starts
-    (``output_flag`` / ``plot_flag``: what named ``output`` / ``plot``, and ``plot_fix`` the fix, for the messages)."""
+    """Raise ``ValueError`` when results could not be written, before any benchmark work starts, or would replace a
+    file that is not a results file of this tool (:func:`written_by_lilicorr`): a rerun may replace its own results,
+    never a user's file (``output_flag`` / ``plot_flag``: what named ``output`` / ``plot``, and ``plot_fix`` the fix,
+    for the messages)."""
     if output:
         out = Path(output)
         if out.is_dir():
             raise ValueError(f"{output_flag} {out} is a directory; pass a file name such as {out / 'results.json'}")
+        if out.exists() and not written_by_lilicorr(out):
+            raise ValueError(f"{output_flag} {out} exists and is not a results file lilicorr wrote, so it is not "
+                             "overwritten; choose another file name")
         check_writable_dir(out.parent, f"{output_flag} {out}")
     if plot:
         directory = Path(plot)
@@ -54,6 +59,37 @@ def check_writable_dir(directory: Path, what: str) -> None:
         raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
     if not os.access(probe, os.W_OK):
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
+
+
+WRITTEN_BY = "written_by"
+"""The key of a results file that names the command and version that wrote it (:func:`write_results_json`)."""
+_LEGACY_RESULTS_KEY = "tau_includes_bonus_token"  # in every bench and demo results file before WRITTEN_BY was
+
+
+def written_by_lilicorr(path: Path) -> bool:
+    """Whether ``path`` is a JSON results file this tool wrote: one naming ``lilicorr`` under :data:`WRITTEN_BY`, or a
+    bench or demo results file of an earlier version (which all say whether τ includes the bonus token)."""
+    try:
+        if path.stat().st_size > 1 << 30:
+            return False
+        with open(path, encoding="utf-8") as fh:
+            payload = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(payload, dict):
+        return False
+    if str(payload.get(WRITTEN_BY, "")).startswith("lilicorr "):
+        return True
+    runs = payload.get("runs") if isinstance(payload.get("runs"), list) else [payload]
+    return all(isinstance(run, dict) and _LEGACY_RESULTS_KEY in run for run in runs)
+
+
+def write_results_json(path: Path, payload: dict[str, Any], command: str) -> None:
+    """A command's results (``bench --output``, ``demo --output``, ``perf --json``), atomically, saying what wrote
+    them (``"written_by": "lilicorr <command> <version>"``) so a rerun may replace them and nothing else."""
+    from lilicorr_pl import __version__
+
+    write_json_atomic(path, {WRITTEN_BY: f"lilicorr {command} {__version__}", **jsonable(payload)})
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
-from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.files import write_results_json
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning, wire_logit_cache
 from lilicorr_pl.models.dflash import DFlashDrafter
@@ -572,7 +572,7 @@ def round_timing(
         }
     print(format_round_timing(out))
     if json_path:
-        write_json_atomic(Path(json_path), out)
+        write_results_json(Path(json_path), out, "perf")
     return out
 
 
@@ -661,7 +661,7 @@ def cost_report(
     }
     print(format_cost(result))
     if json_path:
-        write_json_atomic(Path(json_path), result)
+        write_results_json(Path(json_path), result, "perf")
     return result
 
 
@@ -851,7 +851,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
         if options.json:
-            write_json_atomic(Path(options.json), result)
+            write_results_json(Path(options.json), result, "perf")
         return result
     result = profile_steps(system, batches, options.steps, options.warmup)
     total = result["step_total"]
@@ -863,5 +863,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"context memo: on, timed in its steady state ({100 * result['context_memo_hit_rate']:.0f} % of the "
               "timed steps' examples served from it; model.context_memo_mb=0 times the plain drafter forward)")
     if options.json:
-        write_json_atomic(Path(options.json), result)
+        write_results_json(Path(options.json), result, "perf")
     return result

@@ -92,6 +92,7 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
     run = json.loads(out.read_text())
     check_run(run, ["top1", "lilicorr"], 0.0)
     assert run["max_new_tokens"] == 16 and run["num_prompts"] == 2
+    assert run["written_by"].startswith("lilicorr bench ")  # so a rerun may replace it, and nothing else
     assert run["chat_template"] is True  # wrapped as one user message in the tokenizer's chat template
     (png,) = plots.glob("*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -191,6 +192,9 @@ def write(path: Path, text: str) -> str:
         ("bad_draft_sampling", r"Parser key \"draft_sampling\""),
         ("output_is_a_directory", "is a directory"),
         ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
+        ("output_is_a_users_file", r"--output .*notes\.json exists and is not a results file lilicorr wrote, so it is "
+                                   r"not overwritten; choose another file name"),
+        ("output_is_a_users_json", r"config\.json exists and is not a results file lilicorr wrote"),
         ("plot_is_a_file", "--plot .* is a file"),
         ("cuda_without_cuda", "CUDA is not available"),
         ("past_the_context", "exceeds the target's max_position_embeddings"),
@@ -231,6 +235,10 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--output"] = str(tmp_path)
     elif case == "output_parent_is_a_file":
         args["--output"] = write(tmp_path / "file", "x") + "/results.json"
+    elif case == "output_is_a_users_file":
+        args["--output"] = write(tmp_path / "notes.json", "my notes, not JSON")
+    elif case == "output_is_a_users_json":  # a JSON object, but not results: a model's config
+        args["--output"] = write(tmp_path / "config.json", json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     elif case == "plot_is_a_file":
         args["--plot"] = write(tmp_path / "plots", "x")
     elif case == "cuda_without_cuda":

@@ -724,7 +724,7 @@ def demo(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir = Path(workdir).resolve()
     out = Path(output).resolve() if output else workdir / "results.json"
-    from lilicorr_pl.files import check_output_paths, write_json_atomic
+    from lilicorr_pl.files import check_output_paths, write_json_atomic, write_results_json
 
     try:
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
@@ -852,7 +852,7 @@ def demo(
     # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
     plots = plot_curves(rows, workdir / "plots" / bench_key)
     result["plots"] = [str(p) for p in plots]
-    _write_json(out, result)
+    write_results_json(out, result, "demo")
     print(format_table(rows))
     print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
           f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
