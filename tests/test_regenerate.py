@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 from lilicorr_pl.cli import main as cli_main
 from lilicorr_pl.data.formats import load_examples
+from lilicorr_pl.data.fingerprint import file_sha256
 from lilicorr_pl.data.regenerate import regenerate
 
 
@@ -212,6 +214,17 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     other_target = make_tiny_target_dir(tmp_path, seed=3, name="other-target")
     with pytest.raises(ValueError, match="target"):
         run(other_target, input_file, out)
+    # The same config with other weights under the same path, or the same weights in another precision: their
+    # greedy answers differ, so neither resumes (the key held the config's hash and no dtype).
+    with pytest.raises(ValueError, match=r"dtype: 'float32' -> 'bfloat16'"):
+        run(target_dir, input_file, out, dtype="bfloat16")
+    moved = tmp_path / "same-path"
+    shutil.copytree(target_dir, moved)
+    run(str(moved), input_file, tmp_path / "out2.jsonl")
+    shutil.rmtree(moved)
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=4, name="retrained"), moved)  # same config, other weights
+    with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
+        run(str(moved), input_file, tmp_path / "out2.jsonl")
     assert out.read_text() == before
     # A file this command did not write (no provenance record) is never appended to.
     foreign = tmp_path / "foreign.jsonl"
@@ -219,6 +232,31 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     with pytest.raises(ValueError, match="no .*provenance.json"):
         run(target_dir, input_file, foreign)
     assert foreign.read_text() == '{"mine": 1}\n'
+
+
+def test_a_run_that_wrote_nothing_leaves_no_settings_behind_for_the_next(target_dir, input_file, tmp_path,
+                                                                          monkeypatch):
+    """A first run killed before its first line (here: every record failed) left its settings as the output's; a
+    second run with other input was accepted onto the empty output and its answers were kept under the first run's
+    settings, so a third run with those settings resumed onto the second run's answers."""
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    def out_of_memory(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", out_of_memory)
+    stats = run(target_dir, input_file, out)
+    assert stats.succeeded == 0 and stats.failed == len(RECORDS) and out.read_text() == ""
+    monkeypatch.undo()
+    other_input = tmp_path / "other.jsonl"
+    other_input.write_text(json.dumps({"text": "import os\n"}) + "\n")
+    run(target_dir, other_input, out)
+    assert len(read(out)) == 1
+    saved = json.loads(provenance_path(out).read_text())
+    assert saved["input_sha256"] == file_sha256(other_input)  # the settings of what the file holds
+    with pytest.raises(ValueError, match="other settings.*input_sha256"):
+        run(target_dir, input_file, out)
 
 
 def test_non_utf8_line_is_a_failed_record_with_its_line_number(target_dir, tmp_path, capsys):

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.data.fingerprint import file_sha256, text_sha256
+from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, text_sha256
 from lilicorr_pl.files import write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
@@ -326,7 +326,12 @@ def regenerate(
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
-        "target_config_sha256": file_sha256(Path(target) / "config.json") if (Path(target) / "config.json").is_file() else None,
+        # The weights as well as the config (sampled hashes of the weight files; a hub name's cached snapshot), and
+        # the precision and device kind they run in: each changes the greedy answers.
+        "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
+                                                             include_layers=False)),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "device_type": torch.device(device).type,
         "temperature": float(temperature),
         "max_new_tokens": int(max_new_tokens),
         "enable_thinking": bool(enable_thinking),
@@ -358,7 +363,7 @@ def regenerate(
     stats = RegenerationStats()
     done = _done_indices(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    if not provenance_path(output_path).is_file():
+    if not done:  # nothing written yet: this run's settings are the output's, whatever an earlier run left
         write_json_atomic(provenance_path(output_path), provenance)
 
     where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
