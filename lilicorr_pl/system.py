@@ -7,6 +7,7 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import math
 import warnings
@@ -29,6 +30,7 @@ from lilicorr_pl.checkpoint import (
     CheckpointError,
     check_class_paths,
     check_remote_code,
+    UserInputError,
     read_checkpoint,
     state_checksum,
     verify_checksum,
@@ -480,6 +482,18 @@ class DraftSystem(L.LightningModule):
                 )
         check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
         target["trust_remote_code"] = bool(trust_remote_code)
+        named = f"--target {target_path}" if target_path is not None else f"its target {target.get('name_or_path')}"
+        fc = (checkpoint.get("state_dict") or {}).get("drafter.fc.weight")  # [H, n·H]: the target's hidden size
+        config_file = Path(where) / "config.json" if where is not None else None
+        if fc is not None and config_file is not None and config_file.is_file():
+            try:
+                hidden = json.loads(config_file.read_text()).get("hidden_size")
+            except (ValueError, UnicodeDecodeError):
+                hidden = None  # not readable as a config: loading it says why
+            if isinstance(hidden, int) and hidden != fc.shape[0]:
+                raise CheckpointError(
+                    f"checkpoint {path} was trained on a target of hidden size {fc.shape[0]}, and {named} has "
+                    f"hidden size {hidden}; pass the target model it was trained with (--target)")
         meta = dict(checkpoint.get("lilicorr") or {})
         del checkpoint
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
@@ -498,8 +512,16 @@ class DraftSystem(L.LightningModule):
         # Lightning rebuilds the system with jsonargparse from the recorded configs; this context makes the rebuilt
         # system record those configs again (as LightningCLI does), not the module objects it was given.
         given = {k: v for k, v in {**hparams, **overrides}.items() if k != "_instantiator"}
-        with _given_hyperparameters_context(hparams=given, instantiator=instantiator):
-            system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True, **overrides)
+        try:
+            with _given_hyperparameters_context(hparams=given, instantiator=instantiator):
+                system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True,
+                                                  **overrides)
+        except (ValueError, RuntimeError, OSError) as err:  # the target cannot be loaded, or does not fit the weights
+            if isinstance(err, UserInputError):  # already one line, naming its fix
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
+                                  "model it was trained with (--target)") from err
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         return system
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import user_error
+from helpers import make_tiny_target_dir
 from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint, state_checksum
 from lilicorr_pl.cli import main as cli_main
 
@@ -218,6 +219,17 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
     err = user_error(capsys, [*bench, "--target", str(tmp_path / "typo")])
     assert f"--target {tmp_path / 'typo'} is not a directory" in err
     assert "--target: unknown built-in target 'builtin:nope'" in user_error(capsys, [*bench, "--target", "builtin:nope"])
+    # Another model, or a folder that is no model: one line naming --target, not a traceback about the head's config.
+    other = Path(make_tiny_target_dir(tmp_path, hidden=32, name="other-model"))
+    hidden = json.loads((Path(here) / "config.json").read_text())["hidden_size"]
+    err = user_error(capsys, [*bench, "--target", str(other)])
+    assert (f"was trained on a target of hidden size {hidden}, and --target {other} has hidden size 32; pass the target "
+            "model it was trained with (--target)") in err
+    (tmp_path / "empty").mkdir()
+    for command in (bench, ["export", "--ckpt", str(moved), "--output", str(tmp_path / "never")]):
+        err = user_error(capsys, [*command, "--target", str(tmp_path / "empty")])
+        assert f"cannot be rebuilt with --target {tmp_path / 'empty'} (" in err and "(--target)" in err
+    assert not (tmp_path / "never").exists()
     monkeypatch.setenv("HOME", str(tmp_path))  # "~" is expanded here: transformers would not
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "target").symlink_to(here)
