@@ -320,7 +320,7 @@ class LilicorrCLI(LightningCLI):
         # fix, so it becomes one line, not a 70-line traceback. Errors after this point keep their tracebacks.
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError, MisconfigurationException) as err:
+        except (ValueError, TypeError, OSError, MisconfigurationException) as err:  # OSError: a path setting
             while err.__cause__ is not None and isinstance(err.__cause__, (ValueError, TypeError)):
                 err = err.__cause__
             raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
@@ -349,7 +349,23 @@ class LilicorrCLI(LightningCLI):
 
     # ------------------------------------------------------------------ running
     def before_fit(self) -> None:
+        self._refuse_a_fresh_run_over_another()
         self._wire_data()
+
+    def _refuse_a_fresh_run_over_another(self) -> None:
+        """A new fit (no ``ckpt_path``) whose folder holds another run's ``config.yaml`` is refused before any work:
+        writing there would replace the record of how that run's checkpoints were trained (which ``prepare``, ``perf``
+        and ``bench`` read) and put this run's checkpoints beside them as ``last-v1.ckpt``. A resumed fit rewrites its
+        own record. (Lightning's own check refuses resumes too, which is why it is replaced by this one.)"""
+        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
+        if self.config["fit"].get("ckpt_path") or callback is None or not callback.save_to_log_dir:
+            return
+        record = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, callback.fit_config_filename)
+        if os.path.isfile(record):
+            raise UserInputError(
+                f"{record} records an earlier run in this folder; resume it with --ckpt_path=last (or one of its "
+                "checkpoints), or start a new run with another --trainer.default_root_dir"
+            )
 
     def before_validate(self) -> None:
         self._wire_data()

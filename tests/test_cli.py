@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,22 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
     assert "train/distractor_penalty" not in cli2.trainer.callback_metrics
     assert [l.name for l in ablated.losses] == [l.name for l in base.losses if l.name != "distractor_penalty"]
     assert not ablated.needs_target_logits and base.needs_target_logits  # nor is its logit cache computed
+
+
+def test_a_new_fit_is_refused_over_another_runs_record_and_a_resume_rewrites_its_own(tmp_path, capsys):
+    """A fresh fit into a folder holding an earlier run's config.yaml replaced that record (which prepare, perf and
+    bench read as how the run's checkpoints were trained) and wrote its checkpoint beside theirs as last-v1.ckpt."""
+    fit_tiny(tmp_path, steps=1)
+    root = tmp_path / "runs" / "tiny"
+    record = (root / "config.yaml").read_text()
+    ablated = ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(ROOT / "configs" / "ablations" /
+               "no_distractor.yaml"), f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"]
+    err = user_error(capsys, ablated)
+    assert re.search(rf"error: {re.escape(str(root / 'config.yaml'))} records an earlier run in this folder; resume "
+                     r"it with --ckpt_path=last .*, or start a new run with another --trainer.default_root_dir", err)
+    assert (root / "config.yaml").read_text() == record and not (root / "checkpoints" / "last-v1.ckpt").exists()
+    cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # the same run, resumed: its own record is rewritten
+    assert cli.trainer.global_step == 2 and "ckpt_path: last" in (root / "config.yaml").read_text()
 
 
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
@@ -379,6 +396,9 @@ def test_a_yaml_error_names_the_file(tmp_path, capsys):
     # The Trainer refuses its own settings: one line too, not Lightning's traceback.
     (["fit", "--trainer.enable_progress_bar=false", "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"],
      "enable_progress_bar=False"),
+    # A warm start from a folder that is not there, or not a drafter: the path's problem in one line, no traceback.
+    (["fit", "--model.init_drafter_from=no/such/dir"], "no/such/dir"),
+    (["fit", "--model.init_head_from=."], "is not a"),
 ])
 def test_a_run_without_its_data_or_with_bad_settings_is_one_line_before_anything_starts(argv, message, tmp_path,
                                                                                           monkeypatch, capsys):
