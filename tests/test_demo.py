@@ -266,15 +266,22 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     target = save_tiny_target(tmp_path / "target")
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 8}) + "\n")
-    missing = tmp_path / "no-such-drafter"
+    from lilicorr_pl.interop import export_drafter
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.target import FrozenTarget
+
+    frozen = FrozenTarget.from_pretrained(target, load_tokenizer=False, num_features=3)
+    broken = export_drafter(DFlashDrafter(num_layers=2, block_size=16).build(frozen.config, frozen.layer_ids),
+                            tmp_path / "broken-drafter")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 8)  # a crash, not a user's setting
     with pytest.raises(RuntimeError) as err:
-        run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, missing, "k", steps=2, head_steps=2,
+        run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, broken, "k", steps=2, head_steps=2,
                        seed=0, jobs=2)
     message = str(err.value)
     assert "background process (exit code 1)" in message and "--jobs 1 runs every stage in this process" in message
     stage = "dflash" if message.startswith("the dflash stage") else "domino"
     log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, 'k', 2, 0)}" / "train.log"
-    assert f"its output is in {log_file}" in message and str(missing) in log_file.read_text()
+    assert f"its output is in {log_file}" in message and "SafetensorError" in log_file.read_text()
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     if children.exists():  # Linux: the other stage's process was stopped, not left training
         def cmdline(pid: str) -> bytes:
