@@ -807,6 +807,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if options.cost_model and options.round_timing:
         raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
     if options.cost_model or options.round_timing:
+        mode = "--cost_model" if options.cost_model else "--round_timing"
+        ignored = [a for a in args if a.startswith(("--model.", "--data.", "--trainer."))
+                   and not a.startswith("--model.target.dtype")]  # round timing reads the parsed dtype
+        if ignored:
+            raise UserInputError(f"{mode} reads the run's shapes from its -c files only, so {ignored[0]} would be "
+                                 "ignored; put it in a -c overlay file (the target's shape: --target_overrides)")
         configs = [str(c) for c in options.config]
         overrides = dict(options.target_overrides or {})
         try:
@@ -841,10 +847,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             wire_logit_cache(system, dm)
     except ValueError as err:  # model and data settings that contradict each other: one line, before any work
         raise UserInputError(str(err)) from None
+    if cli.checkpoint is not None:  # before the data stores are built: weights that do not fit are one line
+        try:
+            system.load_state_dict(cli.checkpoint["state_dict"])
+        except RuntimeError as err:
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise UserInputError(f"--ckpt {options.ckpt} does not fit the system the -c files build ({first}); pass "
+                                 "the -c files of the run that trained it") from None
     dm.prepare_data()
     dm.setup("fit")
-    if cli.checkpoint is not None:
-        system.load_state_dict(cli.checkpoint["state_dict"])
     batches = [b for _, b in zip(range(max(4, options.steps)), dm.train_dataloader())]
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])

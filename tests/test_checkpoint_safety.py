@@ -178,6 +178,21 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
 
 
+def test_perf_refuses_a_checkpoint_of_another_config_before_building_any_data(tiny_run, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A LiLiCorr checkpoint timed under a config without the head failed with a traceback after the data stores were
+    built (`load_state_dict`: unexpected keys)."""
+    import lilicorr_pl.data.datamodule as datamodule
+
+    _, good = tiny_run
+    built = []
+    monkeypatch.setattr(datamodule.DraftDataModule, "prepare_data", lambda self: built.append(1))
+    err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c",
+                              str(ROOT / "configs" / "ablations" / "dflash_only.yaml"), "--ckpt", str(good), "--steps", "1"])
+    assert f"--ckpt {good} does not fit the system the -c files build (" in err and "unexpected" in err
+    assert err.strip().endswith("pass the -c files of the run that trained it") and not built
+
+
 def test_validate_and_resume_trust_the_components_their_own_config_names(tiny_run, tmp_path, capsys):
     """A run trained with the user's own head (a module outside the trusted packages) can be validated and resumed:
     the run's own config names that module, which the run imports anyway. A config that does not name it gets the

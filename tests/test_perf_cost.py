@@ -213,6 +213,16 @@ def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
         str(tmp_path / "missing")])
 
 
+def test_cost_model_and_round_timing_refuse_overrides_they_would_ignore(capsys):
+    """Both read the shapes from the -c files: a --model.* override printed the unchanged shapes without a word."""
+    base = ["perf", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"), "--target-config",
+            str(QWEN3_8B)]
+    for mode in ("--cost-model", "--round-timing"):
+        err = user_error(capsys, [*base, mode, "--model.drafter.init_args.block_size=8"])
+        assert (f"{mode.replace('-', '_').replace('__', '--')} reads the run's shapes from its -c files only, so "
+                "--model.drafter.init_args.block_size=8 would be ignored; put it in a -c overlay file") in err
+
+
 def _timing_config(tmp_path: Path, target: str, layer_ids: list[int] | None = None) -> Path:
     config = tmp_path / ("timing.yaml" if layer_ids else "timing-default-ids.yaml")
     ids = {"layer_ids": layer_ids} if layer_ids else {"num_features": 3}
