@@ -253,10 +253,15 @@ def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
     if limit is None:
         return
     longest = max(len(ids) for ids in prompts.input_ids)
+    if longest >= limit:  # no --max_new_tokens fits: the prompts are the problem
+        raise ValueError(
+            f"prompts of up to {longest} tokens leave no room in the target's max_position_embeddings {limit}; use "
+            "shorter prompts (a .jsonl of your own, or --chat_template no to drop the template's tokens)"
+        )
     if longest + max_new_tokens > limit:
         raise ValueError(
             f"--max_new_tokens {max_new_tokens} with prompts of up to {longest} tokens exceeds the target's "
-            f"max_position_embeddings {limit}; lower --max_new_tokens to at most {max(limit - longest, 0)}"
+            f"max_position_embeddings {limit}; lower --max_new_tokens to at most {limit - longest}"
         )
 
 

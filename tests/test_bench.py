@@ -197,7 +197,10 @@ def write(path: Path, text: str) -> str:
         ("output_is_a_users_json", r"config\.json exists and is not a results file lilicorr wrote"),
         ("plot_is_a_file", "--plot .* is a file"),
         ("cuda_without_cuda", "CUDA is not available"),
-        ("past_the_context", "exceeds the target's max_position_embeddings"),
+        ("past_the_context", r"--max_new_tokens 100000 with prompts of up to \d+ tokens exceeds the target's "
+                             r"max_position_embeddings 64; lower --max_new_tokens to at most [1-9]"),
+        ("prompts_past_the_context", r"prompts of up to \d+ tokens leave no room in the target's "
+                                     r"max_position_embeddings 64; use shorter prompts"),
         ("lattice_k_too_wide", r"--lattice_k 99 is outside 1\.\.\d+: the head was trained with K="),
         ("lattice_k_without_the_head", r"--selectors top1 does not decode with it; add lilicorr to --selectors"),
     ],
@@ -247,6 +250,10 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--device"] = "cuda"
     elif case == "past_the_context":
         args["--max-new-tokens"] = "100000"
+        args["--benchmark"] = write(tmp_path / "short.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+        args["--chat-template"] = "no"
+    elif case == "prompts_past_the_context":  # HumanEval's prompts alone are longer than the tiny target's context
+        args["--max-new-tokens"] = "1"
     elif case == "lattice_k_too_wide":
         args["--lattice-k"] = "99"
         args["--selectors"] = "top1,lilicorr"
@@ -373,3 +380,22 @@ def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_tim
     # At T = 0 the plain results are the reference: every arm is lossless against them.
     plain0, results0 = evaluate.evaluate_arms(target, {"head": specs["head"]}, prompts, 10)
     assert results0["head"].lossless is True and results0["head"].draft_sampling is None
+
+
+def test_a_multi_turn_hub_benchmark_sends_its_first_turn_as_the_one_user_message(tiny_run, monkeypatch):
+    """MT-Bench keeps each question's turns as a list: its prompts were the list's repr, brackets, quotes and the
+    second turn included."""
+    import sys
+    import types
+
+    from lilicorr_pl.decoding.benchmarks import _raw_prompts
+
+    turns = ["Compose an engaging travel blog post about Hawaii.", "Rewrite your previous response in one line."]
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda repo, config, split: [{"prompt": turns, "category": "writing"}]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    texts, kind = _raw_prompts("mt-bench", None, tiny_run[0].model.target.tokenizer, 0, 64)
+    assert texts == [turns[0]] and kind == "chat"
+    fake.load_dataset = lambda repo, config, split: [{"prompt": {"text": "x"}}]
+    with pytest.raises(ValueError, match="'mt-bench': a prompt is a dict, expected text or a list of turns"):
+        _raw_prompts("mt-bench", None, tiny_run[0].model.target.tokenizer, 0, 64)

@@ -751,3 +751,21 @@ def test_one_device_to_host_transfer_per_round(target, monkeypatch):
     assert counts["item"] <= 1
     monkeypatch.undo()
     assert got.tokens == greedy(target, prompt, 15).tokens
+
+
+def test_a_reference_made_with_the_arms_stops_keeps_custom_stops_lossless(target):
+    """run_target_baseline had no stop_token_ids: with custom stops the reference stopped elsewhere than the arm and
+    the token-for-token check reported lossless False for lossless decoding."""
+    from lilicorr_pl.decoding.benchmarks import PromptSet
+    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
+    from lilicorr_pl.decoding.speculative import target_generate
+
+    ids = random_prompts(target.output_rows, 2, seed=7)
+    prompts = PromptSet("random", ids, [""] * len(ids), False, False)
+    free = target_generate(target, ids[0], 12, stop_token_ids=[]).tokens
+    stop = [free[3]]  # a token plain decoding emits: the first prompt stops early
+    drafter = real_drafter(target, block_size=4)
+    reference, _ = run_target_baseline(target, prompts, 12, stop_token_ids=stop)
+    assert len(reference[0].tokens) <= 4 < len(free)
+    r = evaluate_arm(target, drafter, Top1Selector(), prompts, 12, reference=reference, stop_token_ids=stop)
+    assert r.lossless is True

@@ -119,9 +119,19 @@ def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_t
                 "(needs network access), or pass a local prompts .jsonl instead"
             ) from None
         ds = datasets.load_dataset(repo, config, split=split)
-        texts = [str(r[field_name]) for r in ds]
+        texts = [_first_turn(r[field_name], name) for r in ds]
         return texts[:num] if num else texts, kind
     raise ValueError(f"unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts .jsonl file")
+
+
+def _first_turn(value: Any, benchmark: str) -> str:
+    """A hub record's prompt as one user message: the text, or a multi-turn record's first turn (MT-Bench keeps its
+    turns as a list; its later turns answer the model's first reply, which a single-message benchmark never has)."""
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"benchmark {benchmark!r}: a prompt is a {type(value).__name__}, expected text or a list of turns")
 
 
 class ThinkingFlagUnknown(ValueError):

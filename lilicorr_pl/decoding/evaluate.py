@@ -134,16 +134,20 @@ def run_target_baseline(
     temperature: float = 0.0,
     seed: int = 0,
     timing: bool = False,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> tuple[list[GenerationResult], float]:
     """Plain target decoding on every prompt; returns the results and tokens/s (prefill included).
 
     :func:`plain_step_ms` of the results is the per-step cost that :func:`evaluate_arm` compares a
     round with. ``timing``: see :func:`~lilicorr_pl.decoding.speculative.speculative_generate`.
+    ``stop_token_ids``: as :func:`evaluate_arm`'s (the same stops on both sides, or ``lossless`` compares outputs
+    cut at different places); None = the target's own.
     """
     results, tokens, seconds = [], 0, 0.0
     for i, ids in enumerate(prompts.input_ids):
         g = _generator(target, seed + i)
-        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g, timing=timing)
+        r = target_generate(target, ids, max_new_tokens, temperature=temperature, generator=g, timing=timing,
+                            stop_token_ids=stop_token_ids)
         tokens += len(r.tokens)
         seconds += r.total
         results.append(r)
@@ -180,7 +184,8 @@ def evaluate_arm(
         draft_sampling: the T > 0 rule: ``"proposal"`` (sampled drafts verified with
             ``min(1, p/q)``) or ``"point_mass"`` (deterministic drafts accepted iff equal to the
             target's sample); see :func:`~lilicorr_pl.decoding.speculative.speculative_generate`.
-        reference: plain-decoding results of the same prompts (:func:`run_target_baseline`); at T = 0
+        reference: plain-decoding results of the same prompts (:func:`run_target_baseline`, with the same
+            ``stop_token_ids``); at T = 0
             ``lossless`` says whether every output matched them token for token, and their measured
             step time gives ``plain_step_ms`` and ``round_cost_ratio``.
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
