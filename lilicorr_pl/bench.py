@@ -382,11 +382,12 @@ def bench(
         raise UserInputError(str(err)) from None
     for run in runs:
         print(format_table(run))
-        if plot:
-            print(f"plot: {plot_acceptance(run, plot)}")
-    if output:
+    if output:  # before the plots: a plotting failure must not lose what was measured
         payload = runs[0] if len(runs) == 1 else {"runs": runs}
         out = Path(output)
         write_results_json(out, payload, "bench")
         print(f"results: {out}")
+    if plot:
+        for run in runs:
+            print(f"plot: {plot_acceptance(run, plot)}")
     return runs

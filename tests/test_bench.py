@@ -98,6 +98,24 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_failing_plot_does_not_lose_the_measured_results(tiny_run, tmp_path, monkeypatch):
+    import lilicorr_pl.bench as bench_module
+
+    _, ckpt = tiny_run
+    out = tmp_path / "results.json"
+
+    def broken(run, directory):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(bench_module, "plot_acceptance", broken)
+    prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    with pytest.raises(OSError, match="disk full"):
+        cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "1", "--max-new-tokens", "4",
+                  "--temperature", "0", "--selectors", "top1", "--chat-template", "no", "--output", str(out),
+                  "--plot", str(tmp_path / "plots")])
+    assert json.loads(out.read_text())["selectors"]["top1"]["lossless"] is True
+
+
 def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_path):
     _, ckpt = tiny_run
     prompts = tmp_path / "prompts.jsonl"
