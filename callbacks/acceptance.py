@@ -191,7 +191,7 @@ class AcceptanceEval(L.Callback):
             name: evaluate_arm(
                 target, pl_module.drafter, selector, mine, self.max_new_tokens, self.temperature, seed=self.seed,
                 record_examples=self.table_rows if rank == 0 else 0, draft_sampling=self.draft_sampling,
-                stop_token_ids=stops,
+                stop_token_ids=stops, prompt_indices=range(rank, len(prompts.input_ids), world_size),
             )
             for name, selector in arms.items()
         }

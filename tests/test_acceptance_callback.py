@@ -119,6 +119,19 @@ def test_tau_equals_direct_speculative_decoding_and_slices_sum_exactly(run):
     assert pooled["per_position_acceptance"] == pytest.approx(whole["head"].per_position_acceptance, nan_ok=True)
 
 
+def test_at_t1_each_prompt_samples_the_same_however_the_prompts_are_split_across_ranks(run):
+    """A rank seeded its prompts by their place in its own slice, so sampled τ depended on the number of ranks."""
+    system, callback = run.system, run.callback
+    temperature, callback.temperature = callback.temperature, 1.0
+    try:
+        whole = callback.decode(system)["head"]
+        parts = [callback.decode(system, rank, 2)["head"] for rank in range(2)]
+    finally:
+        callback.temperature = temperature
+    assert [a + b for a, b in zip(parts[0].histogram, parts[1].histogram)] == whole.histogram
+    assert sorted(parts[0].per_prompt_tau + parts[1].per_prompt_tau) == sorted(whole.per_prompt_tau)
+
+
 @pytest.mark.slow
 def test_ddp_ranks_decode_slices_and_log_the_pooled_tau(tmp_path, monkeypatch):
     """Two CPU processes (gloo): both log the tau of all prompts, pooled from their own slices."""

@@ -177,6 +177,7 @@ def evaluate_arm(
     timing: bool = False,
     draft_sampling: DraftSamplingRule = "proposal",
     stop_token_ids: Sequence[int] | None = None,
+    prompt_indices: Sequence[int] | None = None,
 ) -> ArmResult:
     """Speculative decoding over a prompt set with one selector.
 
@@ -191,16 +192,21 @@ def evaluate_arm(
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
         timing: on CUDA, synchronise at phase boundaries so the round split is exact (slower).
         stop_token_ids: where generation stops; None = the target's own (``default_stop_token_ids``).
+        prompt_indices: each prompt's index in the whole set when ``prompts`` is a slice of it (one rank's share):
+            prompt ``j`` samples with seed ``seed + j`` however the set is split. None: ``0, 1, …``.
     """
     if reference is not None and len(reference) != len(prompts.input_ids):
         raise ValueError(f"reference has {len(reference)} results for {len(prompts.input_ids)} prompts")
+    indices = list(range(len(prompts.input_ids))) if prompt_indices is None else list(prompt_indices)
+    if len(indices) != len(prompts.input_ids):
+        raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompts.input_ids)} prompts")
     results = [
         speculative_generate(
             target, drafter, selector, ids, max_new_tokens, temperature=temperature,
-            generator=_generator(target, seed + i), record_rounds=record_rounds if i < record_examples else 0,
+            generator=_generator(target, seed + j), record_rounds=record_rounds if i < record_examples else 0,
             timing=timing, draft_sampling=draft_sampling, stop_token_ids=stop_token_ids,
         )
-        for i, ids in enumerate(prompts.input_ids)
+        for i, (ids, j) in enumerate(zip(prompts.input_ids, indices))
     ]
     return _arm_result(results, prompts, drafter.num_slots, temperature, draft_sampling, reference, record_examples)
 
