@@ -63,14 +63,20 @@ def check_writable_dir(directory: Path, what: str) -> None:
 
 WRITTEN_BY = "written_by"
 """The key of a results file that names the command and version that wrote it (:func:`write_results_json`)."""
-_LEGACY_RESULTS_KEY = "tau_includes_bonus_token"  # in every bench and demo results file before WRITTEN_BY was
+# What every results file of an earlier version (before WRITTEN_BY) holds: bench and demo say whether τ includes the
+# bonus token; perf's step timing, penalty check, round timing and cost model their own totals.
+_LEGACY_RESULTS_KEYS = ({"tau_includes_bonus_token"}, {"step_total"}, {"penalty_exact", "penalty_cache"},
+                        {"plain_step_ms", "arms"}, {"ops", "device", "settings"})
 
 
 def written_by_lilicorr(path: Path) -> bool:
-    """Whether ``path`` is a JSON results file this tool wrote: one naming ``lilicorr`` under :data:`WRITTEN_BY`, or a
-    bench or demo results file of an earlier version (which all say whether τ includes the bonus token)."""
+    """Whether ``path`` may be replaced as this tool's results: an empty file, a JSON results file naming ``lilicorr``
+    under :data:`WRITTEN_BY`, or a bench, demo or perf results file of an earlier version."""
     try:
-        if path.stat().st_size > 1 << 30:
+        size = path.stat().st_size
+        if size == 0:  # nothing to lose (``mktemp``)
+            return True
+        if size > 1 << 30:
             return False
         with open(path, encoding="utf-8") as fh:
             payload = json.load(fh)
@@ -81,7 +87,8 @@ def written_by_lilicorr(path: Path) -> bool:
     if str(payload.get(WRITTEN_BY, "")).startswith("lilicorr "):
         return True
     runs = payload.get("runs") if isinstance(payload.get("runs"), list) else [payload]
-    return all(isinstance(run, dict) and _LEGACY_RESULTS_KEY in run for run in runs)
+    return bool(runs) and all(isinstance(run, dict) and any(keys <= run.keys() for keys in _LEGACY_RESULTS_KEYS)
+                              for run in runs)
 
 
 def write_results_json(path: Path, payload: dict[str, Any], command: str) -> None:
@@ -107,25 +114,27 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 
 def writer_tag() -> str:
-    """``<host>-<pid>-<rand>``: put in a temporary file's or directory's name, it says which process is writing it,
-    so a clean-up of killed writers' leftovers (:func:`writer_is_gone`) never removes a live writer's."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """``w@<host>@<pid>@<rand>``: put in a temporary file's or directory's name, it says which process is writing it,
+    so a clean-up of killed writers' leftovers (:func:`writer_is_gone`) never removes a live writer's. ``@`` is in no
+    host name, so the host is read whole (host names hold dots and hyphens, and one host's name can end another's)."""
+    return f"w@{socket.gethostname()}@{os.getpid()}@{uuid.uuid4().hex[:8]}"
+
+
+_WRITER = re.compile(r"w@([^@/]+)@(\d+)@[^@/]+\.tmp$")
 
 
 def writer_is_gone(tmp: Path) -> bool:
     """Whether the process that named ``tmp`` (``….<writer_tag()>.tmp``) has exited.
 
     A writer on this host is checked by its pid; one on another host (a cache on a shared file system) counts as gone
-    after a day. The host is matched as a whole suffix, not split at dots: host names may hold dots
-    (``node1.cluster``) and hyphens, and so may the names before them. A name without a writer tag was not written
-    this way, and counts as gone."""
-    this_host = re.search(rf"\.{re.escape(socket.gethostname())}-(\d+)-[^-]+\.tmp$", tmp.name)
+    after a day. A name without a writer tag was not written this way, and counts as gone."""
+    tag = _WRITER.search(tmp.name)
     try:
-        if this_host is not None:
-            os.kill(int(this_host.group(1)), 0)
-            return False
-        if re.search(r"-\d+-[^-]+\.tmp$", tmp.name) is None:
+        if tag is None:
             return True
+        if tag.group(1) == socket.gethostname():
+            os.kill(int(tag.group(2)), 0)
+            return False
         return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400
     except (ValueError, ProcessLookupError, FileNotFoundError):
         return True

@@ -144,6 +144,7 @@ class LogProgressBar(ProgressBar):
         self._enabled = True
         self._started = 0.0
         self._first_step = 0
+        self._batches = 0
         self._last_line = -math.inf
 
     @property
@@ -163,32 +164,39 @@ class LogProgressBar(ProgressBar):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._started = time.monotonic()
         self._first_step = trainer.global_step  # a resumed run's rate counts only the steps it ran
+        self._batches = 0
         self._last_line = self._started
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._batches += 1
         now = time.monotonic()
         if now - self._last_line >= self.interval:
             self._last_line = now
-            self._write(self.line(trainer, pl_module, now))
+            self._write(self.line(trainer, pl_module, now, batch_idx + 1))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._write(self.line(trainer, pl_module, time.monotonic()))
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        self._write(self.line(trainer, pl_module, time.monotonic(), done))
 
-    def line(self, trainer: Any, pl_module: Any, now: float) -> str:
-        """The progress line at time ``now`` (``time.monotonic()``)."""
+    def line(self, trainer: Any, pl_module: Any, now: float, batch: int) -> str:
+        """The progress line at time ``now`` (``time.monotonic()``), ``batch`` batches into the epoch."""
         elapsed = now - self._started
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            done, total, unit = trainer.global_step, trainer.max_steps, "step"
-        else:
-            done, total, unit = trainer.fit_loop.epoch_loop.batch_progress.current.completed, \
-                self.total_train_batches, "batch"
-        ran = done - self._first_step if unit == "step" else done
+        epoch = f"epoch {trainer.current_epoch}"
+        if trainer.max_steps is not None and trainer.max_steps > 0:  # optimizer steps of the whole run
+            done, total, unit, ran = trainer.global_step, trainer.max_steps, "step", trainer.global_step - self._first_step
+            left = total - done
+        else:  # batches of this epoch; time left over every epoch still to run
+            done, total, unit, ran = batch, self.total_train_batches, "batch", self._batches
+            left = total - done
+            if trainer.max_epochs is not None and trainer.max_epochs > 0:
+                left += max(trainer.max_epochs - trainer.current_epoch - 1, 0) * total
+                epoch += f"/{trainer.max_epochs}"
         rate = ran / elapsed if elapsed > 0 else 0.0
-        parts = [f"epoch {trainer.current_epoch} {unit} {done}/{total if math.isfinite(total) else '?'}"
+        parts = [f"{epoch} {unit} {done}/{total if math.isfinite(total) else '?'}"
                  + (f" ({100 * done / total:.0f}%)" if math.isfinite(total) and total > 0 else ""),
                  f"{rate:.2f} it/s", f"elapsed {_duration(elapsed)}"]
         if math.isfinite(total) and rate > 0:
-            parts.append(f"left {_duration((total - done) / rate)}")
+            parts.append(f"left {_duration(left / rate)}")
         for name, value in self.get_metrics(trainer, pl_module).items():
             if name == "v_num":
                 continue
@@ -201,6 +209,22 @@ class LogProgressBar(ProgressBar):
         stream = sys.stdout if self.stream is None else self.stream
         stream.write(line + "\n")
         stream.flush()
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"trainer.max_steps": 2000, …}`` (lists kept whole)."""
+    if not isinstance(value, dict):
+        return {prefix: value} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)) if isinstance(item, dict)
+                   else {f"{prefix}.{key}" if prefix else str(key): item})
+    return out
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LilicorrCLI(LightningCLI):
@@ -353,19 +377,38 @@ class LilicorrCLI(LightningCLI):
         self._wire_data()
 
     def _refuse_a_fresh_run_over_another(self) -> None:
-        """A new fit (no ``ckpt_path``) whose folder holds another run's ``config.yaml`` is refused before any work:
-        writing there would replace the record of how that run's checkpoints were trained (which ``prepare``, ``perf``
-        and ``bench`` read) and put this run's checkpoints beside them as ``last-v1.ckpt``. A resumed fit rewrites its
-        own record. (Lightning's own check refuses resumes too, which is why it is replaced by this one.)"""
+        """A new fit (no ``ckpt_path``) whose ``config.yaml`` would replace another run's record is refused before the
+        data are prepared: that record is how the folder's checkpoints were trained (``prepare``, ``perf`` and
+        ``bench`` read it). The same command again — a retry, a requeued batch job that Lightning resumes by itself
+        (SLURM's ``hpc_ckpt``, ``OnExceptionCheckpoint``) — writes the same record, and runs. A resumed fit rewrites
+        its own. (Lightning's own check refuses all of these, which is why it is replaced by this one.)"""
         callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
         if self.config["fit"].get("ckpt_path") or callback is None or not callback.save_to_log_dir:
             return
-        record = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, callback.fit_config_filename)
-        if os.path.isfile(record):
-            raise UserInputError(
-                f"{record} records an earlier run in this folder; resume it with --ckpt_path=last (or one of its "
-                "checkpoints), or start a new run with another --trainer.default_root_dir"
-            )
+        log_dir = self.trainer.log_dir or self.trainer.default_root_dir
+        record = os.path.join(log_dir, callback.fit_config_filename)
+        if not os.path.isfile(record):
+            return
+        import yaml
+
+        try:
+            with open(record, encoding="utf-8") as fh:
+                saved = _flat(yaml.safe_load(fh))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            saved = {}
+        current = _flat(yaml.safe_load(callback.parser.dump(callback.config, skip_none=False)))
+        differing = sorted(k for k in set(saved) | set(current) if k != "ckpt_path" and saved.get(k) != current.get(k))
+        if not differing:
+            return
+        key = differing[0]
+        elsewhere = "another --trainer.default_root_dir"
+        if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
+            elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
+        raise UserInputError(
+            f"{record} records another run (its {key}: {_brief(saved.get(key))}, this run's: "
+            f"{_brief(current.get(key))}); resume that run with --ckpt_path=last, or write this one elsewhere with "
+            f"{elsewhere}"
+        )
 
     def before_validate(self) -> None:
         self._wire_data()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -406,6 +406,13 @@ def _merged_yaml(paths: Sequence[str]) -> dict[str, Any]:
     return merged
 
 
+def _model_section(configs: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """``model`` of ``lilicorr fit`` config files merged in order, or of an already parsed config (``{"model": …}``:
+    the command's own, with its ``--model.*`` overrides applied)."""
+    merged = dict(configs) if isinstance(configs, Mapping) else _merged_yaml(configs)
+    return dict(merged.get("model") or {})
+
+
 def _component(spec: Any, expected: type, key: str) -> Any:
     if not isinstance(spec, dict) or str(spec.get("class_path", "")).rsplit(".", 1)[-1] != expected.__name__:
         found = spec.get("class_path") if isinstance(spec, dict) else spec
@@ -414,11 +421,12 @@ def _component(spec: Any, expected: type, key: str) -> Any:
 
 
 def load_round_modules(
-    configs: Sequence[str], target_config: str | None = None, target_overrides: dict[str, Any] | None = None,
-    device: str | torch.device = "meta",
+    configs: Sequence[str] | Mapping[str, Any], target_config: str | None = None,
+    target_overrides: dict[str, Any] | None = None, device: str | torch.device = "meta",
 ) -> tuple[Any, DFlashDrafter, LiLiCorrHead]:
-    """Target config, drafter and LiLiCorr head of ``lilicorr fit`` config files, built on ``device`` (default: the
-    meta device, shapes only; elsewhere with fresh random weights).
+    """Target config, drafter and LiLiCorr head of ``lilicorr fit`` config files (or a parsed config, see
+    :func:`_model_section`), built on ``device`` (default: the meta device, shapes only; elsewhere with fresh random
+    weights).
 
     ``target_config``: a ``config.json`` (or a directory holding one) to read the target's shapes from;
     default: ``model.target.name_or_path`` (a local directory, or a hub name already in the local cache).
@@ -432,7 +440,7 @@ def load_round_modules(
     from lilicorr_pl.builtin import resolve_target_path
     from lilicorr_pl.target import default_layer_ids
 
-    model = _merged_yaml(configs).get("model") or {}
+    model = _model_section(configs)
     target = model.get("target") or {}
     source = target_config or target.get("name_or_path")
     if not source:
@@ -463,8 +471,7 @@ def load_round_modules(
         if len(scaled) != len(layer_ids):
             raise ValueError(
                 f"model.target.layer_ids {list(layer_ids)} of {layers} layers do not stay {len(layer_ids)} distinct "
-                f"layers at {depth} ({scaled}); set model.target.layer_ids for that depth in a -c file (the cost model "
-                "and round timing read shapes from the -c files only)"
+                f"layers at {depth} ({scaled}); set model.target.layer_ids for that depth"
             )
         layer_ids = scaled
     drafter = _component(model.get("drafter"), DFlashDrafter, "model.drafter")
@@ -477,7 +484,7 @@ def load_round_modules(
 
 
 def round_timing(
-    config: Sequence[str],
+    config: Sequence[str] | Mapping[str, Any],
     target_config: str | None = None,
     target_overrides: dict[str, Any] | None = None,
     context: int = 64,
@@ -531,7 +538,7 @@ def round_timing(
             f"{limit} positions; lower --context or --new_tokens"
         )
     if dtype is None:
-        dtype = (_merged_yaml(config).get("model") or {}).get("target", {}).get("dtype", "float32")
+        dtype = (_model_section(config).get("target") or {}).get("dtype", "float32")
     dtype = resolve_dtype(dtype)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(target_cfg)  # random float32 weights, then the run's dtype
@@ -602,7 +609,7 @@ def format_round_timing(result: dict[str, Any]) -> str:
 
 
 def cost_report(
-    config: Sequence[str],
+    config: Sequence[str] | Mapping[str, Any],
     target_config: str | None = None,
     context: int = 2048,
     tau: float = 6.0,
@@ -807,13 +814,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if options.cost_model and options.round_timing:
         raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
     if options.cost_model or options.round_timing:
-        mode = "--cost_model" if options.cost_model else "--round_timing"
-        ignored = [a for a in args if a.startswith(("--model.", "--data.", "--trainer."))
-                   and not a.startswith("--model.target.dtype")]  # round timing reads the parsed dtype
-        if ignored:
-            raise UserInputError(f"{mode} reads the run's shapes from its -c files only, so {ignored[0]} would be "
-                                 "ignored; put it in a -c overlay file (the target's shape: --target_overrides)")
-        configs = [str(c) for c in options.config]
+        from lilicorr_pl.system import plain_data
+
+        configs = {"model": plain_data(options.model)}  # the -c files with the command line's --model.* applied
         overrides = dict(options.target_overrides or {})
         try:
             if options.cost_model:

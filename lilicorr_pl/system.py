@@ -519,6 +519,8 @@ class DraftSystem(L.LightningModule):
         except (ValueError, RuntimeError, OSError) as err:  # the target cannot be loaded, or does not fit the weights
             if isinstance(err, UserInputError):  # already one line, naming its fix
                 raise
+            if type(err) is RuntimeError and not any(s in str(err) for s in ("does not match", "size mismatch")):
+                raise  # not about the target (out of memory, a bug): as it is
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
                                   "model it was trained with (--target)") from err

@@ -102,7 +102,7 @@ def test_interrupted_write_leaves_nothing_under_the_real_name_and_keeps_finished
     dest = tmp_path / "c"
     w = StoreWriter(dest, "features", {"a": 1})
     w.write(0, (0, 2), {"features": FEATURES[:5]})
-    (w.partial / f".{shard_name(1)}.{socket.gethostname()}-999999-dead.tmp").write_bytes(b"half a shard")  # a killed write
+    (w.partial / f".{shard_name(1)}.w@{socket.gethostname()}@999999@dead.tmp").write_bytes(b"half a shard")  # a killed write
     with pytest.raises(CacheError, match=r"shard-00001.*missing"):
         w.finalize(2)
     assert not dest.exists()
@@ -118,15 +118,15 @@ def test_interrupted_write_leaves_nothing_under_the_real_name_and_keeps_finished
 @pytest.mark.parametrize("host", ["node1.cluster.example", "gpu-07.dc-2"])
 def test_leftovers_are_judged_by_the_whole_host_name_even_with_dots_and_hyphens(tmp_path, monkeypatch, host):
     """A dotted (or hyphenated) host name is this host's: a killed writer's temp file is removed at once and a live
-    one's kept. Split at dots, ``node1.cluster.example`` read as host ``example``, another host's, so a killed
-    writer's file stayed for a day."""
+    one's kept; a host whose name merely ends with this one's is another host. Split at dots, ``node1.cluster.example``
+    read as host ``example``, another host's, so a killed writer's file stayed for a day."""
     monkeypatch.setattr(socket, "gethostname", lambda: host)
     w = StoreWriter(tmp_path / "c", "features", {"a": 1})
     w.write(0, (0, 2), {"features": FEATURES[:5]})
     w.write(1, (2, 3), {"features": FEATURES[5:]})
-    dead = w.partial / f".{shard_name(1)}.{host}-999999-dead.tmp"
-    live = w.partial / f".{shard_name(1)}.{host}-{os.getpid()}-live.tmp"
-    other = w.partial / f".{shard_name(1)}.elsewhere.example-999999-fresh.tmp"  # another host's, written just now
+    dead = w.partial / f".{shard_name(1)}.w@{host}@999999@dead.tmp"
+    live = w.partial / f".{shard_name(1)}.w@{host}@{os.getpid()}@live.tmp"
+    other = w.partial / f".{shard_name(1)}.w@node1.{host}@999999@fresh.tmp"  # another host, whose name ends with this one's
     for path in (dead, live, other):
         path.write_bytes(b"partial")
     w.finalize(2)
@@ -142,7 +142,7 @@ def test_two_independent_runs_sharing_a_cache_both_finish_with_one_valid_store(t
     a, b = StoreWriter(dest, "features", {"a": 1}), StoreWriter(dest, "features", {"a": 1})
     a.write(0, (0, 2), {"features": FEATURES[:5]})
     b.write(0, (0, 2), {"features": FEATURES[:5]})
-    live = b.partial / f".{shard_name(1)}.{socket.gethostname()}-{os.getpid()}-live.tmp"
+    live = b.partial / f".{shard_name(1)}.w@{socket.gethostname()}@{os.getpid()}@live.tmp"
     live.write_bytes(b"b is writing")  # b's write in flight while a finalizes
     a.write(1, (2, 3), {"features": FEATURES[5:]})
     a.finalize(2)

@@ -152,19 +152,30 @@ def test_no_distractor_overlay_removes_the_term(tmp_path):
     assert not ablated.needs_target_logits and base.needs_target_logits  # nor is its logit cache computed
 
 
-def test_a_new_fit_is_refused_over_another_runs_record_and_a_resume_rewrites_its_own(tmp_path, capsys):
+def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is_not(tmp_path, capsys):
     """A fresh fit into a folder holding an earlier run's config.yaml replaced that record (which prepare, perf and
-    bench read as how the run's checkpoints were trained) and wrote its checkpoint beside theirs as last-v1.ckpt."""
+    bench read as how the run's checkpoints were trained). The same command again (a retry, a requeued job that
+    Lightning resumes by itself) writes the same record, and a resume rewrites its own: both run."""
     fit_tiny(tmp_path, steps=1)
     root = tmp_path / "runs" / "tiny"
     record = (root / "config.yaml").read_text()
     ablated = ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(ROOT / "configs" / "ablations" /
-               "no_distractor.yaml"), f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"]
+               "no_distractor.yaml"), f"--trainer.default_root_dir={root}", "--trainer.max_steps=1",
+               "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
     err = user_error(capsys, ablated)
-    assert re.search(rf"error: {re.escape(str(root / 'config.yaml'))} records an earlier run in this folder; resume "
-                     r"it with --ckpt_path=last .*, or start a new run with another --trainer.default_root_dir", err)
+    assert err.strip().endswith(
+        f"error: {root / 'config.yaml'} records another run (its model.disabled_losses: None, this run's: "
+        "['distractor_penalty']); resume that run with --ckpt_path=last, or write this one elsewhere with another "
+        "--trainer.default_root_dir"), err
     assert (root / "config.yaml").read_text() == record and not (root / "checkpoints" / "last-v1.ckpt").exists()
-    cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # the same run, resumed: its own record is rewritten
+    # Relaunched from its saved config with another root: the saved logger still writes to the old folder, so the
+    # fix names that setting too.
+    err = user_error(capsys, ["fit", "-c", str(root / "config.yaml"), f"--trainer.default_root_dir={tmp_path / 'b'}"])
+    assert err.strip().endswith(f"another --trainer.default_root_dir and --trainer.logger.init_args.save_dir (the "
+                                f"logger writes the record to {root})"), err
+    assert (root / "config.yaml").read_text() == record
+    fit_tiny(tmp_path, steps=1)  # the same run again
+    cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # resumed: its own record is rewritten
     assert cli.trainer.global_step == 2 and "ckpt_path: last" in (root / "config.yaml").read_text()
 
 

@@ -26,9 +26,15 @@ def test_a_rerun_may_replace_its_own_results_and_never_a_users_file(tmp_path):
 
 
 def test_results_of_earlier_versions_count_as_the_tools_own(tmp_path):
-    """Every bench and demo results file written before the marker says whether τ includes the bonus token."""
+    """Every bench and demo results file written before the marker says whether τ includes the bonus token; perf's
+    have their own totals."""
     (tmp_path / "demo.json").write_text(json.dumps({"mode": "full", "tau_includes_bonus_token": True, "results": []}))
     (tmp_path / "bench.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}] * 2}))
     (tmp_path / "half.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}, {"other": 1}]}))
-    assert written_by_lilicorr(tmp_path / "demo.json") and written_by_lilicorr(tmp_path / "bench.json")
-    assert not written_by_lilicorr(tmp_path / "half.json")
+    (tmp_path / "none.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "perf.json").write_text(json.dumps({"step_total": 0.3, "target": 0.1}))
+    (tmp_path / "timing.json").write_text(json.dumps({"settings": {}, "plain_step_ms": 5.0, "arms": {}}))
+    (tmp_path / "empty.json").write_text("")  # mktemp's: nothing to lose
+    for name in ("demo", "bench", "perf", "timing", "empty"):
+        assert written_by_lilicorr(tmp_path / f"{name}.json"), name
+    assert not written_by_lilicorr(tmp_path / "half.json") and not written_by_lilicorr(tmp_path / "none.json")

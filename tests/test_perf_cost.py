@@ -213,14 +213,15 @@ def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
         str(tmp_path / "missing")])
 
 
-def test_cost_model_and_round_timing_refuse_overrides_they_would_ignore(capsys):
-    """Both read the shapes from the -c files: a --model.* override printed the unchanged shapes without a word."""
-    base = ["perf", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"), "--target-config",
-            str(QWEN3_8B)]
-    for mode in ("--cost-model", "--round-timing"):
-        err = user_error(capsys, [*base, mode, "--model.drafter.init_args.block_size=8"])
-        assert (f"{mode.replace('-', '_').replace('__', '--')} reads the run's shapes from its -c files only, so "
-                "--model.drafter.init_args.block_size=8 would be ignored; put it in a -c overlay file") in err
+def test_cost_model_applies_the_command_lines_model_overrides(capsys):
+    """The shapes came from the -c files alone: a --model.* override printed the unchanged shapes without a word."""
+    base = ["perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"),
+            "--target-config", str(QWEN3_8B)]
+    plain = cli_main(base)
+    pinned = cli_main([*base, "--model.drafter.init_args.block_size=8", "--model.head.init_args.top_k=4"])
+    assert plain["settings"]["block_size"] == 16 and plain["settings"]["head"]["top_k"] == 8
+    assert pinned["settings"]["block_size"] == 8 and pinned["settings"]["head"]["top_k"] == 4
+    assert pinned["settings"]["head"]["nodes"] == 7 * 4
 
 
 def _timing_config(tmp_path: Path, target: str, layer_ids: list[int] | None = None) -> Path:

@@ -89,3 +89,26 @@ def test_lilicorr_fit_uses_the_log_bar_when_its_output_is_not_a_terminal_and_the
     monkeypatch.setattr("sys.stdout", _Terminal())
     pytest.importorskip("rich")
     assert isinstance(run_lightning(args, run=False).trainer.progress_bar_callback, StepProgressBar)
+
+
+def test_a_fit_without_max_steps_counts_batches_per_epoch_at_a_steady_rate(monkeypatch):
+    """Epoch-limited runs: the count restarts each epoch, the rate does not decay with it, time left spans every
+    epoch still to run (the count was one batch low and the rate fell 40 -> 14 -> 8 it/s over three epochs)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import lilicorr_pl.lightning_cli as lcli
+    from lilicorr_pl.lightning_cli import LogProgressBar
+
+    clock = iter(range(10_000))  # one second per call: a constant speed
+    monkeypatch.setattr(lcli.time, "monotonic", lambda: float(next(clock)))
+    log = io.StringIO()
+    trainer = Trainer(max_epochs=3, limit_train_batches=4, callbacks=[LogProgressBar(interval=0.0, stream=log)],
+                      logger=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel())
+    lines = log.getvalue().splitlines()[:-1]  # the last: the end of training
+    assert [re.match(r"epoch (\d)/3 batch (\d)/4", line).groups() for line in lines] == [
+        (str(e), str(b)) for e in range(3) for b in range(1, 5)]
+    rates = [float(re.search(r"\| ([\d.]+) it/s", line).group(1)) for line in lines]
+    assert max(rates) - min(rates) < 0.05  # steady, at one batch per clock second
+    assert lines[-1].endswith("| left 0:00") and "| left 0:11" in lines[0]  # 11 batches to go after the first

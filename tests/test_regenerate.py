@@ -226,6 +226,16 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
         run(str(moved), input_file, tmp_path / "out2.jsonl")
     assert out.read_text() == before
+    # A record from before the weights, dtype and device were keyed: not resumable, and the message says why.
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    old = {k: v for k, v in json.loads(provenance_path(out).read_text()).items()
+           if k not in ("target_fingerprint", "dtype", "device_type")}
+    provenance_path(out).write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"written by an earlier lilicorr version, whose record lacks device_type, "
+                                         r"dtype, target_fingerprint, so resuming cannot be checked; choose a new"):
+        run(target_dir, input_file, out)
+    assert out.read_text() == before
     # A file this command did not write (no provenance record) is never appended to.
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"mine": 1}\n')

@@ -159,7 +159,7 @@ def test_a_build_clears_killed_builds_temporaries_and_never_a_live_one(tmp_path:
     monkeypatch.setattr(tiny_target, "train_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     name = f"tiny-target-test-{tiny_target.build_fingerprint(TinyTargetConfig.preset('test'))}"
     dead, live, remote = (tmp_path / f".{name}.{tag}.tmp" for tag in
-                          ("node1.cluster-999999-dead", f"node1.cluster-{os.getpid()}-live", "node2.cluster-1-busy"))
+                          ("w@node1.cluster@999999@dead", f"w@node1.cluster@{os.getpid()}@live", "w@node2.cluster@1@busy"))
     for path in (dead, live, remote):
         path.mkdir()
     with pytest.raises(KeyboardInterrupt):

@@ -136,6 +136,12 @@ def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
             "mix sources: choose a new --output (or move the file away)"
         )
     saved = json.loads(record.read_text())
+    unrecorded = sorted(set(provenance) - set(saved))
+    if unrecorded:
+        raise ValueError(
+            f"--output {output} was written by an earlier lilicorr version, whose record lacks {', '.join(unrecorded)}, "
+            "so resuming cannot be checked; choose a new --output (the finished lines stay usable as training data)"
+        )
     differing = sorted(k for k in set(saved) | set(provenance) if saved.get(k) != provenance.get(k))
     if differing:
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {provenance.get(k)!r}" for k in differing)
@@ -326,10 +332,11 @@ def regenerate(
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
-        # The weights as well as the config (sampled hashes of the weight files; a hub name's cached snapshot), and
-        # the precision and device kind they run in: each changes the greedy answers.
+        # A local model's weights as well as its config (sampled hashes of the weight files), and the precision
+        # and device kind they run in: each changes the greedy answers. A hub name is keyed by its name (and
+        # revision): its cached files change as they download, so hashing them would refuse its own resume.
         "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
-                                                             include_layers=False)),
+                                                             include_layers=False)) if where is not None else None,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "device_type": torch.device(device).type,
         "temperature": float(temperature),

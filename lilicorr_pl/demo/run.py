@@ -220,9 +220,6 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
         *extra,
     ]
     log(f"   {name}: lilicorr {' '.join(args)}")
-    # This stage's own folder (named by its key): a record left there is an interrupted attempt of this same stage,
-    # which this fit replaces (a new fit refuses to write over another run's record).
-    (run_dir / "config.yaml").unlink(missing_ok=True)
     try:
         return run_lightning(args)
     finally:
