@@ -19,8 +19,11 @@ _CONTROL = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # cursor moves and colours
 
 
 def is_terminal(stream: IO[str] | None = None) -> bool:
-    """Whether ``stream`` (stderr by default) is an interactive terminal."""
+    """Whether ``stream`` (stderr by default) is shown live: a terminal, or a Jupyter kernel's output (not a TTY, but
+    tqdm draws a widget there)."""
     stream = sys.stderr if stream is None else stream
+    if type(stream).__module__.startswith("ipykernel."):
+        return True
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or closed

@@ -48,6 +48,14 @@ def test_on_a_terminal_the_bar_redraws_in_place():
     assert "\r" in screen.getvalue()
 
 
+def test_a_jupyter_kernels_output_counts_as_live():
+    """In a notebook stderr is the kernel's stream, not a TTY: its bars stay tqdm's (a widget), not 30-s log lines."""
+    from lilicorr_pl.progress import is_terminal
+
+    kernel_stream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})()
+    assert is_terminal(kernel_stream) and not is_terminal(io.StringIO())
+
+
 def test_a_disabled_bar_writes_nothing_anywhere():
     log = io.StringIO()
     for _ in progress_bar(range(3), file=log, disable=True):
