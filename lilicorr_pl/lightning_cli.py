@@ -34,7 +34,7 @@ from lilicorr_pl.checkpoint import (CheckpointError, UserInputError, check_class
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
-from lilicorr_pl.system import DraftSystem, check_resume_settings, plain_data
+from lilicorr_pl.system import DraftSystem, _short, check_resume_settings, plain_data
 
 # Lightning's ckpt_path keywords (not files).
 CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
@@ -123,8 +123,6 @@ class StepTQDMProgressBar(TQDMProgressBar):
 
 
 def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
@@ -220,11 +218,6 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
         out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)) if isinstance(item, dict)
                    else {f"{prefix}.{key}" if prefix else str(key): item})
     return out
-
-
-def _brief(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LilicorrCLI(LightningCLI):
@@ -405,8 +398,8 @@ class LilicorrCLI(LightningCLI):
         if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
             elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
         raise UserInputError(
-            f"{record} records another run (its {key}: {_brief(saved.get(key))}, this run's: "
-            f"{_brief(current.get(key))}); resume that run with --ckpt_path=last, or write this one elsewhere with "
+            f"{record} records another run (its {key}: {_short(saved.get(key), 80)}, this run's: "
+            f"{_short(current.get(key), 80)}); resume that run with --ckpt_path=last, or write this one elsewhere with "
             f"{elsewhere}"
         )
 

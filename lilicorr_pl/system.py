@@ -7,8 +7,8 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 from __future__ import annotations
 
 import contextlib
-import json
 import dataclasses
+import json
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,9 +28,9 @@ from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters, 
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     CheckpointError,
+    UserInputError,
     check_class_paths,
     check_remote_code,
-    UserInputError,
     read_checkpoint,
     state_checksum,
     verify_checksum,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 from pathlib import Path
 
 import pytest

@@ -133,7 +133,7 @@ class StoreWriter:
 
     def _write_into_partial(self, name: str, data: bytes) -> bool:
         """Write file ``name`` of the partial directory atomically: a temporary name that says which writer made it
-        (``.<name>.<host>-<pid>-<rand>.tmp``, so another writer's ``finalize`` never removes it while this one lives),
+        (``.<name>.<writer_tag()>.tmp``, so another writer's ``finalize`` never removes it while this one lives),
         then a rename. ``False`` if another process finalized the same store meanwhile: theirs stands, and this
         writer's temporary file, moved along with their directory, is removed from it."""
         self.partial.mkdir(parents=True, exist_ok=True)
