@@ -282,7 +282,7 @@ def bench(
     plot: str | None = None,
     compile: bool = False,
     lattice_k: PositiveInt | None = None,
-    walk: Literal["greedy", "viterbi"] | None = None,
+    walk: Literal["greedy", "viterbi", "top1_start"] | None = None,
     target: str | None = None,
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
@@ -315,7 +315,8 @@ def bench(
             run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
         lattice_k: serve the checkpoint's LiLiCorr head with a narrower lattice, k <= the K it was trained with
             (its rank-ordered candidates; the engines choose k at serving time). Default: the head's own.
-        walk: the LiLiCorr head's T = 0 walk: greedy (the method) or viterbi (the max-sum ablation). Default: the
+        walk: the LiLiCorr head's T = 0 walk: greedy (the method), viterbi (the max-sum ablation) or top1_start (the
+            greedy walk from the drafter's top-1 at the first slot: an ablation of the start scores). Default: the
             head's own.
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).

@@ -120,6 +120,9 @@ class DraftSystem(L.LightningModule):
             None = vanilla DFlash (per-slot top-1).
         losses: loss components summed with their weights. Default: ``DFlashCE`` only.
         num_anchors: blocks drawn per sequence and step (512 in the published recipe).
+        response_start_anchors: in training, the probability per sequence and step that one of its anchors is a
+            response's first token: the block every generation drafts first, right after the prompt, which uniform
+            draws (the published recipe, 0) reach once per response length. Validation keeps uniform draws.
         optimizer: optimizer factory over the trainable parameters.
         lr_scheduler: scheduler factory; ``WarmupCosine`` gets its length from the Trainer.
         target_logits: where the distractor penalty reads target logits: ``"cache"`` (the data
@@ -161,6 +164,7 @@ class DraftSystem(L.LightningModule):
         head: Selector | None = None,
         losses: list[LossComponent] | None = None,
         num_anchors: int = 512,
+        response_start_anchors: float = 0.0,
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = WarmupCosine,
         target_logits: Literal["auto", "cache", "exact"] = "auto",
@@ -182,6 +186,8 @@ class DraftSystem(L.LightningModule):
             raise ValueError(f"target_logits must be 'auto', 'cache' or 'exact', got {target_logits!r}")
         if num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+        if not 0.0 <= response_start_anchors <= 1.0:
+            raise ValueError(f"model.response_start_anchors is a probability in [0, 1], got {response_start_anchors}")
         if context_memo_mb < 0:
             raise ValueError(f"model.context_memo_mb must be >= 0 (0 = off), got {context_memo_mb}")
         if context_memo_mb > 0 and not freeze_drafter:
@@ -200,6 +206,7 @@ class DraftSystem(L.LightningModule):
         self.target_spec = spec
         target = spec
         self.num_anchors = num_anchors
+        self.response_start_anchors = response_start_anchors
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.target_logits_mode = target_logits
@@ -565,7 +572,8 @@ class DraftSystem(L.LightningModule):
             else:
                 out = target(ids, attention_mask=attn)
                 feats, normed = out.features, out.normed_hidden
-        anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator)
+        anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator=generator,
+                                        response_start_prob=self.response_start_anchors if self.training else 0.0)
         with self._profile("drafter"):
             context = None
             if memo is not None:  # store or online features alike: a frozen target's depend only on the sequence

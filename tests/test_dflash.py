@@ -177,6 +177,66 @@ def test_sample_anchors_respects_loss_mask_and_is_distinct():
     assert not torch.equal(pos, pos2)  # redrawn with the generator
 
 
+def test_sample_anchors_response_start_prob():
+    mask = torch.zeros(4, 60, dtype=torch.bool)
+    mask[0, 20:59] = True  # one response
+    mask[1, 5:15] = True  # two responses (a second turn): either start may be the one
+    mask[1, 30:50] = True
+    mask[2, 0:30] = True  # starts at 0, which has no context (min_position): never an anchor
+    mask[3, 40:] = True
+    uniform = sample_anchors(mask, 3, generator=torch.Generator().manual_seed(0))
+    same = sample_anchors(mask, 3, generator=torch.Generator().manual_seed(0), response_start_prob=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(uniform, same))  # off draws exactly as before
+    seen_second_turn = set()
+    for seed in range(40):
+        pos, valid = sample_anchors(mask, 3, generator=torch.Generator().manual_seed(seed), response_start_prob=1.0)
+        assert valid.all()
+        assert 20 in pos[0].tolist() and 40 in pos[3].tolist()
+        starts = {5, 30} & set(pos[1].tolist())
+        assert starts
+        seen_second_turn |= starts
+        assert 0 not in pos[2].tolist() and mask[2, pos[2]].all()
+    assert seen_second_turn == {5, 30}
+    # A probability per sequence and draw: about half of many sequences at 0.5 (uniform alone: 3 in 39).
+    many = torch.zeros(2000, 60, dtype=torch.bool)
+    many[:, 20:59] = True
+    pos, _ = sample_anchors(many, 3, generator=torch.Generator().manual_seed(0), response_start_prob=0.5)
+    rate = (pos == 20).any(1).float().mean().item()
+    assert 0.5 < rate < 0.6  # 0.5 + 0.5 * 3/39 = 0.54
+    with pytest.raises(ValueError, match="response_start_prob"):
+        sample_anchors(mask, 3, response_start_prob=1.5)
+
+
+
+def test_response_start_anchors_draw_the_boundary_block_in_training_only(tmp_path):
+    from helpers import make_tiny_target_dir
+
+    from lilicorr_pl.models import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    def system(p):
+        return DraftSystem(target={"name_or_path": make_tiny_target_dir(tmp_path), "dtype": "float32"},
+                           drafter=DFlashDrafter(num_layers=1, block_size=4), num_anchors=1, lr_scheduler=None,
+                           response_start_anchors=p)
+
+    with pytest.raises(ValueError, match="response_start_anchors is a probability"):
+        system(1.5)
+    s = system(1.0)
+    ids = torch.arange(10, 42).repeat(8, 1)  # [8, 32]: each token names its position (id - 10)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 12:] = 1  # the response starts at position 12
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+    def anchor_positions(training):
+        s.train(training)
+        step = s.compute_step(batch, generator=torch.Generator().manual_seed(3))
+        return (step["labels"][..., 0] - 1 - 10).flatten()  # slot 1 is labelled by the token after the anchor
+
+    assert (anchor_positions(True) == 12).all()  # every sequence's one anchor: the response's first token
+    assert (anchor_positions(False) != 12).any()  # validation draws uniformly
+
+
+
 def test_block_labels_are_same_position_and_masked():
     ids = torch.arange(100, 110).unsqueeze(0)  # token at position t is 100 + t
     loss = torch.ones(1, 10, dtype=torch.bool)

@@ -97,6 +97,19 @@ def test_greedy_keeps_the_early_slot_where_viterbi_sacrifices_it():
     assert viterbi(start, pair).tolist() == [[1, 0]]
 
 
+def test_top1_start_walk_leaves_the_first_slot_to_the_drafter():
+    from lilicorr_pl.heads.lattice import walk
+
+    start = torch.tensor([[1.0, 3.0, 0.0], [5.0, 0.0, 0.0]])  # block 0's start prefers rank 1, block 1's rank 0
+    pair = torch.zeros(2, 2, 3, 3)
+    pair[:, 0, 0, 2] = 4.0  # leaving rank 0: rank 2; leaving rank 1: rank 1
+    pair[:, 0, 1, 1] = 4.0
+    pair[:, 1, 2, 1] = 4.0  # then rank 1 after rank 2, rank 0 after rank 1
+    pair[:, 1, 1, 0] = 4.0
+    assert walk(start, pair, "greedy").tolist() == [[1, 1, 0], [0, 2, 1]]
+    assert walk(start, pair, "top1_start").tolist() == [[0, 2, 1], [0, 2, 1]]  # only the first pick differs
+
+
 def test_prefix_length_counts_leading_trues():
     correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     assert prefix_length(correct).tolist() == [2, 0, 4, 1]
@@ -288,7 +301,7 @@ def test_invalid_anchor_is_ignored(embedding):
     assert lat.start[invalid].abs().max() == 0
 
 
-@pytest.mark.parametrize("decode", ["greedy", "viterbi"])
+@pytest.mark.parametrize("decode", ["greedy", "viterbi", "top1_start"])
 def test_training_and_decoding_walk_the_same_path(embedding, decode):
     """The tokens the training call reports for the diagnostics are the tokens decoding drafts."""
     sh, sl, a, valid = _inputs(m=8, s=5, seed=9)
@@ -304,6 +317,9 @@ def test_training_and_decoding_walk_the_same_path(embedding, decode):
     score = path_score(sel.lattice.start, sel.lattice.pair, sel.lattice_index)
     if decode == "viterbi":
         torch.testing.assert_close(score, best)
+    elif decode == "top1_start":
+        assert (sel.lattice_index[:, 0] == 0).all()  # the drafter's top-1: rank 0 of the rank-ordered lattice
+        assert torch.equal(sel.tokens[:, 0], sl.argmax(-1)[:, 0])
     else:
         assert (score <= best + 1e-5).all()
         first = sel.lattice.start.argmax(-1)  # greedy keeps the best first slot, whatever the tail

@@ -29,17 +29,20 @@ def _check_scores(start: torch.Tensor, pair: torch.Tensor) -> None:
         )
 
 
-Decode = Literal["greedy", "viterbi"]
-"""How a lattice head walks its lattice at T = 0: the greedy walk (the method) or Viterbi (ablation)."""
+Decode = Literal["greedy", "viterbi", "top1_start"]
+"""How a lattice head walks its lattice at T = 0: the greedy walk (the method), Viterbi (ablation), or the greedy
+walk from the drafter's top-1 at the first slot (ablation: the start scores unused)."""
 DECODERS: tuple[str, ...] = get_args(Decode)
 
 
-def _walk(start: torch.Tensor, pair: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Left-to-right walk: ``choose`` picks a candidate from the start row, then from the pair row
-    leaving the previous pick. Returns the path ``[M, S]``. Only this ``K``-wide step is sequential over slots."""
+def _walk(start: torch.Tensor, pair: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
+          first_top1: bool = False) -> torch.Tensor:
+    """Left-to-right walk: ``choose`` picks a candidate from the start row (``first_top1``: rank 0, the drafter's
+    top-1, instead), then from the pair row leaving the previous pick. Returns the path ``[M, S]``. Only this
+    ``K``-wide step is sequential over slots."""
     _check_scores(start, pair)
     blocks = torch.arange(start.shape[0], device=start.device)
-    index = choose(start)  # [M]
+    index = start.new_zeros(start.shape[0], dtype=torch.long) if first_top1 else choose(start)  # [M]
     path = [index]
     for s in range(pair.shape[1]):
         index = choose(pair[blocks, s, index])  # from the row leaving the current pick: [M, K]
@@ -102,6 +105,8 @@ def walk(start: torch.Tensor, pair: torch.Tensor, decode: Decode = "greedy") -> 
         return greedy_walk(start, pair)
     if decode == "viterbi":
         return viterbi(start, pair)
+    if decode == "top1_start":
+        return _walk(start, pair, lambda row: row.argmax(dim=-1), first_top1=True)
     raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
 
 

@@ -586,6 +586,7 @@ def sample_anchors(
     num_anchors: int,
     generator: torch.Generator | None = None,
     min_position: int = 1,
+    response_start_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to ``num_anchors`` distinct anchors per sequence among supervised positions.
 
@@ -593,13 +594,30 @@ def sample_anchors(
     and must have at least one position after it. Sequences with fewer eligible positions get
     padding anchors marked invalid. Returns ``(anchor_positions [b, N] long, anchor_valid [b, N])``,
     sorted by position. Vectorised: random keys + top-k, no Python loop over sequences.
+
+    ``response_start_prob``: with this probability per sequence, one of its anchors is the first token of a
+    supervised span (a response's first token: the anchor of the block every generation drafts first, right
+    after the prompt; with several spans, one of their starts at random). Uniform draws give that block one
+    chance in a response's length. 0 (the default) draws exactly as before: the same random numbers.
     """
+    if not 0.0 <= response_start_prob <= 1.0:
+        raise ValueError(f"response_start_prob must be in [0, 1], got {response_start_prob}")
     b, t = loss_mask.shape
     eligible = loss_mask.bool().clone()
     eligible[:, :min_position] = False
     eligible[:, t - 1 :] = False
     keys = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
     keys = torch.where(eligible, keys, torch.full_like(keys, -1.0))
+    if response_start_prob > 0:
+        mask = loss_mask.bool()
+        starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False) & eligible  # [b, t]
+        start_keys = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
+        pick = torch.where(starts, start_keys, torch.full_like(start_keys, -1.0)).argmax(1)  # [b]
+        coin = torch.rand(b, generator=generator, device="cpu").to(loss_mask.device) < response_start_prob
+        chosen = coin & starts.any(1)
+        # A key above every uniform one: the chosen start is always among the top-k.
+        rows = torch.arange(b, device=keys.device)
+        keys[rows[chosen], pick[chosen]] = 2.0
     n = min(num_anchors, t)
     top, idx = keys.topk(n, dim=1)
     valid = top >= 0
