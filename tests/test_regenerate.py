@@ -336,3 +336,36 @@ def test_a_target_under_home_is_found_with_tilde(target_dir, input_file, tmp_pat
     stats = run("~/models/target", input_file, out)
     assert stats.succeeded == 5 and stats.failed == 0
     assert len(read(out)) == 5
+
+
+def test_a_hub_target_is_keyed_by_the_commit_it_resolves_to(target_dir, input_file, tmp_path, monkeypatch):
+    """A hub name's new revision must not be appended to the old one's answers (the name alone was the key)."""
+    import huggingface_hub.constants
+
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    repo = tmp_path / "hub" / "models--org--tiny"  # the HF cache's layout, as a download leaves it
+    shutil.copytree(target_dir, repo / "snapshots" / "rev1")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("rev1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    out = tmp_path / "out.jsonl"
+    run("org/tiny", input_file, out, limit=2)
+    assert json.loads(provenance_path(out).read_text())["target_revision"] == "rev1"
+    run("org/tiny", input_file, out)  # the same revision resumes
+    before = out.read_text()
+    assert len(read(out)) == len(RECORDS)
+    shutil.copytree(target_dir, repo / "snapshots" / "rev2")  # the hub moved on
+    (repo / "refs" / "main").write_text("rev2")
+    with pytest.raises(ValueError, match=r"other settings \(target_revision: 'rev1' -> 'rev2'\)"):
+        run("org/tiny", input_file, out)
+    record = json.loads(provenance_path(out).read_text())
+    del record["target_revision"]  # a hub target's record from before the revision was keyed
+    provenance_path(out).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="earlier lilicorr version, whose record lacks target_revision"):
+        run("org/tiny", input_file, out)
+    assert out.read_text() == before
+    # A local directory is keyed by its weights instead: no revision in its record.
+    local = tmp_path / "local.jsonl"
+    run(target_dir, input_file, local, limit=1)
+    assert "target_revision" not in json.loads(provenance_path(local).read_text())

@@ -125,6 +125,19 @@ def provenance_path(output: Path) -> Path:
     return output.with_name(output.name + PROVENANCE_SUFFIX)
 
 
+def hub_revision(name: str) -> str | None:
+    """The commit a hub name resolves to now: the snapshot folder its ``config.json`` comes from (the hub's latest
+    with a network, the cache's ``refs`` offline). None when the files are not a hub snapshot."""
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(name, "config.json")
+    except OSError:
+        return None
+    path = Path(found) if found else None
+    return path.parent.name if path is not None and path.parent.parent.name == "snapshots" else None
+
+
 def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
     """Refuse to append to an output produced from another input, target or sampling settings."""
     if not output.exists() or output.stat().st_size == 0:
@@ -333,8 +346,9 @@ def regenerate(
         "input_sha256": file_sha256(input_path),
         "target": str(target),
         # A local model's weights as well as its config (sampled hashes of the weight files), and the precision
-        # and device kind they run in: each changes the greedy answers. A hub name is keyed by its name (and
-        # revision): its cached files change as they download, so hashing them would refuse its own resume.
+        # and device kind they run in: each changes the greedy answers. A hub name is keyed by its name and the
+        # commit it resolves to (target_revision, below): its cached files change as they download, so hashing them
+        # would refuse its own resume.
         "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
                                                              include_layers=False)) if where is not None else None,
         "dtype": str(torch_dtype).removeprefix("torch."),
@@ -346,6 +360,8 @@ def regenerate(
         "prefix_chars": prefix_chars,
         "seed": int(seed) if temperature > 0 else None,
     }
+    if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
+        provenance["target_revision"] = hub_revision(str(target))
     check_provenance(output_path, provenance)  # before the model is loaded
     from transformers import AutoConfig
 
