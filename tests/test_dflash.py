@@ -207,7 +207,6 @@ def test_sample_anchors_response_start_prob():
         sample_anchors(mask, 3, response_start_prob=1.5)
 
 
-
 def test_response_start_anchors_draw_the_boundary_block_in_training_only(tmp_path):
     from helpers import make_tiny_target_dir
 
@@ -234,7 +233,6 @@ def test_response_start_anchors_draw_the_boundary_block_in_training_only(tmp_pat
 
     assert (anchor_positions(True) == 12).all()  # every sequence's one anchor: the response's first token
     assert (anchor_positions(False) != 12).any()  # validation draws uniformly
-
 
 
 def test_block_labels_are_same_position_and_masked():

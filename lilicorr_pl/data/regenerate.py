@@ -134,8 +134,10 @@ def hub_revision(name: str) -> str | None:
         found = cached_file(name, "config.json")
     except OSError:
         return None
-    path = Path(found) if found else None
-    return path.parent.name if path is not None and path.parent.parent.name == "snapshots" else None
+    if not found:
+        return None
+    path = Path(found)
+    return path.parent.name if path.parent.parent.name == "snapshots" else None
 
 
 def check_provenance(output: Path, provenance: dict[str, Any]) -> None:

@@ -610,7 +610,7 @@ def sample_anchors(
     keys = torch.where(eligible, keys, torch.full_like(keys, -1.0))
     if response_start_prob > 0:
         mask = loss_mask.bool()
-        starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False) & eligible  # [b, t]
+        starts = mask & ~F.pad(mask[:, :-1], (1, 0), value=False) & eligible  # [b, t]
         start_keys = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
         pick = torch.where(starts, start_keys, torch.full_like(start_keys, -1.0)).argmax(1)  # [b]
         coin = torch.rand(b, generator=generator, device="cpu").to(loss_mask.device) < response_start_prob
