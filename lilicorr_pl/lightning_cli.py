@@ -24,7 +24,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
@@ -221,7 +221,21 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class LilicorrCLI(LightningCLI):
-    """LightningCLI with the links that keep model and data consistent and the edge checks above."""
+    """LightningCLI with the links that keep model and data consistent and the edge checks above.
+
+    ``reporting``: how this one process reports its progress, not what it trains — ``callbacks`` (instances, or
+    ``{"class_path", "init_args"}`` as in a config) and ``enable_progress_bar`` — added when the Trainer is built
+    and kept out of the ``config.yaml`` the run saves, so that record reruns with ``lilicorr fit -c`` as the run
+    itself would from a terminal (``lilicorr demo`` trains stages in background processes that report through
+    :class:`callbacks.ProgressFile`; their recorded configs name neither the file nor the hidden bar).
+    """
+
+    def __init__(self, *args: Any, reporting: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(reporting or {}) - {"callbacks", "enable_progress_bar"})
+        if unknown:
+            raise TypeError(f"reporting takes callbacks and enable_progress_bar, not {', '.join(unknown)}")
+        self.reporting = dict(reporting or {})
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data module tokenizes with, and precomputes logits from, the model's target.
@@ -348,12 +362,17 @@ class LilicorrCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        reported = [instantiate_class((), c) if isinstance(c, dict) else c for c in self.reporting.get("callbacks", ())]
+        show_bar = self.reporting.get("enable_progress_bar", config.get("enable_progress_bar"))
+        if reported or "enable_progress_bar" in self.reporting:
+            kwargs.setdefault("callbacks", [*callbacks, *reported])
+            kwargs.setdefault("enable_progress_bar", show_bar is not False)
+        if show_bar is not False and not any(isinstance(c, ProgressBar) for c in [*callbacks, *reported]):
             if not is_terminal(sys.stdout):  # a log file: plain lines, where a redrawn bar shows nothing or a mess
                 bar = LogProgressBar()
             else:
                 bar = StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
-            kwargs.setdefault("callbacks", [*callbacks, bar])
+            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), bar]
         return super().instantiate_trainer(**kwargs)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import user_error
 from lilicorr_pl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 
@@ -44,6 +47,9 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         assert "Trainer.fit` stopped: `max_steps=2` reached" in (run_dir / "train.log").read_text()
         assert json.loads((run_dir / "progress.json").read_text()) | {"seconds": 0} == {
             "step": 2, "max_steps": 2, "seconds": 0, "finished": True}
+        # ... and the stage's recorded config is the run's own: `lilicorr fit -c` of it draws a bar, writes no file.
+        assert "ProgressFile" not in (run_dir / "config.yaml").read_text()
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["enable_progress_bar"] is None
         assert result["training"][arm]["seconds"] > 0 and result["training"][arm]["threads"] == 1
     assert result["tau_includes_bonus_token"] is True
     # The heads were benchmarked through torch.compile where this machine can compile (a C++ compiler), and the
@@ -323,6 +329,42 @@ def test_progress_file_is_written_atomically_at_most_every_n_seconds_and_at_the_
     assert not path.exists()
     with pytest.raises(ValueError, match="every_n_seconds"):
         ProgressFile(str(path), every_n_seconds=-1)
+
+
+def test_a_stages_progress_reporting_stays_out_of_its_recorded_config(tmp_path, monkeypatch):
+    """The demo's background stages report through a progress file with the bar hidden; the config.yaml the stage
+    records names neither, so `lilicorr fit -c <that file>` shows a bar and leaves the demo's progress file alone."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+
+    import wandb
+
+    from callbacks import ProgressFile
+    from lilicorr_pl.lightning_cli import run_lightning
+
+    monkeypatch.chdir(tmp_path)
+    root, progress = tmp_path / "runs" / "stage", tmp_path / "progress.json"
+    args = ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+            "--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
+    reporting = {"enable_progress_bar": False,
+                 "callbacks": [{"class_path": "callbacks.ProgressFile", "init_args": {"path": str(progress)}}]}
+    cli = run_lightning(args, reporting=reporting)
+    wandb.finish()  # as the demo's stages do: the rerun below starts its own run
+    assert json.loads(progress.read_text()) == {**json.loads(progress.read_text()), "step": 2, "finished": True}
+    assert cli.trainer.progress_bar_callback is None
+    assert sum(isinstance(c, ProgressFile) for c in cli.trainer.callbacks) == 1
+    recorded = (root / "config.yaml").read_text()
+    saved = yaml.safe_load(recorded)["trainer"]
+    assert "ProgressFile" not in recorded and saved["enable_progress_bar"] is None  # the run's own settings kept:
+    assert any("RandomStateCheckpoint" in c["class_path"] for c in saved["callbacks"])
+
+    before = progress.read_text()
+    again = tmp_path / "again"
+    rerun = main(["fit", "-c", str(root / "config.yaml"), f"--trainer.default_root_dir={again}",
+                  f"--trainer.logger.init_args.save_dir={again}"])
+    assert isinstance(rerun.trainer.progress_bar_callback, ProgressBar)
+    assert not any(isinstance(c, ProgressFile) for c in rerun.trainer.callbacks) and progress.read_text() == before
+    with pytest.raises(TypeError, match="not max_steps"):
+        run_lightning(args[1:], reporting={"max_steps": 3}, run=False)
 
 
 def test_a_background_stage_refuses_a_key_other_than_the_demos_in_one_line(tmp_path):

@@ -198,8 +198,11 @@ def target_overrides(target_dir: str) -> list[str]:
 
 
 def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: int, seed: int,
-        target_dir: str, data_file: Path) -> Any:
-    """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir)."""
+        target_dir: str, data_file: Path, reporting: dict[str, Any] | None = None) -> Any:
+    """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir).
+
+    ``reporting``: how this process reports progress (:class:`~lilicorr_pl.lightning_cli.LilicorrCLI`), kept out of
+    the stage's recorded ``config.yaml``."""
     from lilicorr_pl.lightning_cli import run_lightning
 
     run_dir = workdir / "runs" / name
@@ -221,7 +224,7 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
     ]
     log(f"   {name}: lilicorr {' '.join(args)}")
     try:
-        return run_lightning(args)
+        return run_lightning(args, reporting=reporting)
     finally:
         try:
             import wandb
@@ -303,12 +306,12 @@ def finished_arm(workdir: Path, arm: str, key: str) -> tuple[Path, dict[str, Any
 
 
 def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_dir: Path, init_key: str,
-              steps: int, seed: int, extra: Sequence[str] = ()) -> tuple[Path, dict[str, Any], Path]:
+              steps: int, seed: int, reporting: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], Path]:
     """Stage B: the arm's own head and losses for ``steps`` more, warm-started from the drafter in ``init_dir``
     (the shared stage's, or for a head-stage arm the drafter its source arm trained, kept frozen).
 
     Returns the checkpoint, its metadata and the arm's exported drafter (what a head-stage arm starts from).
-    ``extra``: more ``lilicorr fit`` arguments that do not change what is trained (progress reporting)."""
+    ``reporting``: how the stage's process reports progress (not recorded in its ``config.yaml``; see :func:`fit`)."""
     from lilicorr_pl.interop import export_drafter
 
     key = arm_key(arm, init_key, steps, seed)
@@ -318,8 +321,9 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
         return done
     ckpt, meta_path, drafter_dir = arm_paths(workdir, arm, key)
     started = time.time()
-    args = [f"--model.init_drafter_from={init_dir}", "--model.init_drafter_layers_from_target=false", *extra]
-    cli = fit(f"{arm}-{key}", [BASE_CONFIG, *ARMS[arm].overlays], args, workdir, steps, seed, target_dir, data_file)
+    args = [f"--model.init_drafter_from={init_dir}", "--model.init_drafter_layers_from_target=false"]
+    cli = fit(f"{arm}-{key}", [BASE_CONFIG, *ARMS[arm].overlays], args, workdir, steps, seed, target_dir, data_file,
+              reporting)
     produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt.with_suffix(".tmp")
@@ -343,10 +347,12 @@ def _train_arm_process(job: dict[str, Any]) -> None:
                              f"{job['key']}: it imports other code ({Path(__file__).parent}) or the code changed "
                              "during the run; rerun the demo (or use --jobs 1)")
     torch.set_num_threads(job["threads"])
-    extra = ["--trainer.enable_progress_bar=false",  # the parent draws this stage's bar from the progress file
-             "--trainer.callbacks+=callbacks.ProgressFile", f"--trainer.callbacks.path={job['progress_file']}"]
+    # The parent draws this stage's bar from the progress file. Neither is recorded in the stage's config.yaml, so
+    # `lilicorr fit -c <that file>` shows its own bar and leaves this run's progress file alone.
+    reporting = {"enable_progress_bar": False,
+                 "callbacks": [{"class_path": "callbacks.ProgressFile", "init_args": {"path": job["progress_file"]}}]}
     train_arm(job["arm"], Path(job["workdir"]), job["target_dir"], Path(job["data_file"]), Path(job["init_dir"]),
-              job["init_key"], job["steps"], job["seed"], extra=extra)
+              job["init_key"], job["steps"], job["seed"], reporting=reporting)
 
 
 def default_jobs() -> int:
