@@ -105,6 +105,11 @@ def _short(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class StateMismatchError(RuntimeError):
+    """A state dict whose keys or tensor shapes are not this system's (another drafter/head config, or another
+    target's sizes); a ``RuntimeError``, as ``nn.Module.load_state_dict`` raises for the same problems."""
+
+
 def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
 
@@ -412,13 +417,25 @@ class DraftSystem(L.LightningModule):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         # The target never travels in checkpoints: ignore its keys on both sides, stay strict otherwise.
-        own = {k for k in super().state_dict() if not k.startswith(TARGET_PREFIX)}
-        given = {k for k in state_dict if not k.startswith(TARGET_PREFIX)}
+        own_state = {k: v for k, v in super().state_dict().items() if not k.startswith(TARGET_PREFIX)}
+        own, given = set(own_state), {k for k in state_dict if not k.startswith(TARGET_PREFIX)}
         if strict and own != given:
             missing, unexpected = sorted(own - given), sorted(given - own)
-            raise RuntimeError(
+            raise StateMismatchError(
                 f"checkpoint does not match the system: missing {missing[:8]}, unexpected {unexpected[:8]}; "
                 "was it trained with a different drafter/head config?"
+            )
+        # Shapes too, here rather than in nn.Module's message (which callers would have to parse): a tensor built
+        # from another target's sizes (vocabulary rows, hidden size) is named with both shapes.
+        resized = [(k, tuple(state_dict[k].shape), tuple(v.shape)) for k, v in own_state.items()
+                   if k in state_dict and isinstance(state_dict[k], torch.Tensor)
+                   and not isinstance(v, torch.nn.parameter.UninitializedParameter) and state_dict[k].shape != v.shape]
+        if resized:
+            key, saved_shape, shape = resized[0]
+            raise StateMismatchError(
+                f"checkpoint does not match the system: {key} is {list(saved_shape)} in the checkpoint and "
+                f"{list(shape)} here ({len(resized)} tensor(s) of other shapes); was it trained with another target "
+                "or drafter/head config?"
             )
         filtered = {k: v for k, v in state_dict.items() if not k.startswith(TARGET_PREFIX)}
         return super().load_state_dict(filtered, strict=False, assign=assign)
@@ -526,7 +543,7 @@ class DraftSystem(L.LightningModule):
         except (ValueError, RuntimeError, OSError) as err:  # the target cannot be loaded, or does not fit the weights
             if isinstance(err, UserInputError):  # already one line, naming its fix
                 raise
-            if type(err) is RuntimeError and not any(s in str(err) for s in ("does not match", "size mismatch")):
+            if isinstance(err, RuntimeError) and not isinstance(err, StateMismatchError):
                 raise  # not about the target (out of memory, a bug): as it is
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "

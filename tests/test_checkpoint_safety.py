@@ -401,3 +401,26 @@ def test_hyperparameters_hold_configs_never_the_injected_modules(tiny_run, tmp_p
                              head=LiLiCorrHead(top_k=2, hidden_size=16, num_layers=1, num_heads=2, factor_dim=16))
     assert not [str(w.message) for w in caught if "nn.Module" in str(w.message)]
     assert not _modules_in(dict(system.hparams)) and "drafter" not in system.hparams
+
+
+def test_a_tensor_of_another_shape_is_named_with_both_shapes_not_matched_by_torchs_message(tiny_run, tmp_path):
+    """The state dict's shapes are compared before nn.Module loads it, so a checkpoint rebuilt with another target's
+    sizes is refused by the error's type (StateMismatchError), whatever words torch's own message uses."""
+    from lilicorr_pl.system import DraftSystem, StateMismatchError
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    key = next(k for k, v in state["state_dict"].items() if k.startswith("head.") and v.dim() == 2)
+    original = tuple(state["state_dict"][key].shape)
+    state["state_dict"][key] = state["state_dict"][key][:-1].clone()  # one row fewer
+    state["lilicorr"]["state_sha256"] = state_checksum(state["state_dict"])  # a consistent file, of other shapes
+    resized = tmp_path / "resized.ckpt"
+    torch.save(state, resized)
+    with pytest.raises(CheckpointError) as err:
+        DraftSystem.from_checkpoint(resized)
+    expected = f"{key} is {[original[0] - 1, original[1]]} in the checkpoint and {list(original)} here"
+    assert expected in str(err.value) and "cannot be rebuilt" in str(err.value)
+    assert isinstance(err.value.__cause__, StateMismatchError) and isinstance(err.value.__cause__, RuntimeError)
+    system = DraftSystem.from_checkpoint(good)
+    with pytest.raises(StateMismatchError, match="missing"):
+        system.load_state_dict({k: v for k, v in state["state_dict"].items() if k != key})
