@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from jsonargparse import Namespace
@@ -235,6 +235,9 @@ class LilicorrCLI(LightningCLI):
         if unknown:
             raise TypeError(f"reporting takes callbacks and enable_progress_bar, not {', '.join(unknown)}")
         self.reporting = dict(reporting or {})
+        if "callbacks" in self.reporting:  # one callback, or a list of them, as a config's trainer.callbacks
+            given = self.reporting["callbacks"]
+            self.reporting["callbacks"] = list(given) if isinstance(given, (list, tuple)) else [given]
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -362,7 +365,7 @@ class LilicorrCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        reported = [instantiate_class((), c) if isinstance(c, dict) else c for c in self.reporting.get("callbacks", ())]
+        reported = [instantiate_class((), c) if isinstance(c, Mapping) else c for c in self.reporting.get("callbacks", ())]
         show_bar = self.reporting.get("enable_progress_bar", config.get("enable_progress_bar"))
         if reported or "enable_progress_bar" in self.reporting:
             kwargs.setdefault("callbacks", [*callbacks, *reported])

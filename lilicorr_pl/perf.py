@@ -851,9 +851,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ValueError as err:  # model and data settings that contradict each other: one line, before any work
         raise UserInputError(str(err)) from None
     if cli.checkpoint is not None:  # before the data stores are built: weights that do not fit are one line
+        from lilicorr_pl.system import StateMismatchError
+
         try:
             system.load_state_dict(cli.checkpoint["state_dict"])
-        except RuntimeError as err:
+        except StateMismatchError as err:
             first = (str(err).strip().splitlines() or [""])[0]
             raise UserInputError(f"--ckpt {options.ckpt} does not fit the system the -c files build ({first}); pass "
                                  "the -c files of the run that trained it") from None

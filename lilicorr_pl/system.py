@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.nn.parameter import is_lazy
 
 # LightningCLI's record of the parsed config of the object being built (class_path/init_args of each injected
 # part); private to Lightning, but the mechanism its CLI uses; from_checkpoint sets it the same way.
@@ -103,6 +104,9 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
 def _short(value: Any, limit: int = 160) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_EXTRA_STATE_SUFFIX = "_extra_state"  # nn.Module's key for a module's get_extra_state(): not a tensor to shape-check
 
 
 class StateMismatchError(RuntimeError):
@@ -427,9 +431,12 @@ class DraftSystem(L.LightningModule):
             )
         # Shapes too, here rather than in nn.Module's message (which callers would have to parse): a tensor built
         # from another target's sizes (vocabulary rows, hidden size) is named with both shapes.
-        resized = [(k, tuple(state_dict[k].shape), tuple(v.shape)) for k, v in own_state.items()
-                   if k in state_dict and isinstance(state_dict[k], torch.Tensor)
-                   and not isinstance(v, torch.nn.parameter.UninitializedParameter) and state_dict[k].shape != v.shape]
+        # As nn.Module checks: not extra state (its own format), not lazy tensors, and a 1-element 1-D tensor may fill
+        # a 0-D one (checkpoints of older torch releases).
+        resized = [(k, tuple(given_v.shape), tuple(v.shape)) for k, v in own_state.items()
+                   if isinstance(given_v := state_dict.get(k), torch.Tensor) and not k.endswith(_EXTRA_STATE_SUFFIX)
+                   and not is_lazy(v) and not is_lazy(given_v) and given_v.shape != v.shape
+                   and not (v.dim() == 0 and given_v.shape == (1,))]
         if resized:
             key, saved_shape, shape = resized[0]
             raise StateMismatchError(

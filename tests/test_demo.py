@@ -365,6 +365,10 @@ def test_a_stages_progress_reporting_stays_out_of_its_recorded_config(tmp_path, 
     assert not any(isinstance(c, ProgressFile) for c in rerun.trainer.callbacks) and progress.read_text() == before
     with pytest.raises(TypeError, match="not max_steps"):
         run_lightning(args[1:], reporting={"max_steps": 3}, run=False)
+    # One callback alone is taken as a config's trainer.callbacks takes it, not iterated key by key.
+    single = run_lightning(args[1:], reporting={"callbacks": reporting["callbacks"][0]}, run=False)
+    assert [type(c).__name__ for c in single.trainer.callbacks].count("ProgressFile") == 1
+    assert not any(isinstance(c, str) for c in single.trainer.callbacks)
 
 
 def test_a_background_stage_refuses_a_key_other_than_the_demos_in_one_line(tmp_path):
