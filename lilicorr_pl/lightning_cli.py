@@ -135,6 +135,9 @@ class LogProgressBar(ProgressBar):
     ``max_steps`` (or batches of the epoch without it), with the bar's metrics (what a rich bar would show beside it).
     """
 
+    clock = staticmethod(time.monotonic)
+    """Seconds, for the rate and times (an attribute, so a test replaces this bar's clock, not the process's)."""
+
     def __init__(self, interval: float = LOG_INTERVAL, stream: IO[str] | None = None) -> None:
         super().__init__()
         self.interval = float(interval)
@@ -160,24 +163,24 @@ class LogProgressBar(ProgressBar):
         self._enabled = True
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._started = time.monotonic()
+        self._started = self.clock()
         self._first_step = trainer.global_step  # a resumed run's rate counts only the steps it ran
         self._batches = 0
         self._last_line = self._started
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batches += 1
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_line >= self.interval:
             self._last_line = now
             self._write(self.line(trainer, pl_module, now, batch_idx + 1))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        self._write(self.line(trainer, pl_module, time.monotonic(), done))
+        self._write(self.line(trainer, pl_module, self.clock(), done))
 
     def line(self, trainer: Any, pl_module: Any, now: float, batch: int) -> str:
-        """The progress line at time ``now`` (``time.monotonic()``), ``batch`` batches into the epoch."""
+        """The progress line at time ``now`` (:attr:`clock`), ``batch`` batches into the epoch."""
         elapsed = now - self._started
         epoch = f"epoch {trainer.current_epoch}"
         if trainer.max_steps is not None and trainer.max_steps > 0:  # optimizer steps of the whole run

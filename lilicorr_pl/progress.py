@@ -16,6 +16,7 @@ from typing import IO, Any
 LOG_INTERVAL = 30.0
 """Seconds between two progress lines in a log (the last update is always written)."""
 _CONTROL = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # cursor moves and colours
+_BAR = re.compile(r"\|[^|]*\|")  # the drawn bar of a tqdm line
 
 
 def is_terminal(stream: IO[str] | None = None) -> bool:
@@ -41,7 +42,8 @@ class _LogLines:
     def write(self, text: str) -> None:
         for line in _CONTROL.sub("", text).replace("\r", "\n").split("\n"):
             line = line.rstrip()
-            count = line.rsplit(" [", 1)[0]  # the bar without its times and rate
+            # The count without its times and rate, nor the bar drawn between "|"s, whose width follows theirs.
+            count = _BAR.sub("|", line.rsplit(" [", 1)[0])
             if line.strip() and count != self._last:
                 self.stream.write(line + "\n")
                 self._last = count

@@ -41,6 +41,19 @@ def test_in_a_log_a_bar_writes_again_once_the_interval_has_passed(monkeypatch):
     assert [re.search(r"(\d)/3", line).group(1) for line in log.getvalue().splitlines()] == ["0", "1", "2", "3"]
 
 
+def test_in_a_log_the_closing_redraw_of_the_same_count_is_not_written_twice_whatever_its_rate():
+    """close() redraws the last state; its rate (so the drawn bar's width, at a fixed ncols) may differ from the
+    update's: the same count is still one line (two lines came out when the rate's digits changed)."""
+    from lilicorr_pl.progress import _LogLines
+
+    log = io.StringIO()
+    lines = _LogLines(log)
+    lines.write("\rregenerate: 100%|##########| 3/3 [00:00<00:00, 1234.56it/s]")
+    lines.write("\rregenerate: 100%|############| 3/3 [00:00<00:00, 12.3it/s]")
+    lines.write("\rregenerate:  67%|######    | 2/3 [00:01<00:00, 12.3it/s]")
+    assert [re.search(r"(\d)/3", line).group(1) for line in log.getvalue().splitlines()] == ["3", "2"]
+
+
 def test_on_a_terminal_the_bar_redraws_in_place():
     screen = _Terminal()
     for _ in progress_bar(range(3), desc="x", file=screen):
@@ -105,13 +118,13 @@ def test_a_fit_without_max_steps_counts_batches_per_epoch_at_a_steady_rate(monke
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    import lilicorr_pl.lightning_cli as lcli
     from lilicorr_pl.lightning_cli import LogProgressBar
 
     clock = iter(range(10_000))  # one second per call: a constant speed
-    monkeypatch.setattr(lcli.time, "monotonic", lambda: float(next(clock)))
     log = io.StringIO()
-    trainer = Trainer(max_epochs=3, limit_train_batches=4, callbacks=[LogProgressBar(interval=0.0, stream=log)],
+    bar = LogProgressBar(interval=0.0, stream=log)
+    monkeypatch.setattr(bar, "clock", lambda: float(next(clock)))  # this bar's clock only: other threads keep theirs
+    trainer = Trainer(max_epochs=3, limit_train_batches=4, callbacks=[bar],
                       logger=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(BoringModel())
     lines = log.getvalue().splitlines()[:-1]  # the last: the end of training
