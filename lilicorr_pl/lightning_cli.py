@@ -368,17 +368,17 @@ class LilicorrCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        reported = [instantiate_class((), c) if isinstance(c, Mapping) else c for c in self.reporting.get("callbacks", ())]
-        show_bar = self.reporting.get("enable_progress_bar", config.get("enable_progress_bar"))
-        if reported or "enable_progress_bar" in self.reporting:
-            kwargs.setdefault("callbacks", [*callbacks, *reported])
-            kwargs.setdefault("enable_progress_bar", show_bar is not False)
-        if show_bar is not False and not any(isinstance(c, ProgressBar) for c in [*callbacks, *reported]):
+        added = [instantiate_class((), c) if isinstance(c, Mapping) else c for c in self.reporting.get("callbacks", ())]
+        show_bar = self.reporting.get("enable_progress_bar", config.get("enable_progress_bar")) is not False
+        if show_bar and not any(isinstance(c, ProgressBar) for c in [*callbacks, *added]):
             if not is_terminal(sys.stdout):  # a log file: plain lines, where a redrawn bar shows nothing or a mess
-                bar = LogProgressBar()
+                added.append(LogProgressBar())
             else:
-                bar = StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
-            kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), bar]
+                added.append(StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar())
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
+        if "enable_progress_bar" in self.reporting:
+            kwargs.setdefault("enable_progress_bar", show_bar)
         return super().instantiate_trainer(**kwargs)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
