@@ -1,4 +1,5 @@
-"""``last.ckpt`` that always holds the final weights, under the run's root folder."""
+"""``last.ckpt`` that always holds the final weights (or those of the step a SIGTERM stopped at), under the run's
+root folder."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -13,7 +15,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     Lightning skips its end-of-training save of ``last`` once any ``last`` was written earlier in the run,
     so ``max_steps=30`` with ``every_n_train_steps=25`` left ``last.ckpt`` at step 25 and lost 5 steps of
-    training. Here the end of training writes ``last`` whenever the latest save was at an earlier step.
+    training. Here the end of training writes ``last`` whenever the latest save was at an earlier step, and so
+    does a fit stopped by SIGTERM, at the step it stopped at.
 
     Without ``dirpath`` the checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (Lightning's own
     default is a folder named after the logger's project and run id), so one setting places a run's outputs
@@ -21,9 +24,30 @@ class ModelCheckpoint(LightningModelCheckpoint):
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._place(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        # `fit(ckpt_path="last")` looks for them before `setup`: without this, Lightning would look in the logger's
+        # folder, find nothing and train from step 0 with only a warning.
+        self._place(trainer)
+        return super()._find_last_checkpoints(trainer)
+
+    def _place(self, trainer: Any) -> None:
         if self.dirpath is None:
             self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
-        super().setup(trainer, pl_module, stage)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # A SIGTERM (a cancelled or preempted job) stops the fit after this batch: `last` is written here, where a
+        # scheduled save would be, so `--ckpt_path=last` goes on from this step, not from the latest scheduled save.
+        # (Saved from `on_exception` instead, a stop at an epoch's end would be resumed an epoch too far.) Every rank
+        # decides alike: a save is collective.
+        if not self.save_last or trainer.global_step == self._last_global_step_saved:
+            return
+        if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and trainer.global_step != self._last_global_step_saved:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import signal
 import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -34,6 +35,18 @@ class UserInputError(ValueError):
     """A setting, file or checkpoint given by the user that cannot be used; the message names the fix.
 
     Commands print it as one line (exit status 2) instead of a traceback."""
+
+
+class StoppedBySignal(SystemExit):
+    """A run stopped by SIGTERM before its end (a cancelled or preempted job): exit status 128 + 15 = 143, what a
+    shell reports for a process ended by that signal, so no scheduler or script reads the stop as a finished run.
+
+    A ``SystemExit`` like Lightning's own ``SIGTERMException``, which it replaces: Lightning raises that one without
+    a status, i.e. exit status 0 (Lightning issue #19916)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(128 + signal.SIGTERM)
+        self.what = what  # what stopped, for the command's one line ("training at step 4 of 8")
 
 
 class CheckpointError(UserInputError):

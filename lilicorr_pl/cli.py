@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
 from lilicorr_pl.command import run_function, shipped_config_path
 
 LIGHTNING = {
@@ -36,6 +36,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
                    "regenerate responses with the target as training data (resumable)"),
     "demo": ("lilicorr_pl.demo.run", "demo", "build a small target, train every arm, compare them with real decoding"),
     "build-target": ("lilicorr_pl.demo.tiny_target", "build_target", "build (or reuse) the built-in stdlib target"),
+}
+# How to go on after a command was stopped by SIGTERM (a cancelled or preempted job).
+AFTER_A_STOP = {
+    "fit": "; resume with the same command and --ckpt_path=last",
+    "demo": "; rerun the same command: every finished stage is reused",
 }
 # Tools whose function parses its own argv (a LightningCLI parser extended with its options) instead of run_function.
 OWN_PARSER = ("prepare", "perf")
@@ -132,6 +137,10 @@ def main(args: Sequence[str] | None = None) -> Any:
         # A user's mistake or an unsafe file: one line naming the problem and the fix, not a traceback.
         print(f"lilicorr{' ' + name if name else ''}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except StoppedBySignal as err:  # a cancelled or preempted run: say so, and how to go on (exit status 143)
+        print(f"lilicorr{' ' + name if name else ''}: {err.what}{AFTER_A_STOP.get(name or '', '')} (exit status "
+              f"{err.code})", file=sys.stderr)
+        raise SystemExit(err.code) from None
     if args is not None:
         return result
     return result if isinstance(result, int) else None

@@ -26,11 +26,12 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from lilicorr_pl import builtin
-from lilicorr_pl.checkpoint import (CheckpointError, UserInputError, check_class_paths, config_modules,
-                                    read_checkpoint)
+from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
+                                    config_modules, read_checkpoint)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
@@ -390,6 +391,17 @@ class LilicorrCLI(LightningCLI):
         return kwargs
 
     # ------------------------------------------------------------------ running
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            # Lightning stops its loops at the next batch after a SIGTERM by raising a SystemExit with no status,
+            # which exits 0: a cancelled or preempted run would read as a finished one.
+            step, total = self.trainer.global_step, self.trainer.max_steps
+            where = f"at step {step}{f' of {total}' * (total is not None and total > 0)}"
+            raise StoppedBySignal(f"training stopped by SIGTERM {where}" if subcommand == "fit"
+                                  else f"{subcommand} stopped by SIGTERM before its end") from None
+
     def before_fit(self) -> None:
         self._refuse_a_fresh_run_over_another()
         self._wire_data()

@@ -517,3 +517,25 @@ def test_progress_bar_reads_right_for_step_limited_and_resumed_runs(tmp_path):
     assert states and all("/-" not in description and description.startswith("Epoch") for description, *_ in states)
     assert all(completed <= total for _, completed, total in states), states
     assert states[-1][1] == states[-1][2]  # the last epoch ends full: 5 of 5 batches
+
+
+@pytest.mark.parametrize("name, after", [
+    ("fit", "; resume with the same command and --ckpt_path=last"),
+    ("demo", "; rerun the same command: every finished stage is reused"),
+    ("validate", ""),
+])
+def test_a_command_stopped_by_sigterm_says_what_stopped_and_exits_143(name, after, monkeypatch, capsys):
+    """The one line and exit status of a SIGTERM stop, whichever command it stopped (a fit's whole path, Lightning's
+    stop included, is tests/test_resume.py)."""
+    import lilicorr_pl.cli as cli
+    from lilicorr_pl.checkpoint import StoppedBySignal
+
+    def stopped(argv):
+        raise StoppedBySignal("training stopped by SIGTERM at step 2 of 5")
+
+    monkeypatch.setattr(cli, "run", stopped)
+    with pytest.raises(SystemExit) as exit_:
+        main([name])
+    assert exit_.value.code == 143
+    assert capsys.readouterr().err == (f"lilicorr {name}: training stopped by SIGTERM at step 2 of 5{after} "
+                                       "(exit status 143)\n")

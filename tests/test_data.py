@@ -502,8 +502,8 @@ class _IndexRecorder(L.LightningModule):
 def test_trainer_resume_mid_epoch_continues_the_same_order(tmp_path, train_file, target_dir):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def trainer(ckpt_dir=None, **kw):
-        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
+    def trainer(ckpt_dir=None, every=3, **kw):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)] if ckpt_dir else []
         return L.Trainer(
             accelerator="cpu",
             logger=False,
@@ -529,6 +529,14 @@ def test_trainer_resume_mid_epoch_continues_the_same_order(tmp_path, train_file,
     resumed = _IndexRecorder()  # resume mid-epoch 1 after 12 steps = 24 examples
     trainer(tmp_path / "ckpt2", max_epochs=2).fit(resumed, datamodule=dm(), ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=12.ckpt"))
     assert resumed.seen == full.seen[24:]
+
+    # A checkpoint of an epoch's last step (every 5 steps: step 10 ends epoch 0) goes on with epoch 1 from its first
+    # batch, in epoch 1's order; it once replayed an empty epoch 1 and went on with epoch 2's.
+    trainer(tmp_path / "ckpt3", every=5, max_steps=10).fit(_IndexRecorder(), datamodule=dm())
+    at_epoch_end = _IndexRecorder()
+    trainer(tmp_path / "ckpt3", max_epochs=2).fit(at_epoch_end, datamodule=dm(),
+                                                   ckpt_path=str(tmp_path / "ckpt3" / "epoch=0-step=10.ckpt"))
+    assert at_epoch_end.seen == full.seen[20:]
 
 
 def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_dir):

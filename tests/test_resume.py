@@ -1,11 +1,12 @@
-"""Exact resume: a run SIGKILLed mid-training and resumed from its last checkpoint ends with the same weights.
+"""Exact resume: a run SIGKILLed mid-training and resumed from its last checkpoint ends with the same weights;
+a run stopped by SIGTERM says so (exit status 143), saves the step it stopped at and resumes from there.
 
-Three runs of the tiny config, each a fresh ``python -m lilicorr_pl fit`` process (one torch thread each,
-so all three compute alike): an uninterrupted 8-step run; a run that checkpoints every step and is
-SIGKILLed in the middle of step 5 (after step 4's checkpoint is on disk); and ``--ckpt_path last``
-resuming it. Validation runs at steps 3 and 6, on both sides of the kill, so it must not disturb the
-random streams either. The final drafter and head weights must be bit-identical, which needs the data
-order (mid-epoch sampler position) and the global RNG (anchor sampling) restored exactly.
+Each run is a fresh ``python -m lilicorr_pl fit`` process of the tiny config (one torch thread each, so all compute
+alike): an uninterrupted 8-step run, shared by the tests; a run that checkpoints every step and is SIGKILLed in the
+middle of step 5 (after step 4's checkpoint is on disk), or one that checkpoints only at validation and gets a
+SIGTERM during step 4; and ``--ckpt_path last`` resuming it. Validation runs at steps 3 and 6, on both sides of the
+stop, so it must not disturb the random streams either. The final drafter and head weights must be bit-identical,
+which needs the data order (mid-epoch sampler position) and the global RNG (anchor sampling) restored exactly.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_AT_STEP = 4
+EPOCH_STEPS = 5
 STEPS = 8
 
 OVERRIDES = f"""
+data:
+  batch_size: 12  # an epoch of 5 steps: a stop can fall mid-epoch (step 4) or on an epoch's last step (5)
 trainer:
   logger: false
   enable_progress_bar: false
@@ -35,7 +40,48 @@ trainer:
     - class_path: callbacks.RandomStateCheckpoint
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: ckpt, filename: "{{step}}", save_last: true, every_n_train_steps: 1, save_top_k: -1}}
+    - class_path: test_resume.FirstStep
 """
+# The SIGTERM run as the shipped configs set it up: the W&B logger (disabled by the environment) and the project's
+# ModelCheckpoint without a dirpath, saving only at validation (steps 3 and 6) and at a stop into
+# <default_root_dir>/checkpoints, where `--ckpt_path=last` must find them.
+TERM_OVERRIDES = f"""
+data:
+  batch_size: 12
+trainer:
+  default_root_dir: run
+  enable_progress_bar: false
+  enable_model_summary: false
+  max_steps: {STEPS}
+  val_check_interval: 3
+  limit_val_batches: 1
+  callbacks:
+    - class_path: callbacks.RandomStateCheckpoint
+    - class_path: callbacks.ModelCheckpoint
+      init_args: {{filename: "{{step}}", save_last: true, save_top_k: -1}}
+    - class_path: test_resume.FirstStep
+"""
+
+
+class FirstStep(L.Callback):
+    """Test-only: writes the step this process trains first to ``first_step.txt``: 0, or where a resume took over
+    (a resume that finds no checkpoint trains from 0 and, deterministic, ends with the same weights)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if not hasattr(self, "written"):
+            Path("first_step.txt").write_text(str(trainer.global_step))
+            self.written = True
+
+
+class TermAtStep(L.Callback):
+    """Test-only: a SIGTERM to this process as step ``at_step`` ends, as a scheduler cancelling the job would send."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class KillMidStep(L.Callback):
@@ -50,9 +96,9 @@ class KillMidStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _launch(workdir: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
+def _launch(workdir: Path, cache_dir: Path, *extra: str, overrides: str = OVERRIDES) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "overrides.yaml").write_text(OVERRIDES)
+    (workdir / "overrides.yaml").write_text(overrides)
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
@@ -60,12 +106,10 @@ def _launch(workdir: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, expect_kill: bool = False) -> None:
+def _finish(proc: subprocess.Popen, expect: int = 0) -> str:
     out, _ = proc.communicate(timeout=300)
-    if expect_kill:
-        assert proc.returncode == -signal.SIGKILL, f"expected a SIGKILL, got rc {proc.returncode}:\n{out[-3000:]}"
-    else:
-        assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == expect, f"expected exit status {expect}, got {proc.returncode}:\n{out[-3000:]}"
+    return out
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -82,13 +126,19 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path):
-    cache = tmp_path / "cache"
-    full = _launch(tmp_path / "full", cache)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
+    """The uninterrupted run's checkpoint folder, and the data cache the other runs share with it."""
+    root = tmp_path_factory.mktemp("resume")
+    _finish(_launch(root / "full", root / "cache"))
+    return root / "full" / "ckpt", root / "cache"
+
+
+def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path, uninterrupted):
+    full_ckpts, cache = uninterrupted
     killed = _launch(tmp_path / "killed", cache, "--trainer.callbacks+=test_resume.KillMidStep",
                      f"--trainer.callbacks.after_step={KILL_AT_STEP}")
-    _finish(full)
-    _finish(killed, expect_kill=True)
+    _finish(killed, expect=-signal.SIGKILL)
 
     ckpts = tmp_path / "killed" / "ckpt"
     last = ckpts / "last.ckpt"
@@ -100,14 +150,39 @@ def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path):
     assert saved["DraftDataModule"]["loader"]["_num_yielded"] == 4 and saved["DraftDataModule"]["epoch"] == 0
     # Up to the kill both runs computed the same thing (same process setup, same numbers).
     step_ckpt = f"step={KILL_AT_STEP}.ckpt"
-    _assert_same(_weights(ckpts / step_ckpt), _weights(tmp_path / "full" / "ckpt" / step_ckpt))
+    _assert_same(_weights(ckpts / step_ckpt), _weights(full_ckpts / step_ckpt))
 
     _finish(_launch(tmp_path / "killed", cache, "--ckpt_path=last"))
+    assert (tmp_path / "killed" / "first_step.txt").read_text() == str(KILL_AT_STEP)  # it did resume
     resumed = torch.load(last, map_location="cpu", weights_only=True)
     assert resumed["global_step"] == STEPS
-    reference = tmp_path / "full" / "ckpt" / "last.ckpt"
+    reference = full_ckpts / "last.ckpt"
     _assert_same(_weights(last), _weights(reference))
     # Same optimizer moments too, so the runs would stay identical past this point.
     a = resumed["optimizer_states"][0]["state"]
     b = torch.load(reference, weights_only=True)["optimizer_states"][0]["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
+
+
+@pytest.mark.parametrize("stop", [KILL_AT_STEP, EPOCH_STEPS], ids=["mid-epoch", "epoch-end"])
+def test_sigterm_stops_with_status_143_saves_its_step_and_resumes_from_it(tmp_path, uninterrupted, stop):
+    full_ckpts, cache = uninterrupted
+    out = _finish(_launch(tmp_path, cache, "--trainer.callbacks+=test_resume.TermAtStep",
+                          f"--trainer.callbacks.at_step={stop}", overrides=TERM_OVERRIDES),
+                  expect=128 + signal.SIGTERM)  # Lightning alone exits 0 here: the stop would read as a finished run
+    assert (f"lilicorr fit: training stopped by SIGTERM at step {stop} of {STEPS}; resume with the same "
+            "command and --ckpt_path=last (exit status 143)") in out
+    ckpts = tmp_path / "run" / "checkpoints"
+    # Only step 3 (validation) was scheduled; the stop saved its own step, so no step is trained twice or lost.
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=3.ckpt"]
+    saved = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stop and saved["DraftDataModule"]["loader"]["_num_yielded"] == stop
+    assert torch.load(full_ckpts / f"step={EPOCH_STEPS + 1}.ckpt", weights_only=True)["epoch"] == 1  # 5 = epoch end
+    _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / f"step={stop}.ckpt"))
+
+    _finish(_launch(tmp_path, cache, "--ckpt_path=last", overrides=TERM_OVERRIDES))
+    assert (tmp_path / "first_step.txt").read_text() == str(stop)  # found in the run's folder, resumed
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    resumed = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["global_step"] == STEPS
+    _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))

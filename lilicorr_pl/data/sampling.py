@@ -81,6 +81,14 @@ class ResumableLoader(StatefulDataLoader):
                 stacklevel=2,
             )
             return
+        epoch = int(state_dict.get("epoch", 0))
+        if state_dict["loader"].get("_num_yielded", 0) >= len(self):
+            # Saved once its epoch had yielded every batch (a checkpoint of an epoch's last step): the run goes on
+            # with the next epoch from its first batch. Loaded, this state would fast-forward that epoch past its
+            # end, and the run would skip its data; and Lightning makes the resumed run's first iterator before it
+            # sets the epoch, so the order is set here.
+            self.sampler.set_epoch(epoch + 1)
+            return
         # Before any iterator exists: the fast-forward below replays this epoch's order, not epoch 0's.
-        self.sampler.set_epoch(int(state_dict.get("epoch", 0)))
+        self.sampler.set_epoch(epoch)
         super().load_state_dict(state_dict["loader"])
