@@ -440,3 +440,30 @@ def test_sigterm_stops_the_background_stages_and_restores_the_handler(tmp_path):
         if sleeper.poll() is None:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_a_stage_stopped_before_its_end_goes_on_from_its_last_checkpoint(tmp_path, tiny_run, monkeypatch, capsys):
+    """A rerun of a demo whose stage was stopped (SIGTERM saves the step it stopped at) resumes that stage from its
+    run folder's last.ckpt, named by the stage's key; an unreadable one is logged and the stage starts over."""
+    import lilicorr_pl.lightning_cli as lightning_cli
+    from conftest import save_tiny_target
+    from lilicorr_pl.demo import run as demo_run
+
+    target = save_tiny_target(tmp_path / "target")
+    calls = []
+    monkeypatch.setattr(lightning_cli, "run_lightning", lambda args, reporting=None: calls.append(args))
+
+    def stage() -> None:
+        demo_run.fit("dflash-0123abcd", [demo_run.BASE_CONFIG], [], tmp_path, 4, 0, target, tmp_path / "d.jsonl")
+
+    stage()  # a fresh stage
+    last = tmp_path / "runs" / "dflash-0123abcd" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(tiny_run[1].read_bytes()[:4096])  # cut short
+    stage()
+    shutil.copyfile(tiny_run[1], last)
+    stage()
+    assert [[a for a in args if a.startswith("--ckpt_path")] for args in calls] == [[], [], [f"--ckpt_path={last}"]]
+    out = capsys.readouterr().out
+    assert f"dflash-0123abcd: starting over: its interrupted run's {last} cannot be resumed (checkpoint" in out
+    assert f"dflash-0123abcd: resuming its interrupted run from step 2 ({last})" in out

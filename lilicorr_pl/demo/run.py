@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
 from lilicorr_pl.command import shipped_configs
 from lilicorr_pl.progress import progress_bar
 
@@ -201,11 +201,17 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
         target_dir: str, data_file: Path, reporting: dict[str, Any] | None = None) -> Any:
     """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir).
 
+    A stage stopped before its end (SIGTERM saves the step it stopped at; a kill leaves the latest save, at each
+    validation) goes on from its ``last.ckpt``: the folder is named by the stage's key, so that checkpoint was
+    trained with these settings, and the resumed stage ends as an uninterrupted one would (the random streams and
+    the data position travel in the checkpoint). One that cannot be read is logged and the stage starts over.
+
     ``reporting``: how this process reports progress (:class:`~lilicorr_pl.lightning_cli.LilicorrCLI`), kept out of
     the stage's recorded ``config.yaml``."""
     from lilicorr_pl.lightning_cli import run_lightning
 
     run_dir = workdir / "runs" / name
+    resume = interrupted_stage(run_dir / "checkpoints" / "last.ckpt", name)
     args = ["fit"]
     for c in configs:
         args += ["-c", str(CONFIG_DIR / c)]
@@ -221,6 +227,7 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
         f"--trainer.logger.init_args.name={name}",
         *target_overrides(target_dir),
         *extra,
+        *([f"--ckpt_path={resume}"] if resume is not None else []),
     ]
     log(f"   {name}: lilicorr {' '.join(args)}")
     try:
@@ -232,6 +239,21 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
             wandb.finish()
         except Exception:  # noqa: BLE001 - a logger teardown problem must not lose the results
             pass
+
+
+def interrupted_stage(last: Path, name: str) -> Path | None:
+    """``last`` when it holds a stage that stopped before its end and can be resumed; None to start it over."""
+    from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint
+
+    if not last.is_file():
+        return None
+    try:
+        step = read_checkpoint(last)["global_step"]
+    except (CheckpointError, KeyError) as err:
+        log(f"   {name}: starting over: its interrupted run's {last} cannot be resumed ({err})")
+        return None
+    log(f"   {name}: resuming its interrupted run from step {step} ({last})")
+    return last
 
 
 def _diagnostics(cli: Any) -> dict[str, float]:
@@ -281,7 +303,7 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, s
     stage.mkdir(parents=True, exist_ok=True)
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     _write_json(meta_path, {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
-                            "diagnostics": _diagnostics(cli)})
+                            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli)})
     return drafter_dir, key
 
 
@@ -332,7 +354,8 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     meta = {"key": key, "arm": arm, "init": init_key, "steps": steps, "seed": seed,
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
-            "threads": torch.get_num_threads(), "diagnostics": _diagnostics(cli)}
+            "threads": torch.get_num_threads(), "resumed": cli.trainer.ckpt_path is not None,
+            "diagnostics": _diagnostics(cli)}
     _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
     return ckpt, meta, drafter_dir
 
@@ -423,7 +446,7 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: every `finally` runs, so no background stage is left
+    raise StoppedBySignal("stopped by SIGTERM")  # unwinds like Ctrl-C: every `finally` runs, no stage is left
 
 
 @dataclass
@@ -831,10 +854,12 @@ def demo(
         "seed": seed,
         "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
                    "arms": {a: m["key"] for a, (_, m, _) in trained.items()}, "bench": bench_key},
-        # Per arm: its own stage's steps and seconds (on ``threads`` threads, beside other stages when jobs > 1);
+        # Per arm: its own stage's steps and seconds (on ``threads`` threads, beside other stages when jobs > 1;
+        # ``resumed``: the seconds of the run that finished an interrupted stage, not the whole stage's);
         # head-stage arms add head_steps on their source's drafter.
         "training": {a: {"seconds": m.get("seconds"), "steps": m.get("steps"), "threads": m.get("threads"),
-                         "head_stage_of": m.get("head_stage_of"), "diagnostics": m.get("diagnostics", {})}
+                         "resumed": bool(m.get("resumed")), "head_stage_of": m.get("head_stage_of"),
+                         "diagnostics": m.get("diagnostics", {})}
                      for a, (_, m, _) in trained.items()},
         "target": {
             "path_name": Path(target_dir).name,
@@ -1100,3 +1125,6 @@ if __name__ == "__main__":  # one stage in a background process (--jobs > 1): an
     except UserInputError as err:  # one line, exit status 2: the parent raises it as the user's error it is
         print(err, flush=True)
         raise SystemExit(2) from None
+    except StoppedBySignal as err:  # exit status 143, its last line what stopped: the parent's error quotes it
+        print(err.what, flush=True)
+        raise
