@@ -176,6 +176,9 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     fit_tiny(tmp_path, steps=1)  # the same run again
     cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # resumed: its own record is rewritten
     assert cli.trainer.global_step == 2 and "ckpt_path: last" in (root / "config.yaml").read_text()
+    # ... from the run's own newest last checkpoint (the run again wrote last-v1.ckpt beside the first run's
+    # last.ckpt); Lightning alone looked in the logger's folder, found none and started over at step 0.
+    assert Path(cli.trainer.ckpt_path).resolve() == (root / "checkpoints" / "last-v1.ckpt").resolve()
 
 
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.

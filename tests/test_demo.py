@@ -461,9 +461,12 @@ def test_a_stage_stopped_before_its_end_goes_on_from_its_last_checkpoint(tmp_pat
     last.parent.mkdir(parents=True)
     last.write_bytes(tiny_run[1].read_bytes()[:4096])  # cut short
     stage()
-    shutil.copyfile(tiny_run[1], last)
+    # The run that started over beside it wrote last-v1.ckpt (Lightning's numbering), later: the one to resume.
+    newer = last.with_name("last-v1.ckpt")
+    shutil.copyfile(tiny_run[1], newer)
+    os.utime(newer, (last.stat().st_mtime + 10,) * 2)
     stage()
-    assert [[a for a in args if a.startswith("--ckpt_path")] for args in calls] == [[], [], [f"--ckpt_path={last}"]]
+    assert [[a for a in args if a.startswith("--ckpt_path")] for args in calls] == [[], [], [f"--ckpt_path={newer}"]]
     out = capsys.readouterr().out
     assert f"dflash-0123abcd: starting over: its interrupted run's {last} cannot be resumed (checkpoint" in out
-    assert f"dflash-0123abcd: resuming its interrupted run from step 2 ({last})" in out
+    assert f"dflash-0123abcd: resuming its interrupted run from step 2 ({newer})" in out

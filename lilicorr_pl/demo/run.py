@@ -202,7 +202,7 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
     """``lilicorr fit`` with every output under ``<workdir>/runs/<name>`` (absolute paths, no chdir).
 
     A stage stopped before its end (SIGTERM saves the step it stopped at; a kill leaves the latest save, at each
-    validation) goes on from its ``last.ckpt``: the folder is named by the stage's key, so that checkpoint was
+    validation) goes on from its newest ``last.ckpt``: the folder is named by the stage's key, so that checkpoint was
     trained with these settings, and the resumed stage ends as an uninterrupted one would (the random streams and
     the data position travel in the checkpoint). One that cannot be read is logged and the stage starts over.
 
@@ -211,7 +211,7 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
     from lilicorr_pl.lightning_cli import run_lightning
 
     run_dir = workdir / "runs" / name
-    resume = interrupted_stage(run_dir / "checkpoints" / "last.ckpt", name)
+    resume = interrupted_stage(run_dir / "checkpoints", name)
     args = ["fit"]
     for c in configs:
         args += ["-c", str(CONFIG_DIR / c)]
@@ -241,12 +241,15 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
             pass
 
 
-def interrupted_stage(last: Path, name: str) -> Path | None:
-    """``last`` when it holds a stage that stopped before its end and can be resumed; None to start it over."""
+def interrupted_stage(folder: Path, name: str) -> Path | None:
+    """The newest ``last*.ckpt`` in a stage's checkpoint ``folder`` (a run started over beside an unreadable one
+    writes ``last-v1.ckpt``, as Lightning numbers them) when it can be resumed; None to start the stage over."""
     from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint
 
-    if not last.is_file():
+    found = sorted(folder.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not found:
         return None
+    last = found[-1]
     try:
         step = read_checkpoint(last)["global_step"]
     except (CheckpointError, KeyError) as err:
