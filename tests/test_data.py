@@ -502,8 +502,8 @@ class _IndexRecorder(L.LightningModule):
 def test_trainer_resume_mid_epoch_continues_the_same_order(tmp_path, train_file, target_dir):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def trainer(ckpt_dir=None, every=3, **kw):
-        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)] if ckpt_dir else []
+    def trainer(ckpt_dir=None, **kw):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
         return L.Trainer(
             accelerator="cpu",
             logger=False,
@@ -530,13 +530,35 @@ def test_trainer_resume_mid_epoch_continues_the_same_order(tmp_path, train_file,
     trainer(tmp_path / "ckpt2", max_epochs=2).fit(resumed, datamodule=dm(), ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=12.ckpt"))
     assert resumed.seen == full.seen[24:]
 
-    # A checkpoint of an epoch's last step (every 5 steps: step 10 ends epoch 0) goes on with epoch 1 from its first
-    # batch, in epoch 1's order; it once replayed an empty epoch 1 and went on with epoch 2's.
-    trainer(tmp_path / "ckpt3", every=5, max_steps=10).fit(_IndexRecorder(), datamodule=dm())
-    at_epoch_end = _IndexRecorder()
-    trainer(tmp_path / "ckpt3", max_epochs=2).fit(at_epoch_end, datamodule=dm(),
-                                                   ckpt_path=str(tmp_path / "ckpt3" / "epoch=0-step=10.ckpt"))
-    assert at_epoch_end.seen == full.seen[20:]
+
+
+@pytest.mark.parametrize("kind", ["plain", "workers", "limited"])
+def test_trainer_resume_from_an_epochs_last_step_goes_on_with_the_next_epoch(tmp_path, train_file, target_dir, kind):
+    """A checkpoint of an epoch's last step goes on with the next epoch from its first batch, in that epoch's order.
+    It once replayed an empty epoch and went on with the one after (one epoch's data skipped): with a worker
+    process the loader's state holds no batch count, and with limit_train_batches the epoch ends before the loader."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    per_epoch = 6 if kind == "limited" else 10  # 20 examples, batch 2; limit_train_batches=6 ends epochs early
+
+    def trainer(ckpt_dir=None, **kw):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=per_epoch, save_top_k=-1)] if ckpt_dir else []
+        return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=bool(ckpt_dir), callbacks=callbacks, default_root_dir=tmp_path,
+                         limit_train_batches=per_epoch if kind == "limited" else 1.0, **kw)
+
+    def dm():
+        return make_dm(train_file, target_dir, tmp_path / "cache", batch_size=2, logit_cache=False, val_fraction=0.0,
+                       num_workers=1 if kind == "workers" else 0)
+
+    full = _IndexRecorder()
+    trainer(max_epochs=2).fit(full, datamodule=dm())
+    assert len(full.seen) == 4 * per_epoch
+    trainer(tmp_path / "ckpt", max_steps=per_epoch).fit(_IndexRecorder(), datamodule=dm())  # saved at the epoch's end
+    resumed = _IndexRecorder()
+    trainer(tmp_path / "ckpt", max_epochs=2).fit(resumed, datamodule=dm(),
+                                                  ckpt_path=str(tmp_path / "ckpt" / f"epoch=0-step={per_epoch}.ckpt"))
+    assert resumed.seen == full.seen[2 * per_epoch:]
 
 
 def test_precompute_throughput_measures_both_paths(tmp_path, train_file, target_dir):

@@ -390,6 +390,26 @@ def test_a_background_stage_refuses_a_key_other_than_the_demos_in_one_line(tmp_p
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_background_stage_can_be_stopped_although_it_starts_with_stop_signals_held(tmp_path):
+    """Background.start holds SIGINT/SIGTERM back while it starts a stage (so that none is left untracked), and the
+    stage inherits that mask; it unblocks them first, so the parent's terminate() stops it rather than a SIGKILL 30 s
+    later. The SIGTERM sent at once stays pending until then and ends the process (without the unblock it would
+    run on to its own exit status 2: this job's key is not the demo's)."""
+    import signal
+
+    from lilicorr_pl.demo import run
+
+    job = {"kind": "arm", "arm": "dflash", "key": "not-the-key", "workdir": str(tmp_path), "target_dir": str(tmp_path),
+           "data_file": str(tmp_path / "d.jsonl"), "init_dir": str(tmp_path), "init_key": "k", "steps": 2, "seed": 0,
+           "threads": 1}
+    background = run.Background(1)  # not entered: only start() and its signal mask are under test
+    background.start("stage", job, tmp_path / "stage" / "train.log", tmp_path / "stage" / "progress.json", 1, "step")
+    stage = background.running.pop("stage")
+    stage.process.send_signal(signal.SIGTERM)
+    assert stage.process.wait(timeout=120) == -signal.SIGTERM, stage.log_file.read_text()[-2000:]
+    stage.bar.close()
+
+
 def test_train_arms_refuses_an_order_whose_arms_wait_on_arms_outside_it(tmp_path):
     from lilicorr_pl.demo import run
 
@@ -466,7 +486,15 @@ def test_a_stage_stopped_before_its_end_goes_on_from_its_last_checkpoint(tmp_pat
     shutil.copyfile(tiny_run[1], newer)
     os.utime(newer, (last.stat().st_mtime + 10,) * 2)
     stage()
-    assert [[a for a in args if a.startswith("--ckpt_path")] for args in calls] == [[], [], [f"--ckpt_path={newer}"]]
+    # A kill while the newest was being written leaves it cut short: the newest readable one is resumed.
+    newest = last.with_name("last-v2.ckpt")
+    newest.write_bytes(tiny_run[1].read_bytes()[:4096])
+    os.utime(newest, (last.stat().st_mtime + 20,) * 2)
+    stage()
+    assert [[a for a in args if a.startswith("--ckpt_path")] for args in calls] == [
+        [], [], [f"--ckpt_path={newer}"], [f"--ckpt_path={newer}"]]
     out = capsys.readouterr().out
-    assert f"dflash-0123abcd: starting over: its interrupted run's {last} cannot be resumed (checkpoint" in out
-    assert f"dflash-0123abcd: resuming its interrupted run from step 2 ({newer})" in out
+    assert f"dflash-0123abcd: its interrupted run's {last} cannot be resumed (checkpoint" in out
+    assert "dflash-0123abcd: starting over" in out
+    assert f"dflash-0123abcd: its interrupted run's {newest} cannot be resumed (checkpoint" in out
+    assert out.count(f"dflash-0123abcd: resuming its interrupted run from step 2 ({newer})") == 2

@@ -164,7 +164,8 @@ def test_sigkill_then_resume_from_last_matches_an_uninterrupted_run(tmp_path, un
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
 
 
-@pytest.mark.parametrize("stop", [KILL_AT_STEP, EPOCH_STEPS], ids=["mid-epoch", "epoch-end"])
+# Step 3 is also a validation step: its validation still runs to its end and saves what it would (step=3.ckpt).
+@pytest.mark.parametrize("stop", [KILL_AT_STEP, EPOCH_STEPS, 3], ids=["mid-epoch", "epoch-end", "validation-step"])
 def test_sigterm_stops_with_status_143_saves_its_step_and_resumes_from_it(tmp_path, uninterrupted, stop):
     full_ckpts, cache = uninterrupted
     out = _finish(_launch(tmp_path, cache, "--trainer.callbacks+=test_resume.TermAtStep",

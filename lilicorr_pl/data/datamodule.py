@@ -479,10 +479,20 @@ class DraftDataModule(L.LightningDataModule):
             # Its own generator: creating an iterator must not draw from the global RNG (exact resume).
             generator=torch.Generator().manual_seed(self.seed),
         )
+        self._train_loader.epoch_finished = self._epoch_finished
         if self._pending_state is not None:
             self._train_loader.load_state_dict(self._pending_state)
             self._pending_state = None
         return self._train_loader
+
+    def _epoch_finished(self) -> bool | None:
+        """Whether the attached Trainer's running epoch has had its last batch (Lightning's own test: its batch count
+        reached, ``limit_train_batches`` included, or the loader exhausted); None without one."""
+        trainer = getattr(self, "trainer", None)
+        progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+        if progress is None:
+            return None
+        return bool(progress.is_last_batch or progress.current.ready >= trainer.num_training_batches)
 
     def predict_dataloader(self) -> DataLoader:
         """The validation split, for ``lilicorr predict`` (per-block diagnostics)."""

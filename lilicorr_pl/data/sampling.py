@@ -15,7 +15,7 @@ sum-reduced metrics count each example once.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
@@ -67,9 +67,13 @@ class ResumableLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated", category=UserWarning)
             super().__init__(*args, **kwargs)
         self.order = dict(order)
+        # Whether the running epoch has had its last batch, as the training loop counts it (limit_train_batches
+        # included; the loader's own count is not in its state with workers); None where no loop runs.
+        self.epoch_finished: Callable[[], bool | None] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"order": self.order, "epoch": self.sampler.epoch, "loader": super().state_dict()}
+        done = self.epoch_finished() if self.epoch_finished is not None else None
+        return {"order": self.order, "epoch": self.sampler.epoch, "epoch_done": done, "loader": super().state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -81,12 +85,14 @@ class ResumableLoader(StatefulDataLoader):
                 stacklevel=2,
             )
             return
-        epoch = int(state_dict.get("epoch", 0))
-        if state_dict["loader"].get("_num_yielded", 0) >= len(self):
-            # Saved once its epoch had yielded every batch (a checkpoint of an epoch's last step): the run goes on
-            # with the next epoch from its first batch. Loaded, this state would fast-forward that epoch past its
-            # end, and the run would skip its data; and Lightning makes the resumed run's first iterator before it
-            # sets the epoch, so the order is set here.
+        epoch, done = int(state_dict.get("epoch", 0)), state_dict.get("epoch_done")
+        if done is None:  # saved without a training loop, or by an earlier version: the loader's own count
+            done = state_dict["loader"].get("_num_yielded", 0) >= len(self)
+        if done:
+            # Saved once its epoch had had its last batch (a checkpoint of an epoch's last step): the run goes on
+            # with the next epoch from its first batch. Loaded, this state would fast-forward that epoch past the
+            # batches it had (all of them: an empty epoch, then the next one's data), and Lightning makes the
+            # resumed run's first iterator before it sets the epoch, so the order is set here.
             self.sampler.set_epoch(epoch + 1)
             return
         # Before any iterator exists: the fast-forward below replays this epoch's order, not epoch 0's.

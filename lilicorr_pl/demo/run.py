@@ -26,6 +26,13 @@ changed setting is never answered with a stale artifact. Nothing a previous run 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a background stage (``Background``): first of all, before the slow imports below
+    import signal as _signal
+
+    # Started while its parent held Ctrl-C and SIGTERM back (so that none arrives before the parent tracks it), the
+    # process inherits that mask: unblocked, the parent's terminate() stops it (a SIGTERM pending meanwhile lands now).
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT, _signal.SIGTERM})
+
 import functools
 import json
 import math
@@ -242,21 +249,23 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
 
 
 def interrupted_stage(folder: Path, name: str) -> Path | None:
-    """The newest ``last*.ckpt`` in a stage's checkpoint ``folder`` (a run started over beside an unreadable one
-    writes ``last-v1.ckpt``, as Lightning numbers them) when it can be resumed; None to start the stage over."""
+    """The newest ``last*.ckpt`` in a stage's checkpoint ``folder`` that can be resumed (a run started over beside
+    an unreadable one writes ``last-v1.ckpt``, as Lightning numbers them; a kill during a save leaves the newest cut
+    short); None to start the stage over."""
     from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint
 
     found = sorted(folder.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    if not found:
-        return None
-    last = found[-1]
-    try:
-        step = read_checkpoint(last)["global_step"]
-    except (CheckpointError, KeyError) as err:
-        log(f"   {name}: starting over: its interrupted run's {last} cannot be resumed ({err})")
-        return None
-    log(f"   {name}: resuming its interrupted run from step {step} ({last})")
-    return last
+    for last in reversed(found):
+        try:
+            step = read_checkpoint(last)["global_step"]
+        except (CheckpointError, KeyError) as err:
+            log(f"   {name}: its interrupted run's {last} cannot be resumed ({err})")
+            continue
+        log(f"   {name}: resuming its interrupted run from step {step} ({last})")
+        return last
+    if found:
+        log(f"   {name}: starting over")
+    return None
 
 
 def _diagnostics(cli: Any) -> dict[str, float]:
