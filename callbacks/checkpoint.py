@@ -1,13 +1,84 @@
 """``last.ckpt`` that always holds the final weights (or those of the step a SIGTERM stopped at), under the run's
-root folder."""
+root folder, written so that a stop during a save never leaves a torn file in place of the previous one."""
 
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lilicorr_pl.files import writer_is_gone, writer_tag
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` whose local saves are written beside their destination and renamed into place.
+
+    Lightning's own save serialises the checkpoint into memory (a second copy of it), writes that to a file in the
+    system's temporary folder and moves it over the destination: where that folder is another file system than the
+    checkpoints' (a node-local ``/tmp`` and a shared checkpoint folder, the usual cluster layout) the move is a copy
+    onto the destination, so a job killed during it leaves a torn ``last.ckpt`` in place of the previous good one, and
+    nothing is flushed to disk before the old file is gone. Here the checkpoint is written straight to
+    ``.<name>.<writer>.tmp`` in the destination's folder, flushed and synced, then renamed over the destination (one
+    atomic step on one file system), and the folder is synced so the rename survives a crash: a reader sees the
+    previous checkpoint or the new one, whole. A killed writer's temporary file is removed by the next run's
+    :class:`ModelCheckpoint` (its name says which process wrote it). Remote paths (``s3://`` …) keep Lightning's
+    object-store upload, which is atomic on those stores.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                            f"{type(self).__name__}; save without storage_options")
+        path = Path(os.fspath(path)).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{writer_tag()}.tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(checkpoint, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _sync_dir(path.parent)
+
+
+def _sync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows): the rename itself is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# `.last.ckpt.<random>.w@host@pid@rand.tmp`: how AtomicCheckpointIO names what it is writing.
+_PARTIAL = re.compile(r"^\..*w@[^@/]+@\d+@[^@/]+\.tmp$")
+
+
+def _use_atomic_saves(strategy: Any) -> None:
+    """Put :class:`AtomicCheckpointIO` where the strategy would use Lightning's default ``TorchCheckpointIO``; a
+    checkpoint IO given to the Trainer (``AsyncCheckpointIO`` included) is left as it is."""
+    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -21,10 +92,18 @@ class ModelCheckpoint(LightningModelCheckpoint):
     Without ``dirpath`` the checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (Lightning's own
     default is a folder named after the logger's project and run id), so one setting places a run's outputs
     and a recipe overlay moves them by setting ``trainer.default_root_dir`` alone.
+
+    Saves go through :class:`AtomicCheckpointIO` unless the Trainer was given a checkpoint IO of its own, and the
+    temporary files of a save that was killed (by a writer that is gone) are removed from ``dirpath`` at setup.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._place(trainer)
+        _use_atomic_saves(trainer.strategy)
+        if trainer.is_global_zero and os.path.isdir(self.dirpath):
+            for leftover in Path(self.dirpath).iterdir():
+                if _PARTIAL.match(leftover.name) and writer_is_gone(leftover):
+                    leftover.unlink(missing_ok=True)
         super().setup(trainer, pl_module, stage)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:

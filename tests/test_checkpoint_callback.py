@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -42,3 +45,122 @@ def test_checkpoints_default_to_the_runs_root_folder(tmp_path):
                         enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=1)
     trainer.fit(BoringModel())
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt"]
+
+
+# --- saves: written beside the checkpoint, renamed into place ------------------------------------------------------
+
+class _Killed(Exception):
+    """Stands for the job being killed at that point."""
+
+
+def _two_file_systems(monkeypatch, tmp_path):
+    """The system's temporary folder and the checkpoints on two file systems (a node-local /tmp and a shared
+    checkpoint folder): a rename between folders fails with EXDEV, as the kernel's does between file systems, and a
+    move falls back to copying onto the destination, which the job is killed in the middle of."""
+    import errno
+    import shutil
+    import tempfile
+
+    node_local = tmp_path / "node-local-tmp"
+    node_local.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_local))
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def cross_device(src, dst, *args, _real=real, **kwargs):
+            if os.path.dirname(os.path.abspath(src)) != os.path.dirname(os.path.abspath(dst)):
+                raise OSError(errno.EXDEV, "Invalid cross-device link")
+            return _real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, cross_device)
+
+    copies = []
+
+    def killed_halfway_through_the_second_copy(fsrc, fdst, *args, **kwargs):
+        copies.append(fdst.name)
+        data = fsrc.read()
+        fdst.write(data if len(copies) == 1 else data[: len(data) // 2])
+        fdst.flush()
+        if len(copies) > 1:
+            raise _Killed
+
+    monkeypatch.setattr(shutil, "_fastcopy_sendfile", killed_halfway_through_the_second_copy)
+    monkeypatch.setattr(shutil, "copyfileobj", killed_halfway_through_the_second_copy)
+
+
+def test_a_checkpoint_folder_on_another_file_system_than_the_temporary_folder_never_gets_a_torn_file(
+        tmp_path, monkeypatch):
+    # Lightning's own save writes into the system's temporary folder and moves the file over last.ckpt: between file
+    # systems that move is a copy onto last.ckpt, and a kill during it left a torn file where step 5's had been. Here
+    # nothing is copied: each save is written in the checkpoint folder and renamed there, so the run ends at step 7.
+    _two_file_systems(monkeypatch, tmp_path)
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0, save_last=True, every_n_train_steps=5)
+    try:
+        _fit(tmp_path, cb, 7)
+    except _Killed:
+        pass
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert last["global_step"] == 7
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_save_that_fails_midway_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    import callbacks.checkpoint as module
+
+    real_save, calls = torch.save, []
+
+    def disk_full_on_the_second_save(obj, fh, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            fh.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, fh, *args, **kwargs)
+
+    monkeypatch.setattr(module.torch, "save", disk_full_on_the_second_save)
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0, save_last=True, every_n_train_steps=5)
+    with pytest.raises(OSError, match="No space left"):
+        _fit(tmp_path, cb, 7)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 5
+
+
+def test_a_killed_writers_temporary_file_is_removed_and_nothing_else(tmp_path):
+    from lilicorr_pl.files import writer_tag
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    dead = folder / ".last.ckpt.x1y2.w@{}@{}@deadbeef.tmp".format(*writer_tag().split("@")[1:2], 2 ** 22 + 12345)
+    live = folder / f".last.ckpt.a1b2.{writer_tag()}.tmp"  # this process: a writer still at work
+    users = [folder / ".notes.tmp", folder / "mine.ckpt.tmp"]
+    for p in (dead, live, *users):
+        p.write_bytes(b"x")
+    cb = ModelCheckpoint(dirpath=folder, save_last=True)
+    _fit(tmp_path, cb, 2)
+    assert not dead.exists()
+    assert live.exists() and all(p.exists() for p in users)
+
+
+def test_a_checkpoint_io_given_to_the_trainer_is_kept(tmp_path):
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from callbacks.checkpoint import AtomicCheckpointIO
+
+    class Mine(TorchCheckpointIO):
+        pass
+
+    mine = Mine()
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=2, callbacks=[cb], logger=False, plugins=[mine],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        accelerator="cpu", devices=1)
+    trainer.fit(BoringModel())
+    assert trainer.strategy.checkpoint_io is mine
+    default = L.Trainer(default_root_dir=tmp_path / "d", max_steps=1, callbacks=[ModelCheckpoint(save_last=True)],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        accelerator="cpu", devices=1)
+    default.fit(BoringModel())
+    assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO
+    assert (tmp_path / "d" / "checkpoints" / "last.ckpt").stat().st_mode & 0o777 == 0o644
