@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from jsonargparse import Namespace
@@ -338,6 +339,8 @@ class LilicorrCLI(LightningCLI):
         if not subcommand:
             return
         ckpt = self.config[subcommand].get("ckpt_path")
+        if ckpt == "last" and not os.path.exists(ckpt):
+            ckpt = self._last_checkpoint(subcommand)  # the file Lightning will resume from: checked like any other
         if not ckpt or (str(ckpt) in CKPT_SHORTCUTS and not os.path.exists(str(ckpt))):
             return
         checkpoint = read_checkpoint(ckpt, verify=False)  # the checksum is verified when Lightning restores it
@@ -351,6 +354,30 @@ class LilicorrCLI(LightningCLI):
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)
+
+    def _last_checkpoint(self, subcommand: str) -> str | None:
+        """The checkpoint ``ckpt_path="last"`` will resume from, found before anything is built: as Lightning finds
+        it, the newest ``last*.ckpt`` in the folders of the run's ``ModelCheckpoint`` callbacks (the project's
+        ``callbacks.ModelCheckpoint`` without ``dirpath`` keeps them in ``<default_root_dir>/checkpoints``; Lightning's
+        own without ``dirpath`` keeps them in the logger's folder, known only once the logger is built, and is left to
+        Lightning). None when there is none yet: Lightning then trains from step 0, so a job can be launched with
+        ``--ckpt_path=last`` from its first attempt on."""
+        trainer = self.config[subcommand].get("trainer") or {}
+        root = trainer.get("default_root_dir") or os.getcwd()
+        callbacks = trainer.get("callbacks") or []
+        found: list[Path] = []
+        for callback in callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]:
+            class_path = str(getattr(callback, "class_path", None) or "")
+            if class_path.rsplit(".", 1)[-1] != "ModelCheckpoint":
+                continue
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            if dirpath is None and class_path != "callbacks.ModelCheckpoint":
+                continue
+            folder = Path(os.path.expanduser(str(dirpath or Path(root) / "checkpoints")))
+            if folder.is_dir():
+                found += [p for p in folder.iterdir()
+                          if p.suffix == ".ckpt" and p.stem.startswith("last") and p.is_file()]
+        return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
     # ------------------------------------------------------------------ building
     def instantiate_classes(self) -> None:

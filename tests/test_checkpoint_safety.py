@@ -52,11 +52,14 @@ def evil(tmp_path, tiny_run) -> tuple[Path, Path]:
     return path, marker
 
 
-def _resume(tmp_path: Path, ckpt: Path, *extra: str) -> object:
-    return cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
-                     f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}", "--trainer.max_steps=3",
-                     "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=3",
-                     "--trainer.limit_val_batches=1"])
+def _resume_argv(tmp_path: Path, ckpt: Path | str, *extra: str) -> list[str]:
+    return ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={ckpt}", *extra,
+            f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}", "--trainer.max_steps=3",
+            "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1"]
+
+
+def _resume(tmp_path: Path, ckpt: Path | str, *extra: str) -> object:
+    return cli_main(_resume_argv(tmp_path, ckpt, *extra))
 
 
 def test_reader_refuses_a_pickle_payload_with_one_line(evil):
@@ -424,3 +427,32 @@ def test_a_tensor_of_another_shape_is_named_with_both_shapes_not_matched_by_torc
     system = DraftSystem.from_checkpoint(good)
     with pytest.raises(StateMismatchError, match="missing"):
         system.load_state_dict({k: v for k, v in state["state_dict"].items() if k != key})
+
+
+def test_a_resume_from_last_is_checked_before_any_work_like_a_named_checkpoint(tiny_run, tmp_path, capsys, monkeypatch):
+    """`--ckpt_path=last` (the resume every stop message names) is resolved to the file Lightning will resume from and
+    checked like a named checkpoint before anything is built: a truncated file or another head used to be found only
+    once the data were prepared and the target loaded, the truncated one as a traceback."""
+    from lilicorr_pl.data.datamodule import DraftDataModule
+
+    _, good = tiny_run
+    root = tmp_path / "runs" / "tiny"
+    (root / "checkpoints").mkdir(parents=True)
+    last = root / "checkpoints" / "last.ckpt"
+    shutil.copy(good, last)
+    cut = root / "checkpoints" / "last-v1.ckpt"  # the newest: Lightning would resume from it
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+    def no_work_yet(self):
+        raise AssertionError("the data were prepared before the checkpoint was checked")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DraftDataModule, "prepare_data", no_work_yet)
+        err = user_error(capsys, _resume_argv(tmp_path, "last"))
+        assert "truncated" in err and str(cut) in err and "Traceback" not in err, err
+        cut.unlink()
+        err = user_error(capsys, _resume_argv(tmp_path, "last", "--model.head.init_args.top_k=3"))
+        assert "cannot resume" in err and "model.head" in err and "Traceback" not in err, err
+    cli = _resume(tmp_path, "last")
+    assert Path(cli.trainer.ckpt_path).resolve() == last.resolve() and cli.trainer.global_step == 3
+
