@@ -14,6 +14,8 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lilicorr_pl.files import writer_is_gone, writer_tag
@@ -81,13 +83,23 @@ def _use_atomic_saves(strategy: Any) -> None:
         strategy.checkpoint_io = AtomicCheckpointIO()
 
 
+def _training_done(trainer: Any) -> bool:
+    """Whether a fit has trained all its steps or epochs (``fit_loop.done`` without its log line and side effects)."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    epochs = trainer.max_epochs
+    return epochs is not None and epochs >= 0 and trainer.fit_loop.epoch_progress.current.processed >= epochs
+
+
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same arguments) whose ``last.ckpt`` always holds the final weights.
 
     Lightning skips its end-of-training save of ``last`` once any ``last`` was written earlier in the run,
     so ``max_steps=30`` with ``every_n_train_steps=25`` left ``last.ckpt`` at step 25 and lost 5 steps of
     training. Here the end of training writes ``last`` whenever the latest save was at an earlier step, and so
-    does a single-process fit stopped by SIGTERM, at the step it stopped at.
+    does a single-process fit stopped by SIGTERM, at the step it stopped at (after a step, during the validation
+    that follows it, or after the last step). With ``save_top_k=0`` (keep only ``last.ckpt``) every save trigger
+    writes ``last``, once: Lightning wrote it at training's end alone.
 
     Without ``dirpath`` the checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (Lightning's own
     default is a folder named after the logger's project and run id), so one setting places a run's outputs
@@ -134,7 +146,42 @@ class ModelCheckpoint(LightningModelCheckpoint):
         # A validation due at this step that still runs to its end saves what it would (its step's checkpoint,
         # `last` after it): this save is not that one.
         self._last_global_step_saved = scheduled
+        self._stop_saved_at = trainer.global_step
         rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        # A SIGTERM that arrives after a step's end (the save above has passed) stops a fit either in the validation
+        # that follows the step (Lightning leaves it at its next batch; the demo's real speculative decoding takes
+        # seconds there) or, after the last step, before training's end: `last` is written here, so that step is not
+        # lost. Mid-validation, Lightning resumes by finishing that validation; after the last step there is nothing
+        # left to train. (At another epoch's end the save above has already run, and one here would resume an
+        # epoch too far.) Single-process only, as above.
+        if (not isinstance(exception, SIGTERMException) or not self.save_last or trainer.world_size > 1
+                or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or trainer.global_step in (self._last_global_step_saved, getattr(self, "_stop_saved_at", None))
+                or trainer.fit_loop.epoch_loop._should_accumulate()
+                or not (trainer.state.stage == RunningStage.VALIDATING or _training_done(trainer))):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
+
+    def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        # With `save_top_k=0` (keep only last.ckpt) Lightning writes nothing here, and writes `last` only after a
+        # top-k save, so last.ckpt was written at training's end alone and a killed run lost every step. Here each
+        # save trigger (a validation's end, every_n_train_steps, an epoch's end) writes `last`; the `last` save that
+        # Lightning makes right after this call, at the same step, is then not written twice.
+        if self.save_top_k == 0 and self.save_last:
+            self._save_last_checkpoint(trainer, monitor_candidates)
+            self._written_at = trainer.global_step
+            return
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        if getattr(self, "_written_at", None) == trainer.global_step:
+            self._written_at = None
+            return
+        super()._save_last_checkpoint(trainer, monitor_candidates)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and trainer.global_step != self._last_global_step_saved:

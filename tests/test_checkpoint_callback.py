@@ -164,3 +164,45 @@ def test_a_checkpoint_io_given_to_the_trainer_is_kept(tmp_path):
     default.fit(BoringModel())
     assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO
     assert (tmp_path / "d" / "checkpoints" / "last.ckpt").stat().st_mode & 0o777 == 0o644
+
+
+# --- save_top_k=0: only last.ckpt, written at every save trigger ---------------------------------------------------
+
+def test_with_save_top_k_0_last_is_written_at_each_validation_once(tmp_path, monkeypatch):
+    # The demo's arms keep only last.ckpt (`save_top_k: 0`): Lightning wrote it at training's end alone, so a run
+    # killed at step 6 had no checkpoint at all.
+    saves = []
+    save = L.Trainer.save_checkpoint
+
+    def spy(trainer, filepath, *args, **kwargs):
+        saves.append((trainer.global_step, os.path.basename(filepath)))
+        return save(trainer, filepath, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", spy)
+    on_disk = {}
+
+    class Peek(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            last = tmp_path / "ckpt" / "last.ckpt"
+            on_disk[trainer.global_step] = (torch.load(last, weights_only=True, map_location="cpu")["global_step"]
+                                            if last.exists() else None)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=7, val_check_interval=3, limit_val_batches=1,
+                        callbacks=[cb, Peek()], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, accelerator="cpu", devices=1)
+    trainer.fit(BoringModel())
+    assert saves == [(3, "last.ckpt"), (6, "last.ckpt"), (7, "last.ckpt")]
+    assert on_disk[3] == 3 and on_disk[6] == 6
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 7
+
+
+def test_with_save_top_k_0_every_n_train_steps_writes_last_once_per_trigger(tmp_path, monkeypatch):
+    saves = []
+    save = L.Trainer.save_checkpoint
+    monkeypatch.setattr(L.Trainer, "save_checkpoint",
+                        lambda trainer, filepath, *a, **k: (saves.append(trainer.global_step), save(trainer, filepath, *a, **k)))
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=2)
+    _fit(tmp_path, cb, 5)
+    assert saves == [2, 4, 5]

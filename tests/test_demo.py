@@ -410,6 +410,29 @@ def test_a_background_stage_can_be_stopped_although_it_starts_with_stop_signals_
     stage.bar.close()
 
 
+def test_a_stage_started_again_keeps_the_earlier_tries_output_in_its_log(tmp_path):
+    """A rerun resumes an interrupted stage in the same folder: its output is appended under a separator, so the
+    interrupted try's log (where it stopped, why) is not overwritten."""
+    from lilicorr_pl.demo import run
+
+    job = {"kind": "arm", "arm": "dflash", "key": "not-the-key", "workdir": str(tmp_path), "target_dir": str(tmp_path),
+           "data_file": str(tmp_path / "d.jsonl"), "init_dir": str(tmp_path), "init_key": "k", "steps": 2, "seed": 0,
+           "threads": 1}
+    log_file = tmp_path / "stage" / "train.log"
+    background = run.Background(1)  # not entered: start() and poll() only
+    outputs = []
+    for _ in range(2):
+        background.start("stage", job, log_file, tmp_path / "stage" / "progress.json", 1, "step")
+        background.running["stage"].process.wait(timeout=120)
+        [(_, returncode, _)] = background.poll()
+        assert returncode == 2
+        outputs.append(log_file.read_text())
+    first, both = outputs
+    assert "computed stage key" in first and both.startswith(first)
+    separator, second = both[len(first):].split("\n", 2)[1:]
+    assert separator.endswith("started again; the earlier try's output is above ---") and "computed stage key" in second
+
+
 def test_train_arms_refuses_an_order_whose_arms_wait_on_arms_outside_it(tmp_path):
     from lilicorr_pl.demo import run
 

@@ -84,6 +84,19 @@ class TermAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class TermDuringValidation(L.Callback):
+    """Test-only: a SIGTERM during the validation after step ``at_step``, after its first batch (of two): Lightning
+    leaves the validation at its next batch, after that step's end has passed."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if trainer.global_step == self.at_step and not trainer.sanity_checking and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class KillMidStep(L.Callback):
     """Test-only: SIGKILL this process in the middle of the step after ``after_step`` (forward and backward
     done, optimizer step not), i.e. once ``after_step``'s checkpoint is on disk. No cleanup runs."""
@@ -186,4 +199,31 @@ def test_sigterm_stops_with_status_143_saves_its_step_and_resumes_from_it(tmp_pa
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
     resumed = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == STEPS
+    _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))
+
+
+def test_a_sigterm_during_validation_saves_that_step_and_the_resume_finishes_the_validation(tmp_path, uninterrupted):
+    """The stop comes after step 3's end, in the validation that follows it (two batches here, so Lightning leaves it
+    after the first): nothing had saved step 3, and the stop wrote nothing, so the resume went back to step 0. A
+    larger validation split than the other tests', so the uninterrupted run to compare with is this test's own."""
+    _, cache = uninterrupted
+    overrides = (TERM_OVERRIDES.replace("limit_val_batches: 1", "limit_val_batches: 2")
+                 .replace("batch_size: 12", "batch_size: 12\n  val_fraction: 0.4"))
+    _finish(_launch(tmp_path / "full", cache, overrides=overrides.replace("save_top_k: -1", "save_top_k: -1, "
+                                                                          "every_n_train_steps: 1")))
+    full_ckpts = tmp_path / "full" / "run" / "checkpoints"
+    out = _finish(_launch(tmp_path, cache, "--trainer.callbacks+=test_resume.TermDuringValidation",
+                          "--trainer.callbacks.at_step=3", overrides=overrides), expect=128 + signal.SIGTERM)
+    assert "training stopped by SIGTERM at step 3 of 8" in out
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]  # step=3.ckpt would be the validation's own
+    saved = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3
+    _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "step=3.ckpt"))
+
+    _finish(_launch(tmp_path, cache, "--ckpt_path=last", overrides=overrides))
+    assert (tmp_path / "first_step.txt").read_text() == "3"
+    # The resume finished step 3's validation (its checkpoint is the stop's last.ckpt) and trained on.
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=6.ckpt"]
+    assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == STEPS
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))

@@ -525,7 +525,8 @@ class Background:
         return len(self.running) >= self.slots
 
     def start(self, name: str, job: dict[str, Any], log_file: Path, progress_file: Path, total: int, unit: str) -> None:
-        """Starts ``job`` (its ``progress_file`` added) with its output in ``log_file`` and a bar of ``total`` units."""
+        """Starts ``job`` (its ``progress_file`` added) with its output in ``log_file`` and a bar of ``total`` units.
+        The output is appended: a stage started again after an interruption keeps the earlier try's output above."""
         import signal
         import subprocess
         import sys
@@ -541,7 +542,11 @@ class Background:
         if blocking:
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
         try:
-            with open(log_file, "w") as out:
+            with open(log_file, "a") as out:  # a rerun's output goes after the interrupted try's, which it resumes
+                if out.tell():
+                    out.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')}: started again; the earlier try's output is "
+                              "above ---\n")
+                    out.flush()
                 process = subprocess.Popen(
                     [sys.executable, "-m", "lilicorr_pl.demo.run",
                      json.dumps({**job, "progress_file": str(progress_file)})],
