@@ -14,7 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -83,23 +83,16 @@ def _use_atomic_saves(strategy: Any) -> None:
         strategy.checkpoint_io = AtomicCheckpointIO()
 
 
-def _training_done(trainer: Any) -> bool:
-    """Whether a fit has trained all its steps or epochs (``fit_loop.done`` without its log line and side effects)."""
-    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return True
-    epochs = trainer.max_epochs
-    return epochs is not None and epochs >= 0 and trainer.fit_loop.epoch_progress.current.processed >= epochs
-
-
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same arguments) whose ``last.ckpt`` always holds the final weights.
 
     Lightning skips its end-of-training save of ``last`` once any ``last`` was written earlier in the run,
     so ``max_steps=30`` with ``every_n_train_steps=25`` left ``last.ckpt`` at step 25 and lost 5 steps of
     training. Here the end of training writes ``last`` whenever the latest save was at an earlier step, and so
-    does a single-process fit stopped by SIGTERM, at the step it stopped at (after a step, during the validation
-    that follows it, or after the last step). With ``save_top_k=0`` (keep only ``last.ckpt``) every save trigger
-    writes ``last``, once: Lightning wrote it at training's end alone.
+    does a single-process fit stopped by SIGTERM, at the step it stopped at (after a step, in the validation or
+    epoch-end hooks that follow it, or after the last step; a resume goes on with the next step, and a validation
+    the stop cut short is not run again, as Lightning resumes). With ``save_top_k=0`` (keep only ``last.ckpt``)
+    every save trigger writes ``last``, once: Lightning wrote it at training's end alone.
 
     Without ``dirpath`` the checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (Lightning's own
     default is a folder named after the logger's project and run id), so one setting places a run's outputs
@@ -110,6 +103,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop_saved_at: int | None = None  # the step a SIGTERM save of this fit wrote
         self._place(trainer)
         _use_atomic_saves(trainer.strategy)
         if trainer.is_global_zero and os.path.isdir(self.dirpath):
@@ -144,24 +138,24 @@ class ModelCheckpoint(LightningModelCheckpoint):
         scheduled = self._last_global_step_saved
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         # A validation due at this step that still runs to its end saves what it would (its step's checkpoint,
-        # `last` after it): this save is not that one.
-        self._last_global_step_saved = scheduled
+        # `last` after it): this save is not that one. With `save_top_k=0` it would only write `last` again.
+        if self.save_top_k != 0:
+            self._last_global_step_saved = scheduled
         self._stop_saved_at = trainer.global_step
         rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
-        # A SIGTERM that arrives after a step's end (the save above has passed) stops a fit either in the validation
-        # that follows the step (Lightning leaves it at its next batch; the demo's real speculative decoding takes
-        # seconds there) or, after the last step, before training's end: `last` is written here, so that step is not
-        # lost. Mid-validation, Lightning resumes by finishing that validation; after the last step there is nothing
-        # left to train. (At another epoch's end the save above has already run, and one here would resume an
-        # epoch too far.) Single-process only, as above.
+        # A SIGTERM that arrives after a step's end (the save above has passed) stops a fit in the validation that
+        # follows the step (Lightning leaves it at its next batch, or after it; the demo's real speculative decoding
+        # takes seconds there), in the epoch's end hooks, or after the last step: `last` is written here, so that step
+        # is not lost. The resume goes on with the next step: Lightning counts that validation as run and does not
+        # repeat it (its metrics and any save it would have ended with are not made; `last` holds its weights).
+        # Single-process only, as above.
         if (not isinstance(exception, SIGTERMException) or not self.save_last or trainer.world_size > 1
                 or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
-                or trainer.global_step in (self._last_global_step_saved, getattr(self, "_stop_saved_at", None))
-                or trainer.fit_loop.epoch_loop._should_accumulate()
-                or not (trainer.state.stage == RunningStage.VALIDATING or _training_done(trainer))):
+                or trainer.global_step in (self._last_global_step_saved, self._stop_saved_at)
+                or trainer.fit_loop.epoch_loop._should_accumulate()):
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")

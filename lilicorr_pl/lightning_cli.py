@@ -357,27 +357,34 @@ class LilicorrCLI(LightningCLI):
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
         """The checkpoint ``ckpt_path="last"`` will resume from, found before anything is built: as Lightning finds
-        it, the newest ``last*.ckpt`` in the folders of the run's ``ModelCheckpoint`` callbacks (the project's
+        it, the newest of the ``last*.ckpt`` in the folders of the run's ``ModelCheckpoint`` callbacks (the project's
         ``callbacks.ModelCheckpoint`` without ``dirpath`` keeps them in ``<default_root_dir>/checkpoints``; Lightning's
         own without ``dirpath`` keeps them in the logger's folder, known only once the logger is built, and is left to
-        Lightning). None when there is none yet: Lightning then trains from step 0, so a job can be launched with
-        ``--ckpt_path=last`` from its first attempt on."""
+        Lightning) and the files of its ``OnExceptionCheckpoint`` callbacks. None when there is none yet (Lightning
+        then trains from step 0, so a job can be launched with ``--ckpt_path=last`` from its first attempt on), or
+        when the newest is a folder (a sharded checkpoint, read by its strategy: left to Lightning)."""
         trainer = self.config[subcommand].get("trainer") or {}
         root = trainer.get("default_root_dir") or os.getcwd()
         callbacks = trainer.get("callbacks") or []
         found: list[Path] = []
         for callback in callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]:
             class_path = str(getattr(callback, "class_path", None) or "")
-            if class_path.rsplit(".", 1)[-1] != "ModelCheckpoint":
+            init_args = getattr(callback, "init_args", None) or {}
+            name = class_path.rsplit(".", 1)[-1]
+            if name == "OnExceptionCheckpoint" and init_args.get("dirpath") is not None:
+                filename = f"{init_args.get('filename') or 'on_exception'}.ckpt"
+                path = Path(os.path.expanduser(str(init_args["dirpath"]))) / filename
+                found += [path] if path.exists() else []
+            if name != "ModelCheckpoint":
                 continue
-            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            dirpath = init_args.get("dirpath")
             if dirpath is None and class_path != "callbacks.ModelCheckpoint":
                 continue
             folder = Path(os.path.expanduser(str(dirpath or Path(root) / "checkpoints")))
             if folder.is_dir():
-                found += [p for p in folder.iterdir()
-                          if p.suffix == ".ckpt" and p.stem.startswith("last") and p.is_file()]
-        return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+                found += [p for p in folder.iterdir() if p.name.startswith("last") and p.name.endswith(".ckpt")]
+        newest = max(found, key=lambda p: p.stat().st_mtime) if found else None
+        return str(newest) if newest is not None and newest.is_file() else None
 
     # ------------------------------------------------------------------ building
     def instantiate_classes(self) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from callbacks import ModelCheckpoint
 
@@ -201,8 +204,70 @@ def test_with_save_top_k_0_last_is_written_at_each_validation_once(tmp_path, mon
 def test_with_save_top_k_0_every_n_train_steps_writes_last_once_per_trigger(tmp_path, monkeypatch):
     saves = []
     save = L.Trainer.save_checkpoint
-    monkeypatch.setattr(L.Trainer, "save_checkpoint",
-                        lambda trainer, filepath, *a, **k: (saves.append(trainer.global_step), save(trainer, filepath, *a, **k)))
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", lambda trainer, filepath, *a, **k: (
+        saves.append(trainer.global_step), save(trainer, filepath, *a, **k)))
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=2)
     _fit(tmp_path, cb, 5)
     assert saves == [2, 4, 5]
+
+
+def test_with_save_top_k_0_a_sigterm_at_a_validation_step_writes_last_once(tmp_path, monkeypatch):
+    saves = []
+    save = L.Trainer.save_checkpoint
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", lambda trainer, filepath, *a, **k: (
+        saves.append(trainer.global_step), save(trainer, filepath, *a, **k)))
+
+    class Term(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler notes it; the fit stops after the step
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=7, val_check_interval=3, limit_val_batches=1,
+                        callbacks=[Term(), cb], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, accelerator="cpu", devices=1)
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    assert saves == [3]
+
+
+def test_a_sigterm_in_the_epochs_end_hooks_saves_that_step_and_the_resume_starts_the_next_epoch(tmp_path):
+    """The stop comes in the epoch's end hooks, after its last step (step 4, not a scheduled save: every 5 steps):
+    Lightning raises once the epoch is counted done. Nothing saved step 4 before; now the stop does, and the resume
+    trains the next epoch (an epoch boundary, so even this model's plain loader resumes exactly)."""
+
+    class Term(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    class Steps(L.Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.steps.append(trainer.global_step)
+
+    def fit(*extra, ckpt_path=None):
+        L.seed_everything(0)
+        steps, model = Steps(), BoringModel()
+        trainer = L.Trainer(default_root_dir=tmp_path, max_epochs=3, limit_train_batches=4, limit_val_batches=0,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_last=True,
+                                                       every_n_train_steps=5), steps, *extra],
+                            logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                            devices=1)
+        try:
+            trainer.fit(model, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            pass
+        return model, steps.steps
+
+    reference, _ = fit()
+    for p in (tmp_path / "ckpt").iterdir():
+        p.unlink()
+    fit(Term())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 4
+    resumed, steps = fit(ckpt_path="last")
+    assert steps == list(range(5, 13))
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()))

@@ -9,6 +9,7 @@ refused, not benchmarked.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -456,3 +457,32 @@ def test_a_resume_from_last_is_checked_before_any_work_like_a_named_checkpoint(t
     cli = _resume(tmp_path, "last")
     assert Path(cli.trainer.ckpt_path).resolve() == last.resolve() and cli.trainer.global_step == 3
 
+
+
+def test_the_early_check_finds_what_lightning_resumes_from_on_exception_files_and_sharded_folders(tmp_path):
+    """`--ckpt_path=last` is resolved as Lightning resolves it: the newest of the ModelCheckpoint folders' last*.ckpt
+    and the OnExceptionCheckpoint files; when that newest is a folder (a sharded checkpoint) nothing older is checked
+    in its place."""
+    from types import SimpleNamespace
+
+    from jsonargparse import Namespace
+
+    from lilicorr_pl.lightning_cli import LilicorrCLI
+
+    ckpts, crashes = tmp_path / "run" / "checkpoints", tmp_path / "crashes"
+    callbacks = [Namespace(class_path="callbacks.ModelCheckpoint", init_args=Namespace(dirpath=None)),
+                 Namespace(class_path="lightning.pytorch.callbacks.OnExceptionCheckpoint",
+                           init_args=Namespace(dirpath=str(crashes), filename="crash"))]
+    cli = SimpleNamespace(config={"fit": {"trainer": {"default_root_dir": str(tmp_path / "run"),
+                                                      "callbacks": callbacks}}})
+    last = LilicorrCLI._last_checkpoint
+    assert last(cli, "fit") is None
+    ckpts.mkdir(parents=True)
+    crashes.mkdir()
+    for age, path in enumerate([ckpts / "last.ckpt", ckpts / "step=3.ckpt", crashes / "crash.ckpt"]):
+        path.write_bytes(b"x")
+        os.utime(path, (1000 + age, 1000 + age))
+    assert last(cli, "fit") == str(crashes / "crash.ckpt")
+    (ckpts / "last-v1.ckpt").mkdir()
+    os.utime(ckpts / "last-v1.ckpt", (2000, 2000))
+    assert last(cli, "fit") is None

@@ -85,15 +85,16 @@ class TermAtStep(L.Callback):
 
 
 class TermDuringValidation(L.Callback):
-    """Test-only: a SIGTERM during the validation after step ``at_step``, after its first batch (of two): Lightning
-    leaves the validation at its next batch, after that step's end has passed."""
+    """Test-only: a SIGTERM during the validation after step ``at_step``, at the end of its batch ``batch`` (of two):
+    after the first, Lightning leaves the validation at its next batch; after the last, it ends the validation and
+    stops before the next step. Either way after that step's end has passed."""
 
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
+    def __init__(self, at_step: int, batch: int = 0) -> None:
+        self.at_step, self.batch = at_step, batch
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        if trainer.global_step == self.at_step and not trainer.sanity_checking and batch_idx == 0:
+        if trainer.global_step == self.at_step and not trainer.sanity_checking and batch_idx == self.batch:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -202,28 +203,48 @@ def test_sigterm_stops_with_status_143_saves_its_step_and_resumes_from_it(tmp_pa
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))
 
 
-def test_a_sigterm_during_validation_saves_that_step_and_the_resume_finishes_the_validation(tmp_path, uninterrupted):
-    """The stop comes after step 3's end, in the validation that follows it (two batches here, so Lightning leaves it
-    after the first): nothing had saved step 3, and the stop wrote nothing, so the resume went back to step 0. A
-    larger validation split than the other tests', so the uninterrupted run to compare with is this test's own."""
-    _, cache = uninterrupted
-    overrides = (TERM_OVERRIDES.replace("limit_val_batches: 1", "limit_val_batches: 2")
+# Two validation batches (a larger validation split than the other tests'), so the stop can come in the middle of one.
+VAL_OVERRIDES = (TERM_OVERRIDES.replace("limit_val_batches: 1", "limit_val_batches: 2")
                  .replace("batch_size: 12", "batch_size: 12\n  val_fraction: 0.4"))
-    _finish(_launch(tmp_path / "full", cache, overrides=overrides.replace("save_top_k: -1", "save_top_k: -1, "
-                                                                          "every_n_train_steps: 1")))
-    full_ckpts = tmp_path / "full" / "run" / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_batch_validation(uninterrupted, tmp_path_factory) -> Path:
+    """The checkpoints, one per step, of an uninterrupted run with VAL_OVERRIDES's validation split."""
+    _, cache = uninterrupted
+    root = tmp_path_factory.mktemp("resume-val")
+    _finish(_launch(root, cache, overrides=VAL_OVERRIDES.replace("save_top_k: -1", "save_top_k: -1, "
+                                                                  "every_n_train_steps: 1")))
+    return root / "run" / "checkpoints"
+
+
+# first-batch: the validation is a save trigger (as in the demo's arms) and Lightning leaves it at its second batch,
+# so the validation's own save (step=3.ckpt) is never reached. last-batch: the validation is not a save trigger (saves
+# every 100 steps, as the shipped fit configs save by steps) and the stop comes once it has run. Neither had saved
+# step 3 before the stop saved it here: each resumed from step 0.
+@pytest.mark.parametrize("batch, every, after_stop, after_resume", [
+    (0, None, ["last.ckpt"], ["last.ckpt", "step=6.ckpt"]),
+    (1, 100, ["last.ckpt"], ["last.ckpt"]),
+], ids=["first-batch", "last-batch"])
+def test_a_sigterm_during_the_validation_after_a_step_saves_that_step_and_the_resume_goes_on_from_it(
+        tmp_path, uninterrupted, uninterrupted_two_batch_validation, batch, every, after_stop, after_resume):
+    _, cache = uninterrupted
+    full_ckpts = uninterrupted_two_batch_validation
+    overrides = VAL_OVERRIDES if every is None else VAL_OVERRIDES.replace(
+        "save_top_k: -1", f"save_top_k: -1, every_n_train_steps: {every}")
     out = _finish(_launch(tmp_path, cache, "--trainer.callbacks+=test_resume.TermDuringValidation",
-                          "--trainer.callbacks.at_step=3", overrides=overrides), expect=128 + signal.SIGTERM)
+                          "--trainer.callbacks.at_step=3", f"--trainer.callbacks.batch={batch}", overrides=overrides),
+                  expect=128 + signal.SIGTERM)
     assert "training stopped by SIGTERM at step 3 of 8" in out
     ckpts = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]  # step=3.ckpt would be the validation's own
+    assert sorted(p.name for p in ckpts.iterdir()) == after_stop
     saved = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 3
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "step=3.ckpt"))
 
     _finish(_launch(tmp_path, cache, "--ckpt_path=last", overrides=overrides))
+    # The resume trains on from step 3; Lightning counts step 3's validation as run and does not repeat it.
     assert (tmp_path / "first_step.txt").read_text() == "3"
-    # The resume finished step 3's validation (its checkpoint is the stop's last.ckpt) and trained on.
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=6.ckpt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == after_resume
     assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == STEPS
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))
