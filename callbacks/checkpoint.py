@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +45,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                             f"{type(self).__name__}; save without storage_options")
         path = Path(os.fspath(path)).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{writer_tag()}.tmp", dir=path.parent)
+        # Created with the mode any new file gets here (0666 less the umask, as Lightning's own save), not
+        # tempfile's 0600: the renamed file is the checkpoint others read.
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.{writer_tag()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         try:
             with os.fdopen(fd, "wb") as fh:
                 torch.save(checkpoint, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

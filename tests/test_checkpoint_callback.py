@@ -164,9 +164,13 @@ def test_a_checkpoint_io_given_to_the_trainer_is_kept(tmp_path):
     default = L.Trainer(default_root_dir=tmp_path / "d", max_steps=1, callbacks=[ModelCheckpoint(save_last=True)],
                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         accelerator="cpu", devices=1)
-    default.fit(BoringModel())
+    umask = os.umask(0o027)  # a group-readable setup: the checkpoint gets the mode any new file gets there
+    try:
+        default.fit(BoringModel())
+    finally:
+        os.umask(umask)
     assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO
-    assert (tmp_path / "d" / "checkpoints" / "last.ckpt").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "d" / "checkpoints" / "last.ckpt").stat().st_mode & 0o777 == 0o640
 
 
 # --- save_top_k=0: only last.ckpt, written at every save trigger ---------------------------------------------------
