@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lilicorr_pl.files import writer_is_gone, writer_tag
+from lilicorr_pl.files import create_temporary, writer_is_gone, writer_tag
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -45,10 +46,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                             f"{type(self).__name__}; save without storage_options")
         path = Path(os.fspath(path)).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Created with the mode any new file gets here (0666 less the umask, as Lightning's own save), not
-        # tempfile's 0600: the renamed file is the checkpoint others read.
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.{writer_tag()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        fd, tmp = create_temporary(path)  # the mode any new file gets here, as Lightning's own save
         try:
             with os.fdopen(fd, "wb") as fh:
                 torch.save(checkpoint, fh)
@@ -56,7 +54,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         _sync_dir(path.parent)
 
@@ -101,7 +99,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
     and a recipe overlay moves them by setting ``trainer.default_root_dir`` alone.
 
     Saves go through :class:`AtomicCheckpointIO` unless the Trainer was given a checkpoint IO of its own, and the
-    temporary files of a save that was killed (by a writer that is gone) are removed from ``dirpath`` at setup.
+    temporary files of a save that was killed (by a writer that is gone) are removed from ``dirpath`` at setup. With
+    ``save_last="link"`` the link replaces ``last.ckpt`` in one rename, so ``last.ckpt`` is never missing.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -178,6 +177,31 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._written_at = None
             return
         super()._save_last_checkpoint(trainer, monitor_candidates)
+
+    @staticmethod
+    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        # `save_last="link"`: Lightning removes `last.ckpt`, then links it to the newest checkpoint, so a job killed
+        # between the two had no `last.ckpt` and `--ckpt_path=last` trained again from step 0. Here the link (or, where
+        # the system refuses links, the copy) is made under a temporary name and renamed over `last.ckpt`: it names
+        # the previous checkpoint or the new one. A sharded checkpoint's folder keeps Lightning's way.
+        if (not trainer.is_global_zero or os.path.abspath(filepath) == os.path.abspath(linkpath)
+                or (os.path.isdir(linkpath) and not os.path.islink(linkpath)) or os.path.isdir(filepath)):
+            LightningModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        link = Path(linkpath)
+        tmp = link.parent / f".{link.name}.{uuid.uuid4().hex[:12]}.{writer_tag()}.tmp"
+        try:
+            try:
+                os.symlink(os.path.relpath(filepath, link.parent), tmp)
+            except OSError:  # Windows without the right to make links: a copy, as Lightning
+                shutil.copyfile(filepath, tmp)
+            os.replace(tmp, link)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        _sync_dir(link.parent)
+        trainer.strategy.barrier()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and trainer.global_step != self._last_global_step_saved:

@@ -7,12 +7,12 @@ refuses an unwritable destination the same way, before heavy work, and never lea
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
 import re
 import socket
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -102,37 +102,85 @@ def write_results_json(path: Path, payload: dict[str, Any], command: str) -> Non
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON under a temporary name beside ``path`` and rename it into place; never leave the temp file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = create_temporary(path)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(payload, fh, indent=2)
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
+def create_temporary(path: Path) -> tuple[int, Path]:
+    """A new file ``.<name>.<random>.<writer_tag()>.tmp`` beside ``path``, open for writing (its descriptor, and its
+    path): what is written there and then renamed over ``path`` (one atomic step on one file system).
+
+    Created with the mode any new file gets (0666 less the umask, as ``open`` would give ``path`` itself), not
+    ``tempfile``'s 0600, since the renamed file is what others read; and exclusively, so two writers never share one."""
+    while True:
+        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.{writer_tag()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
+        return fd, tmp
+
+
+def new_file_mode(folder: Path) -> int:
+    """The permission bits a new file gets in ``folder`` (0666 less the umask, or what the folder's default ACL
+    says), read from a probe file: for files that a library writes with a mode of its own (safetensors: 0600), set
+    before they are published. Reading the umask itself (``os.umask``) would change it for a moment in every thread."""
+    fd, probe = create_temporary(folder / "mode-probe")
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
 def writer_tag() -> str:
-    """``w@<host>@<pid>@<rand>``: put in a temporary file's or directory's name, it says which process is writing it,
-    so a clean-up of killed writers' leftovers (:func:`writer_is_gone`) never removes a live writer's. ``@`` is in no
-    host name, so the host is read whole (host names hold dots and hyphens, and one host's name can end another's)."""
-    return f"w@{socket.gethostname()}@{os.getpid()}@{uuid.uuid4().hex[:8]}"
+    """``w@<host>@<pid>@m<machine>-<rand>``: put in a temporary file's or directory's name, it says which process is
+    writing it, so a clean-up of killed writers' leftovers (:func:`writer_is_gone`) never removes a live writer's.
+    ``@`` is in no host name, so the host is read whole (host names hold dots and hyphens, and one host's name can end
+    another's). ``<machine>`` tells apart what the host name does not: a container with the host's name (host
+    networking) and its own pid numbers, or another machine of the same name sharing the cache (:func:`_pid_space`)."""
+    space = _pid_space()
+    return f"w@{socket.gethostname()}@{os.getpid()}@{f'm{space}-' if space else ''}{uuid.uuid4().hex[:8]}"
 
 
-_WRITER = re.compile(r"w@([^@/]+)@(\d+)@[^@/]+\.tmp$")
+_PID_SPACE: list[str | None] = []
+
+
+def _pid_space() -> str | None:
+    """Which pid numbers this process's pids are: a digest of the machine's boot id and this process's pid namespace
+    (equal for two processes exactly when ``os.kill`` in one reaches the other's pids); ``None`` where the system does
+    not say (not Linux), and pids are then read as this host's, as before."""
+    if not _PID_SPACE:
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            namespace = os.stat("/proc/self/ns/pid").st_ino
+            _PID_SPACE.append(hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:12])
+        except OSError:
+            _PID_SPACE.append(None)
+    return _PID_SPACE[0]
+
+
+_WRITER = re.compile(r"w@([^@/]+)@(\d+)@(?:m([0-9a-f]+)-)?[^@/]+\.tmp$")
 
 
 def writer_is_gone(tmp: Path) -> bool:
     """Whether the process that named ``tmp`` (``….<writer_tag()>.tmp``) has exited.
 
-    A writer on this host is checked by its pid; one on another host (a cache on a shared file system) counts as gone
-    after a day. A name without a writer tag was not written this way, and counts as gone."""
+    A writer of this host and pid space is checked by its pid; one of another host (a cache on a shared file system)
+    or of another pid space (a container with this host's name, another machine of the same name) counts as gone
+    after a day untouched. A name without a writer tag was not written this way, and counts as gone."""
     tag = _WRITER.search(tmp.name)
     try:
         if tag is None:
             return True
-        if tag.group(1) == socket.gethostname():
+        space = tag.group(3)
+        if tag.group(1) == socket.gethostname() and (space is None or space == _pid_space()):
             os.kill(int(tag.group(2)), 0)
             return False
         return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400

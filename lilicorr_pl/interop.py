@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lilicorr_pl.files import check_writable_dir
+from lilicorr_pl.files import check_writable_dir, new_file_mode
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
 
@@ -184,16 +184,10 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
 
 def _publish(files: dict[str, Path], output: Path) -> None:
     """Move each finished file into ``output`` with one atomic rename per file; touch nothing else."""
-    mode = 0o666 & ~_umask()
+    mode = new_file_mode(output)
     for name, path in files.items():
-        os.chmod(path, mode)  # readable like any model directory (temp files start 0600)
+        os.chmod(path, mode)  # readable like any model directory (safetensors writes its files 0600)
         os.replace(path, output / name)
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
 
 
 def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Module | None = None,

@@ -275,3 +275,32 @@ def test_a_sigterm_in_the_epochs_end_hooks_saves_that_step_and_the_resume_starts
     resumed, steps = fit(ckpt_path="last")
     assert steps == list(range(5, 13))
     assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_save_last_link_killed_while_linking_keeps_the_previous_last(tmp_path, monkeypatch):
+    """`save_last="link"`: Lightning removed last.ckpt and then made the link, so a job killed in between had no
+    last.ckpt and `--ckpt_path=last` started from step 0. Now the link is made aside and renamed over it: killed
+    at the second link, last.ckpt still names step 2's checkpoint; otherwise it names the newest."""
+    folder = tmp_path / "ckpt"
+    cb = ModelCheckpoint(dirpath=folder, filename="{step}", save_last="link", save_top_k=-1, every_n_train_steps=2)
+    _fit(tmp_path, cb, 4)
+    assert os.path.islink(folder / "last.ckpt") and os.readlink(folder / "last.ckpt") == "step=4.ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+
+    real, links = os.symlink, []
+
+    def killed_at_the_second_link(src, dst, *args, **kwargs):
+        links.append(src)
+        if len(links) == 2:
+            raise _Killed("killed while linking last.ckpt")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "symlink", killed_at_the_second_link)
+    again = tmp_path / "again"
+    cb = ModelCheckpoint(dirpath=again, filename="{step}", save_last="link", save_top_k=-1, every_n_train_steps=2)
+    with pytest.raises(_Killed):
+        _fit(tmp_path, cb, 4)
+    monkeypatch.undo()
+    assert os.readlink(again / "last.ckpt") == "step=2.ckpt"
+    assert torch.load(again / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 2
+    assert sorted(p.name for p in again.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]  # no temporary

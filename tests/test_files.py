@@ -38,3 +38,51 @@ def test_results_of_earlier_versions_count_as_the_tools_own(tmp_path):
     for name in ("demo", "bench", "perf", "timing", "empty"):
         assert written_by_lilicorr(tmp_path / f"{name}.json"), name
     assert not written_by_lilicorr(tmp_path / "half.json") and not written_by_lilicorr(tmp_path / "none.json")
+
+
+def test_results_and_data_files_get_the_mode_any_new_file_gets(tmp_path, monkeypatch):
+    """Under a group-readable umask (027) a results file is 0640 and the built-in data file too; they were a fixed
+    0644 (the umask ignored) and tempfile's 0600 (unreadable to the group that shares the cache)."""
+    import os
+
+    from lilicorr_pl import builtin
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    umask = os.umask(0o027)
+    try:
+        write_results_json(tmp_path / "results.json", {"tau": 1.0}, "bench")
+        data = builtin.resolve_data_file("builtin:stdlib-train:2")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o640
+    assert os.stat(data).st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_writer_of_this_host_name_in_another_pid_space_is_not_taken_for_gone(tmp_path, monkeypatch):
+    """A container with this host's name (host networking) and its own pid numbers, or another machine of the same
+    name sharing the cache: its writer's pid means nothing here, so its fresh temporary file is kept (it counted as
+    gone when no local process had that pid, and a live writer's file was deleted) and is removed after a day; a
+    writer of this pid space is still judged by its pid, as are names written before the tag said the pid space."""
+    import os
+    import socket
+    import time
+
+    from lilicorr_pl import files
+
+    if files._pid_space() is None:
+        pytest.skip("the system does not say which pid space a process is in (not Linux)")
+    host, dead_pid = socket.gethostname(), 2 ** 22 + 12345  # above Linux's pid_max: no process has it
+    here = tmp_path / f".x.{files.writer_tag()}.tmp"
+    assert f"@m{files._pid_space()}-" in here.name
+    mine_dead = tmp_path / f".x.w@{host}@{dead_pid}@m{files._pid_space()}-1a2b3c4d.tmp"
+    other_space = tmp_path / f".x.w@{host}@{dead_pid}@m0123456789ab-1a2b3c4d.tmp"
+    legacy_dead = tmp_path / f".x.w@{host}@{dead_pid}@1a2b3c4d.tmp"
+    for path in (here, mine_dead, other_space, legacy_dead):
+        path.write_bytes(b"x")
+    assert not files.writer_is_gone(here)
+    assert files.writer_is_gone(mine_dead) and files.writer_is_gone(legacy_dead)
+    assert not files.writer_is_gone(other_space)
+    a_day_ago = time.time() - 86400 - 60
+    os.utime(other_space, (a_day_ago, a_day_ago))
+    assert files.writer_is_gone(other_space)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -306,8 +307,15 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me" and (out / "last.ckpt").read_bytes() == b"precious"
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
-    # Exported files are readable like any model directory (temporary files start 0600).
+    # Exported files get the mode any new file gets there, like any model directory (safetensors writes 0600).
     assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    umask = os.umask(0o027)
+    try:
+        export_drafter(drafter, out, overwrite=True)
+    finally:
+        os.umask(umask)
+    assert [(out / n).stat().st_mode & 0o777 for n in ("config.json", "model.safetensors")] == [0o640, 0o640]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
     with pytest.raises(ExportError, match="is a file"):
         export_drafter(drafter, out / "notes.txt")
 
