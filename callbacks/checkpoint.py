@@ -72,7 +72,7 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-# `.last.ckpt.<random>.w@host@pid@rand.tmp`: how AtomicCheckpointIO names what it is writing.
+# `.last.ckpt.<random>.<writer_tag()>.tmp`: how AtomicCheckpointIO and the link to `last` name what they write.
 _PARTIAL = re.compile(r"^\..*w@[^@/]+@\d+@[^@/]+\.tmp$")
 
 
@@ -100,7 +100,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     Saves go through :class:`AtomicCheckpointIO` unless the Trainer was given a checkpoint IO of its own, and the
     temporary files of a save that was killed (by a writer that is gone) are removed from ``dirpath`` at setup. With
-    ``save_last="link"`` the link replaces ``last.ckpt`` in one rename, so ``last.ckpt`` is never missing.
+    ``save_last="link"`` the link replaces ``last.ckpt`` in one rename and moves before the checkpoint it names is
+    removed, so ``last.ckpt`` is never missing or dangling, and a step no scheduled save wrote is saved whole.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -137,7 +138,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 or trainer.fit_loop.epoch_loop._should_accumulate()):
             return
         scheduled = self._last_global_step_saved
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_last_at_this_step(trainer)
         # A validation due at this step that still runs to its end saves what it would (its step's checkpoint,
         # `last` after it): this save is not that one. With `save_top_k=0` it would only write `last` again.
         if self.save_top_k != 0:
@@ -158,8 +159,15 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 or trainer.global_step in (self._last_global_step_saved, self._stop_saved_at)
                 or trainer.fit_loop.epoch_loop._should_accumulate()):
             return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_last_at_this_step(trainer)
         rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
+
+    def _save_last_at_this_step(self, trainer: Any) -> None:
+        # A step no scheduled save wrote (training's end, a SIGTERM): with `save_last="link"` Lightning would link `last`
+        # to the newest checkpoint, of an earlier step; here `last` is then written whole.
+        if self.save_last == "link":
+            self._last_checkpoint_saved = ""
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         # With `save_top_k=0` (keep only last.ckpt) Lightning writes nothing here, and writes `last` only after a
@@ -178,6 +186,15 @@ class ModelCheckpoint(LightningModelCheckpoint):
             return
         super()._save_last_checkpoint(trainer, monitor_candidates)
 
+    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+        # `save_last="link"` with a top k: Lightning removes the checkpoint `last` links to before it links the new
+        # one, so a job killed in between had a dangling `last.ckpt`. `last` is linked to the new one first.
+        if (self.save_last == "link" and self.save_top_k != 0 and self._last_checkpoint_saved and self.last_model_path
+                and os.path.abspath(filepath) not in (os.path.abspath(self._last_checkpoint_saved),
+                                                      os.path.abspath(self.last_model_path))):
+            self._link_checkpoint(trainer, self._last_checkpoint_saved, self.last_model_path)
+        super()._remove_checkpoint(trainer, filepath)
+
     @staticmethod
     def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
         # `save_last="link"`: Lightning removes `last.ckpt`, then links it to the newest checkpoint, so a job killed
@@ -193,8 +210,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
         try:
             try:
                 os.symlink(os.path.relpath(filepath, link.parent), tmp)
-            except OSError:  # Windows without the right to make links: a copy, as Lightning
+            except OSError:  # Windows without the right to make links: a copy, as Lightning, synced before the rename
                 shutil.copyfile(filepath, tmp)
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
             os.replace(tmp, link)
         except BaseException:
             if os.path.lexists(tmp):
@@ -205,6 +224,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and trainer.global_step != self._last_global_step_saved:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._save_last_at_this_step(trainer)
             return
         super().on_train_end(trainer, pl_module)

@@ -183,7 +183,7 @@ def writer_is_gone(tmp: Path) -> bool:
         if tag.group(1) == socket.gethostname() and (space is None or space == _pid_space()):
             os.kill(int(tag.group(2)), 0)
             return False
-        return (_dt.datetime.now().timestamp() - tmp.stat().st_mtime) > 86400
+        return (_dt.datetime.now().timestamp() - tmp.lstat().st_mtime) > 86400  # a link's own age
     except (ValueError, ProcessLookupError, FileNotFoundError):
         return True
     except PermissionError:  # alive, owned by someone else

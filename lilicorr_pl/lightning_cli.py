@@ -382,7 +382,8 @@ class LilicorrCLI(LightningCLI):
                 continue
             folder = Path(os.path.expanduser(str(dirpath or Path(root) / "checkpoints")))
             if folder.is_dir():
-                found += [p for p in folder.iterdir() if p.name.startswith("last") and p.name.endswith(".ckpt")]
+                found += [p for p in folder.iterdir()  # not a link whose checkpoint is gone
+                          if p.name.startswith("last") and p.name.endswith(".ckpt") and p.exists()]
         newest = max(found, key=lambda p: p.stat().st_mtime) if found else None
         return str(newest) if newest is not None and newest.is_file() else None
 

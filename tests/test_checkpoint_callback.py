@@ -304,3 +304,31 @@ def test_save_last_link_killed_while_linking_keeps_the_previous_last(tmp_path, m
     assert os.readlink(again / "last.ckpt") == "step=2.ckpt"
     assert torch.load(again / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 2
     assert sorted(p.name for p in again.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]  # no temporary
+
+
+def test_save_last_link_with_a_top_k_never_dangles_and_training_end_writes_its_step(tmp_path, monkeypatch):
+    """`save_last="link"`, `save_top_k=1`: Lightning removed step 2's checkpoint, which last.ckpt linked to, before it
+    linked step 4's, so a job killed in between had a dangling last.ckpt (and `--ckpt_path=last` found nothing). Now
+    last is linked to the new checkpoint first. And at training's end between saves (7 steps, a save every 5), last
+    linked to step 5's checkpoint: it is now written whole at step 7."""
+    real, links = os.symlink, []
+
+    def killed_at_the_second_link(src, dst, *args, **kwargs):
+        links.append(src)
+        if len(links) == 2:
+            raise _Killed("killed while linking last.ckpt")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "symlink", killed_at_the_second_link)
+    folder = tmp_path / "ckpt"
+    cb = ModelCheckpoint(dirpath=folder, filename="{step}", save_last="link", save_top_k=1, every_n_train_steps=2)
+    with pytest.raises(_Killed):
+        _fit(tmp_path, cb, 4)
+    monkeypatch.undo()
+    assert torch.load(folder / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 2
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "end", filename="{step}", save_last="link", save_top_k=1,
+                         every_n_train_steps=5)
+    _fit(tmp_path, cb, 7)
+    assert torch.load(tmp_path / "end" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 7
+    assert sorted(p.name for p in (tmp_path / "end").iterdir()) == ["last.ckpt", "step=5.ckpt"]
