@@ -277,6 +277,19 @@ def test_a_sigterm_in_the_epochs_end_hooks_saves_that_step_and_the_resume_starts
     assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), resumed.state_dict().values()))
 
 
+def _kill_at_the_second_link(monkeypatch) -> None:
+    """The job is killed when it makes its second symbolic link (to last.ckpt)."""
+    real, links = os.symlink, []
+
+    def killed_at_the_second_link(src, dst, *args, **kwargs):
+        links.append(src)
+        if len(links) == 2:
+            raise _Killed("killed while linking last.ckpt")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "symlink", killed_at_the_second_link)
+
+
 def test_save_last_link_killed_while_linking_keeps_the_previous_last(tmp_path, monkeypatch):
     """`save_last="link"`: Lightning removed last.ckpt and then made the link, so a job killed in between had no
     last.ckpt and `--ckpt_path=last` started from step 0. Now the link is made aside and renamed over it: killed
@@ -287,15 +300,7 @@ def test_save_last_link_killed_while_linking_keeps_the_previous_last(tmp_path, m
     assert os.path.islink(folder / "last.ckpt") and os.readlink(folder / "last.ckpt") == "step=4.ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
 
-    real, links = os.symlink, []
-
-    def killed_at_the_second_link(src, dst, *args, **kwargs):
-        links.append(src)
-        if len(links) == 2:
-            raise _Killed("killed while linking last.ckpt")
-        return real(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "symlink", killed_at_the_second_link)
+    _kill_at_the_second_link(monkeypatch)
     again = tmp_path / "again"
     cb = ModelCheckpoint(dirpath=again, filename="{step}", save_last="link", save_top_k=-1, every_n_train_steps=2)
     with pytest.raises(_Killed):
@@ -311,15 +316,7 @@ def test_save_last_link_with_a_top_k_never_dangles_and_training_end_writes_its_s
     linked step 4's, so a job killed in between had a dangling last.ckpt (and `--ckpt_path=last` found nothing). Now
     last is linked to the new checkpoint first. And at training's end between saves (7 steps, a save every 5), last
     linked to step 5's checkpoint: it is now written whole at step 7."""
-    real, links = os.symlink, []
-
-    def killed_at_the_second_link(src, dst, *args, **kwargs):
-        links.append(src)
-        if len(links) == 2:
-            raise _Killed("killed while linking last.ckpt")
-        return real(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "symlink", killed_at_the_second_link)
+    _kill_at_the_second_link(monkeypatch)
     folder = tmp_path / "ckpt"
     cb = ModelCheckpoint(dirpath=folder, filename="{step}", save_last="link", save_top_k=1, every_n_train_steps=2)
     with pytest.raises(_Killed):
