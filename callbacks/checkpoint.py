@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lilicorr_pl.files import create_temporary, writer_is_gone, writer_tag
+from lilicorr_pl.files import atomic_file, temporary_name, writer_is_gone
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -46,16 +45,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                             f"{type(self).__name__}; save without storage_options")
         path = Path(os.fspath(path)).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = create_temporary(path)  # the mode any new file gets here, as Lightning's own save
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(checkpoint, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "wb", sync=True) as fh:  # the mode any new file gets here, as Lightning's own save
+            torch.save(checkpoint, fh)
         _sync_dir(path.parent)
 
 
@@ -206,7 +197,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             LightningModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
             return
         link = Path(linkpath)
-        tmp = link.parent / f".{link.name}.{uuid.uuid4().hex[:12]}.{writer_tag()}.tmp"
+        tmp = temporary_name(link)
         try:
             try:
                 os.symlink(os.path.relpath(filepath, link.parent), tmp)

@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from lilicorr_pl.files import create_temporary
+from lilicorr_pl.files import atomic_file
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
 
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
@@ -93,13 +93,7 @@ def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
                 break
         if len(records) >= n:
             break
-    fd, tmp = create_temporary(out)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            for r in records:
-                fh.write(json.dumps(r) + "\n")
-        os.replace(tmp, out)  # atomic: a concurrent reader never sees half a file
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(out, "w") as fh:  # a concurrent reader never sees half a file
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
     return str(out)

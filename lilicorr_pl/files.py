@@ -6,7 +6,9 @@ refuses an unwritable destination the same way, before heavy work, and never lea
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import functools
 import hashlib
 import json
 import math
@@ -15,7 +17,7 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 
 def jsonable(value: Any) -> Any:
@@ -102,24 +104,41 @@ def write_results_json(path: Path, payload: dict[str, Any], command: str) -> Non
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON under a temporary name beside ``path`` and rename it into place; never leave the temp file."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "w") as fh:
+        json.dump(payload, fh, indent=2)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str, sync: bool = False) -> Iterator[IO[Any]]:
+    """``with atomic_file(path, "w") as fh``: written to :func:`create_temporary`'s file beside ``path`` (flushed to
+    disk first with ``sync``), renamed over ``path`` when the block ends, and removed if it fails: a reader sees the
+    previous file or the new one, whole."""
     fd, tmp = create_temporary(path)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2)
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            if sync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
+def temporary_name(path: Path) -> Path:
+    """``.<name>.<random>.<writer_tag()>.tmp`` beside ``path``: where something is made before it is renamed over
+    ``path`` (one atomic step on one file system), named so a clean-up knows whether its writer still runs."""
+    return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.{writer_tag()}.tmp"
+
+
 def create_temporary(path: Path) -> tuple[int, Path]:
-    """A new file ``.<name>.<random>.<writer_tag()>.tmp`` beside ``path``, open for writing (its descriptor, and its
-    path): what is written there and then renamed over ``path`` (one atomic step on one file system).
+    """A new file at :func:`temporary_name` of ``path``, open for writing (its descriptor, and its path).
 
     Created with the mode any new file gets (0666 less the umask, as ``open`` would give ``path`` itself), not
     ``tempfile``'s 0600, since the renamed file is what others read; and exclusively, so two writers never share one."""
     while True:
-        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.{writer_tag()}.tmp"
+        tmp = temporary_name(path)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         except FileExistsError:  # pragma: no cover - 48 random bits
@@ -149,21 +168,17 @@ def writer_tag() -> str:
     return f"w@{socket.gethostname()}@{os.getpid()}@{f'm{space}-' if space else ''}{uuid.uuid4().hex[:8]}"
 
 
-_PID_SPACE: list[str | None] = []
-
-
+@functools.cache
 def _pid_space() -> str | None:
     """Which pid numbers this process's pids are: a digest of the machine's boot id and this process's pid namespace
     (equal for two processes exactly when ``os.kill`` in one reaches the other's pids); ``None`` where the system does
     not say (not Linux), and pids are then read as this host's, as before."""
-    if not _PID_SPACE:
-        try:
-            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-            namespace = os.stat("/proc/self/ns/pid").st_ino
-            _PID_SPACE.append(hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:12])
-        except OSError:
-            _PID_SPACE.append(None)
-    return _PID_SPACE[0]
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return hashlib.sha256(f"{boot}:{namespace}".encode()).hexdigest()[:12]
 
 
 _WRITER = re.compile(r"w@([^@/]+)@(\d+)@(?:m([0-9a-f]+)-)?[^@/]+\.tmp$")
