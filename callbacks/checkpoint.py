@@ -4,7 +4,6 @@ root folder, written so that a stop during a save never leaves a torn file in pl
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lilicorr_pl.files import atomic_file, temporary_name, writer_is_gone
+from lilicorr_pl.files import atomic_file, remove_gone_writers, temporary_name
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -63,10 +62,6 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-# `.last.ckpt.<random>.<writer_tag()>.tmp`: how AtomicCheckpointIO and the link to `last` name what they write.
-_PARTIAL = re.compile(r"^\..*w@[^@/]+@\d+@[^@/]+\.tmp$")
-
-
 def _use_atomic_saves(strategy: Any) -> None:
     """Put :class:`AtomicCheckpointIO` where the strategy would use Lightning's default ``TorchCheckpointIO``; a
     checkpoint IO given to the Trainer (``AsyncCheckpointIO`` included) is left as it is."""
@@ -99,10 +94,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._stop_saved_at: int | None = None  # the step a SIGTERM save of this fit wrote
         self._place(trainer)
         _use_atomic_saves(trainer.strategy)
-        if trainer.is_global_zero and os.path.isdir(self.dirpath):
-            for leftover in Path(self.dirpath).iterdir():
-                if _PARTIAL.match(leftover.name) and writer_is_gone(leftover):
-                    leftover.unlink(missing_ok=True)
+        if trainer.is_global_zero:
+            remove_gone_writers(Path(self.dirpath), ".*.tmp")
         super().setup(trainer, pl_module, stage)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import functools
+import glob as _glob
 import hashlib
 import json
 import math
 import os
 import re
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -112,7 +114,10 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def atomic_file(path: Path, mode: str, sync: bool = False) -> Iterator[IO[Any]]:
     """``with atomic_file(path, "w") as fh``: written to :func:`create_temporary`'s file beside ``path`` (flushed to
     disk first with ``sync``), renamed over ``path`` when the block ends, and removed if it fails: a reader sees the
-    previous file or the new one, whole."""
+    previous file or the new one, whole. What a killed writer of ``path`` left (a SIGKILL skips that removal) is
+    removed first (:func:`remove_gone_writers`, once per destination in a process: a folder may be large, and a writer
+    killed while this process runs is the next one's to clear)."""
+    _remove_gone_writers_once(os.path.abspath(path.parent), f".{_glob.escape(path.name)}.*.tmp")
     fd, tmp = create_temporary(path)
     try:
         with os.fdopen(fd, mode) as fh:
@@ -150,6 +155,7 @@ def new_file_mode(folder: Path) -> int:
     """The permission bits a new file gets in ``folder`` (0666 less the umask, or what the folder's default ACL
     says), read from a probe file: for files that a library writes with a mode of its own (safetensors: 0600), set
     before they are published. Reading the umask itself (``os.umask``) would change it for a moment in every thread."""
+    _remove_gone_writers_once(os.path.abspath(folder), ".mode-probe.*.tmp")
     fd, probe = create_temporary(folder / "mode-probe")
     try:
         return os.fstat(fd).st_mode & 0o777
@@ -189,17 +195,43 @@ def writer_is_gone(tmp: Path) -> bool:
 
     A writer of this host and pid space is checked by its pid; one of another host (a cache on a shared file system)
     or of another pid space (a container with this host's name, another machine of the same name) counts as gone
-    after a day untouched. A name without a writer tag was not written this way, and counts as gone."""
+    after a day untouched, and so does every writer on Windows, where ``os.kill`` cannot ask whether a pid runs. A name
+    without a writer tag was not written this way, and counts as gone."""
     tag = _WRITER.search(tmp.name)
     try:
         if tag is None:
             return True
         space = tag.group(3)
-        if tag.group(1) == socket.gethostname() and (space is None or space == _pid_space()):
-            os.kill(int(tag.group(2)), 0)
+        if tag.group(1) == socket.gethostname() and (space is None or space == _pid_space()) and os.name != "nt":
+            os.kill(int(tag.group(2)), 0)  # (on Windows, signal 0 is CTRL_C_EVENT: sent, not a check; the day rule)
             return False
         return (_dt.datetime.now().timestamp() - tmp.lstat().st_mtime) > 86400  # a link's own age
     except (ValueError, ProcessLookupError, FileNotFoundError):
         return True
     except PermissionError:  # alive, owned by someone else
         return False
+
+
+def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> list[Path]:
+    """Remove what killed writers left in ``folder``: the files and folders matching the glob ``pattern`` whose writer
+    tag (:func:`writer_tag`) names a process that is gone (:func:`writer_is_gone`). A name without a writer tag was not
+    made that way and is kept, unless ``untagged`` (a folder only this tool writes into). Best effort: what cannot be
+    removed (another user's, in a shared folder) stays, and the write that asked goes on. Returns what was removed."""
+    removed = []
+    for path in sorted(Path(folder).glob(pattern)):
+        if (_WRITER.search(path.name) is None and not untagged) or not writer_is_gone(path):
+            continue
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+@functools.cache
+def _remove_gone_writers_once(folder: str, pattern: str) -> None:
+    remove_gone_writers(Path(folder), pattern)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lilicorr_pl.files import check_writable_dir, new_file_mode
+from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_writers, writer_tag
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
 
@@ -161,6 +161,9 @@ class ExportError(ValueError):
     """An export destination that would lose or mix a user's files."""
 
 
+_EXPORT_TMP = ".lilicorr-export."  # an export's temporary folder inside its destination: ``<this><random>.<writer>.tmp``
+
+
 def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
     """Refuse a destination that is a file or a non-empty directory (unless ``overwrite``), before any work.
 
@@ -170,6 +173,8 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ExportError(f"--output {output} is a file, not a directory; choose a new directory name")
+    if output.is_dir():  # an export killed here left its temporary folder: not the user's, and in the way of a retry
+        remove_gone_writers(output, f"{_EXPORT_TMP}*.tmp")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise ExportError(
             f"--output {output} is not empty; choose a new or empty directory, or pass --overwrite to replace "
@@ -213,7 +218,7 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     # The temporary files live inside the destination (same filesystem: each rename is atomic).
-    tmp = Path(tempfile.mkdtemp(prefix=".lilicorr-export-", dir=output))
+    tmp = Path(tempfile.mkdtemp(prefix=_EXPORT_TMP, suffix=f".{writer_tag()}.tmp", dir=output))
     try:
         cfg = drafter_config(drafter, head)
         if extra:

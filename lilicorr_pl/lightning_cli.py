@@ -225,6 +225,13 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _callback_list(given: Any) -> list[Any]:
+    """``trainer.callbacks`` as a list: a config (or ``reporting``) may give none, one callback, or a list of them."""
+    if not given:
+        return []
+    return list(given) if isinstance(given, (list, tuple)) else [given]
+
+
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.
 
@@ -240,9 +247,8 @@ class LilicorrCLI(LightningCLI):
         if unknown:
             raise TypeError(f"reporting takes callbacks and enable_progress_bar, not {', '.join(unknown)}")
         self.reporting = dict(reporting or {})
-        if "callbacks" in self.reporting:  # one callback, or a list of them, as a config's trainer.callbacks
-            given = self.reporting["callbacks"]
-            self.reporting["callbacks"] = list(given) if isinstance(given, (list, tuple)) else [given]
+        if "callbacks" in self.reporting:
+            self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -365,9 +371,8 @@ class LilicorrCLI(LightningCLI):
         when the newest is a folder (a sharded checkpoint, read by its strategy: left to Lightning)."""
         trainer = self.config[subcommand].get("trainer") or {}
         root = trainer.get("default_root_dir") or os.getcwd()
-        callbacks = trainer.get("callbacks") or []
         found: list[Path] = []
-        for callback in callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]:
+        for callback in _callback_list(trainer.get("callbacks")):
             class_path = str(getattr(callback, "class_path", None) or "")
             init_args = getattr(callback, "init_args", None) or {}
             name = class_path.rsplit(".", 1)[-1]
@@ -402,8 +407,7 @@ class LilicorrCLI(LightningCLI):
         """The Trainer as configured, with :class:`StepProgressBar` (:class:`LogProgressBar` when
         the output is not a terminal) unless the config names a bar or disables it."""
         config = self._get(self.config_init, "trainer", default={})
-        callbacks = config.get("callbacks") or []
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        callbacks = _callback_list(config.get("callbacks"))
         added = [instantiate_class((), c) if isinstance(c, Mapping) else c for c in self.reporting.get("callbacks", ())]
         show_bar = self.reporting.get("enable_progress_bar", config.get("enable_progress_bar")) is not False
         if show_bar and not any(isinstance(c, ProgressBar) for c in [*callbacks, *added]):

@@ -86,3 +86,67 @@ def test_a_writer_of_this_host_name_in_another_pid_space_is_not_taken_for_gone(t
     a_day_ago = time.time() - 86400 - 60
     os.utime(other_space, (a_day_ago, a_day_ago))
     assert files.writer_is_gone(other_space)
+
+
+def test_a_killed_writers_temporary_file_is_removed_when_its_destination_is_written_again(tmp_path, monkeypatch):
+    """A SIGKILL inside ``atomic_file`` (a results JSON, the built-in data file, a checkpoint save) skips its clean-up
+    and left ``.<name>.<random>.<writer>.tmp`` beside the destination for good; the next write of that destination
+    removes it. A live writer's file, another destination's (``[1]`` is not a pattern), a file without a writer tag
+    (the user's) stay, and one that cannot be removed (another user's, in a shared folder) does not stop the write."""
+    import pathlib
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from lilicorr_pl import files
+
+    out = tmp_path / "res[1].json"
+    killed_here = ("import os, signal, sys\nfrom pathlib import Path\nfrom lilicorr_pl.files import atomic_file\n"
+                   "with atomic_file(Path(sys.argv[1]), 'w') as fh:\n"
+                   "    fh.write('half'); fh.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    run = subprocess.run([sys.executable, "-c", killed_here, str(out)], capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    (killed,) = tmp_path.iterdir()
+    assert killed.name.startswith(".res[1].json.") and killed.read_text() == "half" and files.writer_is_gone(killed)
+    dead_tag = f"w@{socket.gethostname()}@{2 ** 22 + 12345}@1a2b3c4d.tmp"  # a pid above Linux's pid_max
+    live = tmp_path / f".res[1].json.0123456789ab.{files.writer_tag()}.tmp"
+    other = tmp_path / f".res1.json.0123456789ab.{dead_tag}"
+    users = tmp_path / ".res[1].json.backup.tmp"
+    for path in (live, other, users):
+        path.write_text("x")
+    write_results_json(out, {"tau": 1.0}, "bench")
+    assert json.loads(out.read_text())["tau"] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, live.name, other.name, users.name])
+
+    stuck = tmp_path / f".stuck.json.0123456789ab.{dead_tag}"
+    stuck.write_text("x")
+    unlink = pathlib.Path.unlink
+
+    def refused(self, missing_ok=False):
+        if self.name == stuck.name:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refused)
+    write_results_json(tmp_path / "stuck.json", {"tau": 2.0}, "bench")
+    assert json.loads((tmp_path / "stuck.json").read_text())["tau"] == 2.0 and stuck.exists()
+
+
+def test_on_windows_a_writers_pid_is_never_signalled(tmp_path, monkeypatch):
+    """``os.kill(pid, 0)`` on Windows sends CTRL_C_EVENT to that pid's process group instead of asking whether it runs:
+    writers there fall under the day rule, and nothing is sent."""
+    import os
+    import socket
+    import time
+
+    from lilicorr_pl import files
+
+    fresh = tmp_path / f".x.w@{socket.gethostname()}@{2 ** 22 + 12345}@1a2b3c4d.tmp"
+    fresh.write_bytes(b"x")
+    monkeypatch.setattr(files.os, "kill", lambda *a: pytest.fail(f"os.kill{a} called"))
+    monkeypatch.setattr(files.os, "name", "nt")
+    assert not files.writer_is_gone(fresh)
+    a_day_ago = time.time() - 86400 - 60
+    os.utime(fresh, (a_day_ago, a_day_ago))
+    assert files.writer_is_gone(fresh)

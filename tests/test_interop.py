@@ -320,6 +320,41 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
         export_drafter(drafter, out / "notes.txt")
 
 
+def test_a_killed_exports_folder_is_removed_and_does_not_block_its_retry(tiny_target, tmp_path, monkeypatch):
+    """A SIGKILL during an export left its temporary folder in the destination for good, and the retry into that new
+    folder was refused as "not empty"; a killed writer's folder is now removed first. A live export's folder (tagged
+    with its writer, so a concurrent export never takes it for a killed one's) still makes the folder busy."""
+    import socket
+    from pathlib import Path
+
+    from lilicorr_pl import files, interop
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out = tmp_path / "new"
+    killed = out / f".lilicorr-export.ab12cd34.w@{socket.gethostname()}@{2 ** 22 + 12345}@1a2b3c4d.tmp"
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
+    during = []
+    save_file = interop.save_file
+
+    def watched(state, path, **kwargs):
+        folder = Path(path).parent
+        during.append((folder.name, files.writer_is_gone(folder), sorted(p.name for p in out.iterdir())))
+        return save_file(state, path, **kwargs)
+
+    monkeypatch.setattr(interop, "save_file", watched)
+    export_drafter(drafter, out)  # no --overwrite: nothing of the user's is there
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    ((name, gone, listing),) = during
+    assert name.startswith(".lilicorr-export.") and not gone and listing == [name]
+    live = tmp_path / "busy" / f".lilicorr-export.ef56gh78.{files.writer_tag()}.tmp"
+    live.mkdir(parents=True)
+    with pytest.raises(ExportError, match="not empty"):
+        export_drafter(drafter, live.parent)
+    assert live.is_dir()
+
+
 def test_export_cli_refuses_the_checkpoint_folder_before_loading(tmp_path, capsys):
     from lilicorr_pl.cli import main
 

@@ -22,7 +22,11 @@ transformers = pytest.importorskip("transformers")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """One test-size build shared by the tests that only read it: (cache root, build directory)."""
     root = tmp_path_factory.mktemp("tiny_target_cache")
-    return root, build_tiny_target("test", cache_dir=root, progress=False)
+    umask = os.umask(0o022)  # a known mode for new files (0644), whatever the test run's umask
+    try:
+        return root, build_tiny_target("test", cache_dir=root, progress=False)
+    finally:
+        os.umask(umask)
 
 
 def test_splits_are_disjoint_whole_modules() -> None:
@@ -165,6 +169,13 @@ def test_a_build_clears_killed_builds_temporaries_and_never_a_live_one(tmp_path:
     with pytest.raises(KeyboardInterrupt):
         build_tiny_target("test", cache_dir=tmp_path, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name])
+
+
+def test_a_builds_files_get_the_mode_any_new_file_gets(built: tuple[Path, Path]) -> None:
+    """safetensors writes its file 0600, so a target cache shared by a group (``LILICORR_CACHE``) held weights the
+    others could not read beside JSON they could; every file of a build now gets the mode a new file gets there."""
+    modes = {path.name: path.stat().st_mode & 0o777 for path in built[1].iterdir()}
+    assert tiny_target.WEIGHTS_NAME in modes and set(modes.values()) == {0o644}, modes  # built under umask 022
 
 
 def test_heldout_prefixes_are_deterministic_and_fit(built: tuple[Path, Path]) -> None:

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from lilicorr_pl.data.fingerprint import _json_default, canonical_json, file_sha256, fingerprint
-from lilicorr_pl.files import writer_is_gone, writer_tag
+from lilicorr_pl.files import remove_gone_writers, writer_tag
 
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -185,9 +185,7 @@ class StoreWriter:
         if not self._write_into_partial(MANIFEST_NAME, json.dumps(manifest, default=_json_default, indent=2).encode()):
             open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
             return self.dest
-        for leftover in self.partial.glob(".*.tmp"):  # temp files of killed writers (never a live writer's)
-            if writer_is_gone(leftover):
-                leftover.unlink(missing_ok=True)
+        remove_gone_writers(self.partial, ".*.tmp", untagged=True)  # temp files of killed writers (never a live one's)
         try:
             os.replace(self.partial, self.dest)
         except OSError:

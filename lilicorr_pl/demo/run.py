@@ -49,6 +49,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
 from lilicorr_pl.command import shipped_configs
+from lilicorr_pl.files import atomic_file
 from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
@@ -179,11 +180,9 @@ def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed
     records += [{"id": f"train-docstring-{i}", "text": text}
                 for i, text in enumerate(code_prefixes(tokenizer, docstring_num, prefix_tokens, seed=seed,
                                                        split="train", cut="docstring"))]
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as fh:
+    with atomic_file(path, "w") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
 
 
 def target_overrides(target_dir: str) -> list[str]:
@@ -360,9 +359,8 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
               reporting)
     produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt.with_suffix(".tmp")
-    shutil.copyfile(produced, tmp)
-    os.replace(tmp, ckpt)  # atomic: a half-copied checkpoint is never reused
+    with atomic_file(ckpt, "wb", sync=True) as fh, open(produced, "rb") as src:  # a half copy is never reused
+        shutil.copyfileobj(src, fh)
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     meta = {"key": key, "arm": arm, "init": init_key, "steps": steps, "seed": seed,
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),

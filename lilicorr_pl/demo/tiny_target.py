@@ -28,7 +28,9 @@ Run ``lilicorr build-target --preset quick`` to build one and print its report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import math
@@ -38,7 +40,6 @@ import re
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from lilicorr_pl.data import corpus
-from lilicorr_pl.files import writer_is_gone, writer_tag
+from lilicorr_pl.files import new_file_mode, remove_gone_writers, writer_tag
 from lilicorr_pl.progress import progress_bar
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
@@ -796,9 +797,7 @@ def _build_into(directory: Path, config: TinyTargetConfig, fingerprint: str, pro
 def _remove_stale_temporaries(root: Path, name: str) -> None:
     """Delete temp dirs of interrupted builds of ``name`` whose process no longer runs (:func:`writer_is_gone`: a
     build on another host sharing this cache is left alone for a day)."""
-    for path in root.glob(f".{name}.*.tmp"):
-        if writer_is_gone(path):
-            shutil.rmtree(path, ignore_errors=True)
+    remove_gone_writers(root, f".{glob.escape(name)}.*.tmp", untagged=True)
 
 
 def _training_threads(config: TinyTargetConfig) -> int:
@@ -852,9 +851,15 @@ def build_tiny_target(
     torch.set_num_threads(_training_threads(config))
     try:
         report = _build_into(temporary, config, fingerprint, progress)
+        mode = new_file_mode(root)  # safetensors writes 0600: a cache a group shares must be readable like its JSON
+        for path in temporary.iterdir():
+            if path.is_file():
+                with contextlib.suppress(OSError):  # a file system without modes: the build stands as written
+                    os.chmod(path, mode)
         if final.exists():
-            # An invalid (or forcibly replaced) build: move it aside first so the rename is atomic.
-            trash = root / f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            # An invalid (or forcibly replaced) build: move it aside first so the rename is atomic (named like a
+            # temporary, so a kill before it is removed leaves nothing the next build's clean-up does not find).
+            trash = root / f".{name}.old.{writer_tag()}.tmp"
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         try:
