@@ -235,3 +235,18 @@ def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> l
 @functools.cache
 def _remove_gone_writers_once(folder: str, pattern: str) -> None:
     remove_gone_writers(Path(folder), pattern)
+
+
+def hold_alone(fh: IO[Any], busy: str) -> None:
+    """Take an exclusive advisory lock on the open file ``fh``, held until it is closed (or its process ends, however it
+    ends), or raise ``ValueError(busy)`` at once when another process holds it: two runs appending to one output
+    would write every record twice and one would cut the other's half-written line. Where the system has no
+    ``flock`` (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(busy) from None

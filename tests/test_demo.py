@@ -239,6 +239,26 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     assert "the demo's plots folder" in err and err.strip().endswith("is a file; choose another --workdir")
 
 
+def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A demo started again in a workdir where one is running (by mistake, a job array's twins) would train the same
+    stages into the same run folders at once: refused in one line before the target stage; once the first has ended
+    (its lock released), a demo runs there again."""
+    import fcntl
+
+    from lilicorr_pl.demo import tiny_target
+
+    workdir = tmp_path / "demo"
+    workdir.mkdir()
+    monkeypatch.setattr(tiny_target, "build_tiny_target", lambda *a, **k: pytest.fail("the demo went on"))
+    with open(workdir / ".lilicorr-demo.lock", "a") as running:
+        fcntl.flock(running.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running demo holds
+        err = user_error(capsys, ["demo", "--quick", "--compile", "false", "--workdir", str(workdir)])
+    assert err.strip().endswith(f"another lilicorr demo is running in --workdir {workdir}; wait for it to finish, "
+                                "or choose another --workdir")
+    with pytest.raises(pytest.fail.Exception, match="the demo went on"):
+        main(["demo", "--quick", "--compile", "false", "--workdir", str(workdir)])
+
+
 def test_demo_asking_more_prompts_than_the_corpus_has_is_one_line(tmp_path, capsys):
     """More regeneration prompts than the training split has cut points: one line naming the flags, no prompt file."""
     err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),

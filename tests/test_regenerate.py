@@ -299,6 +299,29 @@ def test_every_failure_names_its_record_by_file_and_1_based_line(target_dir, tmp
         list(read_records(path))
 
 
+def test_a_second_run_onto_a_live_runs_output_is_refused_before_its_model_loads(target_dir, input_file, tmp_path,
+                                                                                 monkeypatch):
+    """Two runs appending to one output (a second regenerate or demo started by mistake, a job array's twins) wrote
+    every record twice, and the second cut the first's half-written last line as if a killed run had left it. The
+    second is refused at once, and the live run's output is left as it is."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    run(target_dir, input_file, out, limit=2)
+    before = out.read_text()
+    with open(out, "a") as live:
+        fcntl.flock(live.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running regeneration holds
+        live.write('{"source_index": 2, "compl')  # its next line, half written
+        live.flush()
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("model loaded"))
+        with pytest.raises(ValueError, match=r"another run is writing --output .*out.jsonl .*choose another --output"):
+            run(target_dir, input_file, out)
+        assert out.read_text() == before + '{"source_index": 2, "compl'
+    monkeypatch.undo()
+    stats = run(target_dir, input_file, out)  # once it has stopped, the next run resumes as from a killed one
+    assert (stats.succeeded, stats.skipped) == (3, 2) and sorted(r["source_index"] for r in read(out)) == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": float("nan")}, "finite number >= 0"),
     ({"limit": -1}, "limit must be >= 1"),

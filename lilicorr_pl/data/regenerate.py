@@ -27,6 +27,7 @@ left-padded batches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,13 +35,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, text_sha256
-from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
 from lilicorr_pl.data.formats import (
@@ -138,6 +139,23 @@ def hub_revision(name: str) -> str | None:
         return None
     path = Path(found)
     return path.parent.name if path.parent.parent.name == "snapshots" else None
+
+
+@contextlib.contextmanager
+def _appending_alone(output: Path) -> Iterator[IO[str]]:
+    """``output`` open for appending and locked for this run alone (:func:`hold_alone`); the empty file a run made is
+    removed again when it stops before writing a record (a refused setting, a failed load)."""
+    created = not output.exists()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "a", encoding="utf-8") as out:
+        try:
+            hold_alone(out, f"another run is writing --output {output} (a lilicorr regenerate or demo); wait for it to "
+                            "finish, or choose another --output")
+            yield out
+        except BaseException:
+            if created and out.tell() == 0 and output.stat().st_size == 0:
+                output.unlink()
+            raise
 
 
 def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
@@ -364,52 +382,51 @@ def regenerate(
     }
     if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
         provenance["target_revision"] = hub_revision(str(target))
-    check_provenance(output_path, provenance)  # before the model is loaded
-    from transformers import AutoConfig
+    with _appending_alone(output_path) as out:  # locked before the model is loaded, and for the whole run
+        check_provenance(output_path, provenance)  # before the model is loaded
+        from transformers import AutoConfig
 
-    context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
-    if context is not None and max_new_tokens >= context:
-        raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} positions; "
-                         f"lower --max-new-tokens")
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        pad_id = 0
-    stop_ids = _stop_ids(tokenizer, model)
-    torch.manual_seed(seed)
-    generation_meta = {
-        "target": str(target),
-        "enable_thinking": bool(enable_thinking),
-        "temperature": float(temperature),
-        "max_new_tokens": int(max_new_tokens),
-        "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
-    }
+        context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+        if context is not None and max_new_tokens >= context:
+            raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} "
+                             "positions; lower --max-new-tokens")
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            pad_id = 0
+        stop_ids = _stop_ids(tokenizer, model)
+        torch.manual_seed(seed)
+        generation_meta = {
+            "target": str(target),
+            "enable_thinking": bool(enable_thinking),
+            "temperature": float(temperature),
+            "max_new_tokens": int(max_new_tokens),
+            "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
+        }
 
-    stats = RegenerationStats()
-    done = _done_indices(output_path)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    if not done:  # nothing written yet: this run's settings are the output's, whatever an earlier run left
-        write_json_atomic(provenance_path(output_path), provenance)
+        stats = RegenerationStats()
+        done = _done_indices(output_path)
+        if not done:  # nothing written yet: this run's settings are the output's, whatever an earlier run left
+            write_json_atomic(provenance_path(output_path), provenance)
 
-    where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
+        where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
 
-    def fail(index: int, err: BaseException) -> None:
-        stats.failed += 1
-        where, text = where_of[index], str(err)
-        msg = text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
-        if len(stats.errors) < 50:
-            stats.errors.append((index, msg))
-        print(f"[lilicorr] regenerate: failed, retried by the next run: {msg}", file=sys.stderr)
+        def fail(index: int, err: BaseException) -> None:
+            stats.failed += 1
+            where, text = where_of[index], str(err)
+            msg = text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
+            if len(stats.errors) < 50:
+                stats.errors.append((index, msg))
+            print(f"[lilicorr] regenerate: failed, retried by the next run: {msg}", file=sys.stderr)
 
-    records = []
-    for index, where, record in _iter_input(input_path):
-        if limit is not None and index >= limit:
-            break
-        where_of[index] = where
-        records.append((index, record))
+        records = []
+        for index, where, record in _iter_input(input_path):
+            if limit is not None and index >= limit:
+                break
+            where_of[index] = where
+            records.append((index, record))
 
-    bar = progress_bar(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
-    with open(output_path, "a", encoding="utf-8") as out:
+        bar = progress_bar(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
 
         def write(job: _Job, new_ids: list[int], finish: str) -> None:
             text = tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -428,9 +445,8 @@ def regenerate(
 
         def run(batch: list[_Job]) -> None:
             try:
-                results = _generate(
-                    model, batch, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, temperature=temperature
-                )
+                results = _generate(model, batch, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+                                    temperature=temperature)
             except Exception as err:  # noqa: BLE001 - isolate the failing record, keep going
                 if len(batch) == 1:
                     fail(batch[0].index, err)
@@ -474,9 +490,9 @@ def regenerate(
         if pending:
             run(pending)
             bar.update(len(pending))
-    bar.close()
-    print(f"[lilicorr] regenerate: {stats} -> {output_path}", file=sys.stderr)
-    return stats
+        bar.close()
+        print(f"[lilicorr] regenerate: {stats} -> {output_path}", file=sys.stderr)
+        return stats
 
 
 def regenerate_command(

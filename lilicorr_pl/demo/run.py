@@ -33,13 +33,14 @@ if __name__ == "__main__":  # a background stage (``Background``): first of all,
     # process inherits that mask: unblocked, the parent's terminate() stops it (a SIGTERM pending meanwhile lands now).
     _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT, _signal.SIGTERM})
 
+import contextlib
 import functools
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -792,118 +793,136 @@ def demo(
     cfg["jobs"] = jobs or (1 if quick else default_jobs())
     cfg["point_mass"] = point_mass
     workdir.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    timings: dict[str, float] = {}
+    with _alone_in(workdir):
+        t_start = time.time()
+        timings: dict[str, float] = {}
 
-    from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-    from lilicorr_pl.data.regenerate import regenerate
-    from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
+        from lilicorr_pl.data.regenerate import regenerate
+        from lilicorr_pl.demo.tiny_target import build_tiny_target, load_build_report
 
-    log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")
-    t0 = time.time()
-    target_dir = str(build_tiny_target(cfg["target"]))
-    timings["target"] = time.time() - t0
-    report = load_build_report(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        log(f"1/4 target: building or reusing the {cfg['target']} stdlib target")
+        t0 = time.time()
+        target_dir = str(build_tiny_target(cfg["target"]))
+        timings["target"] = time.time() - t0
+        report = load_build_report(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
 
-    log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
-    t0 = time.time()
-    data_key = data_stage_key(target_dir, cfg, seed)
-    data_dir = workdir / "data" / data_key
-    prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
-    if not prompts_file.exists():
+        log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
+        t0 = time.time()
+        data_key = data_stage_key(target_dir, cfg, seed)
+        data_dir = workdir / "data" / data_key
+        prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
+        if not prompts_file.exists():
+            try:
+                write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed,
+                              cfg["docstring_prompts"])
+            except ValueError as err:  # more prompts than the training split has cut points of this size
+                raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
+                                     f"{cfg['docstring_prompts']}: lower them)") from None
+        # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
+        stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
+                           batch_size=64, seed=seed)
+        log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
+        timings["regenerate"] = time.time() - t0
+
+        log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
+            f"from it, or a head stage of {cfg['head_steps']} steps on the dflash arm's frozen drafter (same data, "
+            "seed and drafter budget)")
+        t0 = time.time()
+        base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], seed)
+        timings["train_base"] = time.time() - t0
+        trained = train_arms(training_order(cfg["arms"]), workdir, target_dir, data_file, base_dir, base_key,
+                             cfg["steps"], cfg["head_steps"], seed, jobs=cfg["jobs"])
+        timings["train_arms"] = time.time() - t0 - timings["train_base"]
+        trained = {arm: trained[arm] for arm in cfg["arms"]}  # the comparison: the arms asked for
+        ckpts = {arm: path for arm, (path, _, _) in trained.items()}
+
+        log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
+        t0 = time.time()
+        bench_jobs = min(cfg["jobs"], len(BENCHMARKS))  # not in the key: each ratio is measured within one process
+        bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
+                              new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed,
+                              compile=compile, point_mass=cfg["point_mass"])
+        bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
+        bench_file = workdir / "bench" / f"{bench_key}.json"
+        cached = _stage_done(bench_file, bench_key)
+        if cached is not None:
+            log(f"   reusing the measured comparison {bench_file} (key {bench_key})")
+        else:
+            rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
+                                  cfg["prefix_tokens"], seed, compile=compile, point_mass=cfg["point_mass"],
+                                  jobs=bench_jobs, scratch=workdir / "bench" / bench_key)
+            # How it was measured: processes at once, and the torch threads of each.
+            cached = {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "processes": bench_jobs,
+                      "threads": max(1, torch.get_num_threads() // bench_jobs)}
+            # Kept with NaN for an undefined statistic (a prompt without a round), so a rerun that reuses it plots and
+            # tabulates what this run does; results.json, for other tools, has null there.
+            write_json_atomic(bench_file, cached)
+        rows = cached["rows"]
+        timings["benchmark"] = time.time() - t0
+        result = {
+            "mode": mode,
+            "tau_includes_bonus_token": True,
+            "settings": {k: v for k, v in cfg.items()},
+            "steps_per_arm": cfg["base_steps"] + cfg["steps"],  # drafter steps of every arm
+            "head_steps": cfg["head_steps"],  # head-only steps of the head-stage arms, on top of their source's drafter
+            "seed": seed,
+            "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
+                       "arms": {a: m["key"] for a, (_, m, _) in trained.items()}, "bench": bench_key},
+            # Per arm: its own stage's steps and seconds (on ``threads`` threads, beside other stages when jobs > 1;
+            # ``resumed``: the seconds of the run that finished an interrupted stage, not the whole stage's);
+            # head-stage arms add head_steps on their source's drafter.
+            "training": {a: {"seconds": m.get("seconds"), "steps": m.get("steps"), "threads": m.get("threads"),
+                             "resumed": bool(m.get("resumed")), "head_stage_of": m.get("head_stage_of"),
+                             "diagnostics": m.get("diagnostics", {})}
+                         for a, (_, m, _) in trained.items()},
+            "target": {
+                "path_name": Path(target_dir).name,
+                "num_params": report.get("num_params"),
+                "num_hidden_layers": report.get("config", {}).get("num_hidden_layers"),
+                "heldout_loss": report.get("heldout_loss"),
+                "heldout_top1": report.get("heldout_top1"),
+                "repetition_rate_greedy": report.get("repetition_rate_greedy", report.get("repetition_rate_t0")),
+                "repetition_rate_t1": report.get("repetition_rate_t1"),
+                # Which build: another machine can build other weights from the same settings.
+                "weights_sha256": report.get("files", {}).get("model.safetensors", {}).get("sha256"),
+                "bf16_autocast": report.get("train_bf16_autocast"),
+                "versions": report.get("versions"),
+            },
+            "results": rows,
+            # Benchmark processes at once (one per benchmark when > 1) and each one's torch threads.
+            "benchmark": {"processes": cached.get("processes"), "threads": cached.get("threads")},
+            "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
+            "wall_seconds": round(time.time() - t_start, 1),
+        }
+        # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
+        plots = plot_curves(rows, workdir / "plots" / bench_key)
+        result["plots"] = [str(p) for p in plots]
+        write_results_json(out, result, "demo")
+        print(format_table(rows))
+        print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
+              f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
+        log(f"wrote {out} and {', '.join(str(p) for p in plots)} in {result['wall_seconds']} s")
+        return result
+
+
+@contextlib.contextmanager
+def _alone_in(workdir: Path) -> Iterator[None]:
+    """This demo alone in ``workdir`` (a lock on its ``.lilicorr-demo.lock``, released when the demo ends, however it
+    ends): a second demo started there by mistake would train and benchmark the same stages at once, into the same run
+    folders and logs."""
+    from lilicorr_pl.files import hold_alone
+
+    with open(workdir / ".lilicorr-demo.lock", "a") as held:
         try:
-            write_prompts(tokenizer, prompts_file, cfg["prompts"], cfg["prefix_tokens"], seed, cfg["docstring_prompts"])
-        except ValueError as err:  # more prompts than the training split has cut points of this size
-            raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
-                                 f"{cfg['docstring_prompts']}: lower them)") from None
-    # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
-    stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                       batch_size=64, seed=seed)
-    log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
-    timings["regenerate"] = time.time() - t0
-
-    log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
-        f"from it, or a head stage of {cfg['head_steps']} steps on the dflash arm's frozen drafter (same data, seed "
-        "and drafter budget)")
-    t0 = time.time()
-    base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], seed)
-    timings["train_base"] = time.time() - t0
-    trained = train_arms(training_order(cfg["arms"]), workdir, target_dir, data_file, base_dir, base_key,
-                         cfg["steps"], cfg["head_steps"], seed, jobs=cfg["jobs"])
-    timings["train_arms"] = time.time() - t0 - timings["train_base"]
-    trained = {arm: trained[arm] for arm in cfg["arms"]}  # the comparison: the arms asked for
-    ckpts = {arm: path for arm, (path, _, _) in trained.items()}
-
-    log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
-    t0 = time.time()
-    bench_jobs = min(cfg["jobs"], len(BENCHMARKS))  # not in the key: each ratio is measured within one process
-    bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
-                          new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed,
-                          compile=compile, point_mass=cfg["point_mass"])
-    bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
-    bench_file = workdir / "bench" / f"{bench_key}.json"
-    cached = _stage_done(bench_file, bench_key)
-    if cached is not None:
-        log(f"   reusing the measured comparison {bench_file} (key {bench_key})")
-    else:
-        rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
-                              cfg["prefix_tokens"], seed, compile=compile, point_mass=cfg["point_mass"],
-                              jobs=bench_jobs, scratch=workdir / "bench" / bench_key)
-        # How it was measured: processes at once, and the torch threads of each.
-        cached = {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "processes": bench_jobs,
-                  "threads": max(1, torch.get_num_threads() // bench_jobs)}
-        # Kept with NaN for an undefined statistic (a prompt without a round), so a rerun that reuses it plots and
-        # tabulates what this run does; results.json, for other tools, has null there.
-        write_json_atomic(bench_file, cached)
-    rows = cached["rows"]
-    timings["benchmark"] = time.time() - t0
-    result = {
-        "mode": mode,
-        "tau_includes_bonus_token": True,
-        "settings": {k: v for k, v in cfg.items()},
-        "steps_per_arm": cfg["base_steps"] + cfg["steps"],  # drafter steps of every arm
-        "head_steps": cfg["head_steps"],  # head-only steps of the head-stage arms, on top of their source's drafter
-        "seed": seed,
-        "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
-                   "arms": {a: m["key"] for a, (_, m, _) in trained.items()}, "bench": bench_key},
-        # Per arm: its own stage's steps and seconds (on ``threads`` threads, beside other stages when jobs > 1;
-        # ``resumed``: the seconds of the run that finished an interrupted stage, not the whole stage's);
-        # head-stage arms add head_steps on their source's drafter.
-        "training": {a: {"seconds": m.get("seconds"), "steps": m.get("steps"), "threads": m.get("threads"),
-                         "resumed": bool(m.get("resumed")), "head_stage_of": m.get("head_stage_of"),
-                         "diagnostics": m.get("diagnostics", {})}
-                     for a, (_, m, _) in trained.items()},
-        "target": {
-            "path_name": Path(target_dir).name,
-            "num_params": report.get("num_params"),
-            "num_hidden_layers": report.get("config", {}).get("num_hidden_layers"),
-            "heldout_loss": report.get("heldout_loss"),
-            "heldout_top1": report.get("heldout_top1"),
-            "repetition_rate_greedy": report.get("repetition_rate_greedy", report.get("repetition_rate_t0")),
-            "repetition_rate_t1": report.get("repetition_rate_t1"),
-            # Which build: another machine can build other weights from the same settings.
-            "weights_sha256": report.get("files", {}).get("model.safetensors", {}).get("sha256"),
-            "bf16_autocast": report.get("train_bf16_autocast"),
-            "versions": report.get("versions"),
-        },
-        "results": rows,
-        # Benchmark processes at once (one per benchmark when > 1) and each one's torch threads.
-        "benchmark": {"processes": cached.get("processes"), "threads": cached.get("threads")},
-        "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
-        "wall_seconds": round(time.time() - t_start, 1),
-    }
-    # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
-    plots = plot_curves(rows, workdir / "plots" / bench_key)
-    result["plots"] = [str(p) for p in plots]
-    write_results_json(out, result, "demo")
-    print(format_table(rows))
-    print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
-          f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
-    log(f"wrote {out} and {', '.join(str(p) for p in plots)} in {result['wall_seconds']} s")
-    return result
+            hold_alone(held, f"another lilicorr demo is running in --workdir {workdir}; wait for it to finish, or "
+                             "choose another --workdir")
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
+        yield
 
 
 def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dict[str, Any]:
