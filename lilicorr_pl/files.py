@@ -240,8 +240,8 @@ def _remove_gone_writers_once(folder: str, pattern: str) -> None:
 def hold_alone(fh: IO[Any], busy: str) -> None:
     """Take an exclusive advisory lock on the open file ``fh``, held until it is closed (or its process ends, however it
     ends), or raise ``ValueError(busy)`` at once when another process holds it: two runs appending to one output
-    would write every record twice and one would cut the other's half-written line. Where the system has no
-    ``flock`` (Windows) nothing is locked."""
+    would write every record twice and one would cut the other's half-written line. Where the system or the file
+    system has no ``flock`` (Windows, some network mounts) nothing is locked."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
@@ -250,3 +250,5 @@ def hold_alone(fh: IO[Any], busy: str) -> None:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise ValueError(busy) from None
+    except OSError:  # a file system without locks (ENOLCK on some network mounts): unlocked, as before
+        return

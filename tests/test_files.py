@@ -150,3 +150,27 @@ def test_on_windows_a_writers_pid_is_never_signalled(tmp_path, monkeypatch):
     a_day_ago = time.time() - 86400 - 60
     os.utime(fresh, (a_day_ago, a_day_ago))
     assert files.writer_is_gone(fresh)
+
+
+def test_hold_alone_refuses_a_held_file_and_goes_on_where_locks_do_not_exist(tmp_path, monkeypatch):
+    """A second holder gets the one line at once (no wait); a file system that refuses locks (ENOLCK) runs unlocked,
+    as before, rather than failing a run that worked."""
+    import errno
+    import fcntl
+
+    from lilicorr_pl.files import hold_alone
+
+    path = tmp_path / "out.jsonl"
+    with open(path, "a") as first, open(path, "a") as second:
+        hold_alone(first, "busy")
+        with pytest.raises(ValueError, match="^busy$"):
+            hold_alone(second, "busy")
+    with open(path, "a") as again:
+        hold_alone(again, "busy")  # released when the first was closed
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with open(path, "a") as unlocked:
+        hold_alone(unlocked, "busy")
