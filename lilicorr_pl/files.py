@@ -237,9 +237,13 @@ def _remove_gone_writers_once(folder: str, pattern: str) -> None:
     remove_gone_writers(Path(folder), pattern)
 
 
+class InUseError(ValueError):
+    """Another process holds what this one would write (:func:`hold_alone`)."""
+
+
 def hold_alone(fh: IO[Any], busy: str) -> None:
     """Take an exclusive advisory lock on the open file ``fh``, held until it is closed (or its process ends, however it
-    ends), or raise ``ValueError(busy)`` at once when another process holds it: two runs appending to one output
+    ends), or raise ``InUseError(busy)`` at once when another process holds it: two runs appending to one output
     would write every record twice and one would cut the other's half-written line. Where the system or the file
     system has no ``flock`` (Windows, some network mounts) nothing is locked."""
     try:
@@ -249,6 +253,6 @@ def hold_alone(fh: IO[Any], busy: str) -> None:
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ValueError(busy) from None
+        raise InUseError(busy) from None
     except OSError:  # a file system without locks (ENOLCK on some network mounts): unlocked, as before
         return

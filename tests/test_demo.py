@@ -259,6 +259,23 @@ def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, ca
         main(["demo", "--quick", "--compile", "false", "--workdir", str(workdir)])
 
 
+def test_the_demos_data_file_held_by_a_regenerate_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """A `lilicorr regenerate` pointed at the demo's own data file holds it: the demo says so in one line."""
+    import importlib
+
+    from lilicorr_pl.files import InUseError
+
+    def held(*args, **kwargs):
+        raise InUseError("another run is writing regenerated.jsonl (a lilicorr regenerate or demo)")
+
+    monkeypatch.setattr(importlib.import_module("lilicorr_pl.data.regenerate"), "regenerate", held)
+    err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--compile", "false", "--workdir",
+                              str(tmp_path / "demo"), "--prompts", "4", "--docstring-prompts", "0",
+                              "--prefix-tokens", "16"])
+    assert err.strip().endswith("error: the demo's training data: another run is writing regenerated.jsonl (a lilicorr "
+                                "regenerate or demo)")
+
+
 def test_demo_asking_more_prompts_than_the_corpus_has_is_one_line(tmp_path, capsys):
     """More regeneration prompts than the training split has cut points: one line naming the flags, no prompt file."""
     err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),

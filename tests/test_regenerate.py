@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -314,12 +315,56 @@ def test_a_second_run_onto_a_live_runs_output_is_refused_before_its_model_loads(
         live.write('{"source_index": 2, "compl')  # its next line, half written
         live.flush()
         monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("model loaded"))
-        with pytest.raises(ValueError, match=r"another run is writing --output .*out.jsonl .*choose another --output"):
+        with pytest.raises(ValueError, match=r"another run is writing .*out.jsonl .*write to another file \(regenerate's --output\)"):
             run(target_dir, input_file, out)
         assert out.read_text() == before + '{"source_index": 2, "compl'
     monkeypatch.undo()
     stats = run(target_dir, input_file, out)  # once it has stopped, the next run resumes as from a killed one
     assert (stats.succeeded, stats.skipped) == (3, 2) and sorted(r["source_index"] for r in read(out)) == [0, 1, 2, 3, 4]
+
+
+def test_a_refused_run_removes_nothing_and_a_file_removed_under_a_run_is_opened_again(target_dir, input_file,
+                                                                                      tmp_path, monkeypatch):
+    """Twins started at once both see no output: the one refused by the lock must not remove the file the other made
+    and holds (it did: it had made "an empty file" too, and the live run wrote into a removed file). And a run that
+    locks a file a failed run has just removed opens the path again instead of writing into the removed file."""
+    import fcntl
+    import importlib
+
+    module = importlib.import_module("lilicorr_pl.data.regenerate")  # (the package exports the function by that name)
+    real = module.hold_alone
+    out = tmp_path / "new" / "out.jsonl"
+    holder = []
+
+    def the_twin_wins(fh, busy):  # between this run's look at the path and its lock, the other run takes it
+        holder.append(open(out, "a"))
+        fcntl.flock(holder[0].fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real(fh, busy)
+
+    monkeypatch.setattr(module, "hold_alone", the_twin_wins)
+    with pytest.raises(ValueError, match=r"another run is writing .*out.jsonl"):
+        run(target_dir, input_file, out)
+    assert out.exists() and os.path.samestat(os.fstat(holder[0].fileno()), os.stat(out))
+    holder[0].close()
+    out.unlink()
+
+    calls = []
+
+    def removed_first(fh, busy):  # a failed run removes the file this one has just opened, then lets go of it
+        calls.append(1)
+        if len(calls) == 1:
+            out.unlink()
+        return real(fh, busy)
+
+    monkeypatch.setattr(module, "hold_alone", removed_first)
+    stats = run(target_dir, input_file, out)
+    assert len(calls) == 2 and stats.succeeded == len(RECORDS) and len(read(out)) == len(RECORDS)
+
+
+def test_a_refused_new_output_leaves_neither_file_nor_folders(target_dir, input_file, tmp_path):
+    with pytest.raises(ValueError, match="does not fit the target's context"):
+        run(target_dir, input_file, tmp_path / "a" / "b" / "out.jsonl", max_new_tokens=10_000)
+    assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

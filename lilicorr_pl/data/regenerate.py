@@ -141,20 +141,43 @@ def hub_revision(name: str) -> str | None:
     return path.parent.name if path.parent.parent.name == "snapshots" else None
 
 
+def _names(path: Path, fh: IO[Any]) -> bool:
+    """Whether ``path`` still names the file open as ``fh``."""
+    try:
+        return os.path.samestat(os.fstat(fh.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def _appending_alone(output: Path) -> Iterator[IO[str]]:
-    """``output`` open for appending and locked for this run alone (:func:`hold_alone`); the empty file a run made is
-    removed again when it stops before writing a record (a refused setting, a failed load)."""
-    created = not output.exists()
+    """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file and folders a
+    run made are removed again when it stops before writing a record (a refused setting, a failed load), while it still
+    holds the lock: a run refused by the lock removes nothing."""
+    busy = (f"another run is writing {output} (a lilicorr regenerate or demo); wait for it to finish, or write to "
+            "another file (regenerate's --output)")
+    made_folders = [folder for folder in output.parents if not folder.exists()]  # the nearest first
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a", encoding="utf-8") as out:
+    while True:
+        created = not output.exists()
+        out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the lock's holder is known
         try:
-            hold_alone(out, f"another run is writing --output {output} (a lilicorr regenerate or demo); wait for it to "
-                            "finish, or choose another --output")
+            hold_alone(out, busy)
+            if _names(output, out):
+                break
+        except BaseException:
+            out.close()
+            raise
+        out.close()  # locked a file a failed run had just removed: open the path again
+    with out:
+        try:
             yield out
         except BaseException:
-            if created and out.tell() == 0 and output.stat().st_size == 0:
-                output.unlink()
+            if created and out.tell() == 0 and os.fstat(out.fileno()).st_size == 0:
+                with contextlib.suppress(OSError):  # (Windows removes no open file: an empty output is a fresh one)
+                    output.unlink()
+                    for folder in made_folders:
+                        folder.rmdir()
             raise
 
 

@@ -50,7 +50,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
 from lilicorr_pl.command import shipped_configs
-from lilicorr_pl.files import atomic_file
+from lilicorr_pl.files import InUseError, atomic_file, hold_alone
 from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
@@ -822,8 +822,11 @@ def demo(
                 raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
                                      f"{cfg['docstring_prompts']}: lower them)") from None
         # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
-        stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                           batch_size=64, seed=seed)
+        try:
+            stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
+                               batch_size=64, seed=seed)
+        except InUseError as err:  # its data file held by a `lilicorr regenerate` run pointed into this workdir
+            raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
         timings["regenerate"] = time.time() - t0
 
@@ -914,13 +917,11 @@ def _alone_in(workdir: Path) -> Iterator[None]:
     """This demo alone in ``workdir`` (a lock on its ``.lilicorr-demo.lock``, released when the demo ends, however it
     ends): a second demo started there by mistake would train and benchmark the same stages at once, into the same run
     folders and logs."""
-    from lilicorr_pl.files import hold_alone
-
     with open(workdir / ".lilicorr-demo.lock", "a") as held:
         try:
             hold_alone(held, f"another lilicorr demo is running in --workdir {workdir}; wait for it to finish, or "
                              "choose another --workdir")
-        except ValueError as err:
+        except InUseError as err:
             raise UserInputError(str(err)) from None
         yield
 
