@@ -361,9 +361,18 @@ def test_a_refused_run_removes_nothing_and_a_file_removed_under_a_run_is_opened_
     assert len(calls) == 2 and stats.succeeded == len(RECORDS) and len(read(out)) == len(RECORDS)
 
 
-def test_a_refused_new_output_leaves_neither_file_nor_folders(target_dir, input_file, tmp_path):
+def test_a_refused_or_stopped_new_output_leaves_neither_file_nor_folders(target_dir, input_file, tmp_path,
+                                                                         monkeypatch):
     with pytest.raises(ValueError, match="does not fit the target's context"):
         run(target_dir, input_file, tmp_path / "a" / "b" / "out.jsonl", max_new_tokens=10_000)
+    assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", interrupted)  # Ctrl-C before the first record is written
+    with pytest.raises(KeyboardInterrupt):
+        run(target_dir, input_file, tmp_path / "a" / "b" / "out.jsonl")
     assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
 
 

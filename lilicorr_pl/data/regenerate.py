@@ -151,9 +151,9 @@ def _names(path: Path, fh: IO[Any]) -> bool:
 
 @contextlib.contextmanager
 def _appending_alone(output: Path) -> Iterator[IO[str]]:
-    """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file and folders a
-    run made are removed again when it stops before writing a record (a refused setting, a failed load), while it still
-    holds the lock: a run refused by the lock removes nothing."""
+    """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file, its settings
+    record and the folders a run made are removed again when it stops before writing a record (a refused setting, a
+    failed load, Ctrl-C), while it still holds the lock: a run refused by the lock removes nothing."""
     busy = (f"another run is writing {output} (a lilicorr regenerate or demo); wait for it to finish, or write to "
             "another file (regenerate's --output)")
     made_folders = [folder for folder in output.parents if not folder.exists()]  # the nearest first
@@ -176,6 +176,7 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
             if created and out.tell() == 0 and os.fstat(out.fileno()).st_size == 0:
                 with contextlib.suppress(OSError):  # (Windows removes no open file: an empty output is a fresh one)
                     output.unlink()
+                    provenance_path(output).unlink(missing_ok=True)  # this run's settings, if it got that far
                     for folder in made_folders:
                         folder.rmdir()
             raise
