@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 
 
-def demo(tmp_path, *extra: str) -> dict:
-    out = tmp_path / "results.json"
-    main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"), "--output", str(out),
+def demo(tmp_path, *extra: str, output: bool = True) -> dict:
+    """The test-size demo; its results from ``--output`` (or, with ``output=False``, from --quick's default file)."""
+    out = tmp_path / "results.json" if output else tmp_path / "demo" / "results-quick.json"
+    main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),
+          *(["--output", str(out)] if output else []),
           "--prompts", "12", "--docstring-prompts", "4", "--regen-tokens", "12", "--prefix-tokens", "16",
           "--base-steps", "2", "--steps", "2", "--head-steps", "2",
           "--bench-prompts", "2", "--bench-new-tokens", "8", *extra])
@@ -141,9 +143,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         assert_same_drafter(tmp_path / "demo", result["stages"]["arms"]["dflash"], arm, result["stages"]["arms"][arm])
     assert result["training"]["domino"]["head_stage_of"] is None and result["head_steps"] == 2
 
-    # A rerun with the same settings reuses every stage, the measured comparison included.
+    # A rerun with the same settings reuses every stage, the measured comparison included; without --output, --quick
+    # writes its own file beside a full run's results.json, never over it.
+    full = tmp_path / "demo" / "results.json"
+    full.write_text(json.dumps({"written_by": "lilicorr demo 0", "mode": "full"}))
     capsys.readouterr()
-    again = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true")
+    again = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true", output=False)
+    assert json.loads(full.read_text())["mode"] == "full" and again["mode"] == "quick"
     log = capsys.readouterr().out
     assert log.count(": reusing") == 1 + len(ARMS)  # the shared stage and every arm, whatever --jobs trained them
     assert "background process" not in log  # nothing to train: no process started

@@ -730,7 +730,8 @@ def demo(
     Args:
         quick: small target and budget (minutes on 2 CPU cores) instead of the full comparison.
         workdir: where data, caches, runs, checkpoints and plots go.
-        output: write the comparison JSON here (default: <workdir>/results.json).
+        output: write the comparison JSON here (default: <workdir>/results.json; with --quick,
+            <workdir>/results-quick.json).
         steps: training steps of each arm after the shared stage.
         base_steps: steps of the shared DFlash stage.
         head_steps: head-only steps of the LiLiCorr arms on the dflash arm's frozen drafter.
@@ -768,7 +769,8 @@ def demo(
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workdir = Path(workdir).resolve()
-    out = Path(output).resolve() if output else workdir / "results.json"
+    # --quick's own default name: a toy run never replaces the full comparison's results in the same workdir.
+    out = Path(output).resolve() if output else workdir / ("results-quick.json" if quick else "results.json")
     from lilicorr_pl.files import check_output_paths, write_json_atomic, write_results_json
 
     try:
