@@ -39,19 +39,21 @@ CELLS: list[tuple[str, str, list[str], str]] = [
 
         τ (acceptance length) is always reported **including the target's bonus token**: τ = accepted + 1.
 
-        The defaults read what `lilicorr demo --quick` writes when run from the repository root
-        (`runs/demo/checkpoints/lilicorr.ckpt`, `runs/demo/results.json`); point the two environment variables
-        of the next cell at any other `lilicorr fit` checkpoint or results file.
+        The defaults read what `lilicorr demo` (or `lilicorr demo --quick`) wrote last when run from the repository
+        root: the newest `runs/demo/checkpoints/lilicorr-<stage key>.ckpt` and the newest `runs/demo/results*.json`
+        (`results.json`, or `results-quick.json` from `--quick`); point the two environment variables of the next cell
+        at any other `lilicorr fit` checkpoint or results file (a glob picks its newest match).
         """),
     ("code", "parameters", ["parameters"], r"""
         import os
 
-        CKPT = os.environ.get("LILICORR_NOTEBOOK_CKPT", "runs/demo/checkpoints/lilicorr.ckpt")
-        RESULTS = os.environ.get("LILICORR_NOTEBOOK_RESULTS", "runs/demo/results.json")
+        CKPT = os.environ.get("LILICORR_NOTEBOOK_CKPT", "runs/demo/checkpoints/lilicorr-*.ckpt")
+        RESULTS = os.environ.get("LILICORR_NOTEBOOK_RESULTS", "runs/demo/results*.json")
         PROMPT_INDEX = 0
         BENCHMARK = "stdlib-heldout"  # or "humaneval"; prompts stay raw code (the demo target is a code LM)
         """),
     ("code", "setup", [], r"""
+        import glob
         import io
         import json
         import warnings
@@ -74,11 +76,15 @@ CELLS: list[tuple[str, str, list[str], str]] = [
 
 
         def find(path: str) -> Path | None:
-            # As given (relative to the working directory), else relative to the repository root:
-            # Jupyter starts this notebook in notebooks/, the demo writes runs/ at the root.
-            for candidate in (Path(path), Path.cwd().parent / path):
-                if candidate.is_file():
-                    return candidate
+            # As given (relative to the working directory), else relative to the repository root: Jupyter starts
+            # this notebook in notebooks/, the demo writes runs/ at the root. A glob: its newest match (the demo
+            # keys its checkpoints by stage, and a rerun with other settings trains a new one).
+            for base in (Path.cwd(), Path.cwd().parent):
+                if (base / path).is_file():
+                    return base / path
+                found = [Path(p) for p in glob.glob(str(base / path)) if Path(p).is_file()]
+                if found:
+                    return max(found, key=lambda p: p.stat().st_mtime)
             return None
 
 
@@ -101,7 +107,8 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         if ckpt_path is None:
             raise FileNotFoundError(
                 f"no checkpoint at {CKPT!r}; run `lilicorr demo --quick` from the repository root (it writes "
-                "runs/demo/checkpoints/lilicorr.ckpt) or set LILICORR_NOTEBOOK_CKPT to a `lilicorr fit` checkpoint"
+                "runs/demo/checkpoints/lilicorr-<stage key>.ckpt) or set LILICORR_NOTEBOOK_CKPT to a `lilicorr fit` "
+                "checkpoint"
             )
         system = DraftSystem.from_checkpoint(ckpt_path, map_location="cpu")
         system.configure_model()  # loads the frozen target named in the hyperparameters
@@ -308,7 +315,7 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         results_path = find(RESULTS)
         if results_path is None:
             print(f"No results file at {RESULTS!r}. Produce one with `lilicorr demo --quick` from the repository "
-                  "root (a few minutes on a laptop CPU; it writes runs/demo/results.json), or set "
+                  "root (a few minutes on a laptop CPU; it writes runs/demo/results-quick.json), or set "
                   "LILICORR_NOTEBOOK_RESULTS to a results.json.")
         else:
             rows = json.loads(results_path.read_text())["results"]

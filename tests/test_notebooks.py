@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,8 +64,9 @@ def test_committed_notebook_has_no_outputs_and_matches_its_generator(tmp_path):
     assert regenerated.read_text(encoding="utf-8") == text
 
 
-def execute_notebook(tmp_path: Path, monkeypatch, ckpt: Path, results: Path):
-    """Run the committed notebook in a fresh kernel, from ``tmp_path``, on ``ckpt`` and ``results``."""
+def execute_notebook(tmp_path: Path, monkeypatch, ckpt: Path | None, results: Path | None):
+    """Run the committed notebook in a fresh kernel, from ``tmp_path``, on ``ckpt`` and ``results`` (None: the
+    notebook's defaults, what `lilicorr demo` writes under ``runs/demo``)."""
     # A kernelspec for this interpreter, first on JUPYTER_PATH: a user-level "python3" that points at
     # another Python (without lilicorr_pl) must not be picked up.
     from ipykernel.kernelspec import write_kernel_spec
@@ -72,8 +76,11 @@ def execute_notebook(tmp_path: Path, monkeypatch, ckpt: Path, results: Path):
     spec = json.loads((jupyter_path / "kernels" / "python3" / "kernel.json").read_text())
     assert spec["argv"][0] == sys.executable
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
-    monkeypatch.setenv("LILICORR_NOTEBOOK_CKPT", str(ckpt))
-    monkeypatch.setenv("LILICORR_NOTEBOOK_RESULTS", str(results))
+    for name, path in (("LILICORR_NOTEBOOK_CKPT", ckpt), ("LILICORR_NOTEBOOK_RESULTS", results)):
+        if path is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(path))
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models: one thread beats two on a shared machine
@@ -102,8 +109,18 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
     fit_tiny(tmp_path / "fit", steps=2)
     ckpt = tmp_path / "fit" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
+    # Where `lilicorr demo` writes them, read by the notebook's defaults: the newest stage checkpoint (an older
+    # stage's, here unreadable, beside it) and the newest results file (a quick run's, after a full run's).
+    demo_dir = tmp_path / "runs" / "demo"
+    (demo_dir / "checkpoints").mkdir(parents=True)
+    older = demo_dir / "checkpoints" / "lilicorr-0123456789ab.ckpt"
+    older.write_bytes(b"an earlier stage's checkpoint")
+    (demo_dir / "results.json").write_text(json.dumps({"results": []}))
+    for path in (older, demo_dir / "results.json"):
+        os.utime(path, (time.time() - 3600,) * 2)
+    shutil.copyfile(ckpt, demo_dir / "checkpoints" / "lilicorr-ba9876543210.ckpt")
     curve = [0.9, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1]
-    results = tmp_path / "results.json"
+    results = demo_dir / "results-quick.json"
     results.write_text(json.dumps({"tau_includes_bonus_token": True, "results": [
         {"benchmark": "stdlib-heldout", "temperature": 0.0, "arm": "dflash", "tau": 2.25,
          "per_position_acceptance": [x * 0.8 for x in curve]},
@@ -112,7 +129,7 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
         {"benchmark": "humaneval", "temperature": 1.0, "arm": "lilicorr", "tau": 1.5,
          "per_position_acceptance": [x / 2 for x in curve]},
     ]}))
-    nb = execute_notebook(tmp_path, monkeypatch, ckpt, results)
+    nb = execute_notebook(tmp_path, monkeypatch, None, None)
 
     load = cell_text(nb, "load")
     assert "LiLiCorrHead" in load and "lattice width K = 4" in load and "block 8" in load
