@@ -79,10 +79,12 @@ CELLS: list[tuple[str, str, list[str], str]] = [
             # As given (relative to the working directory), else relative to the repository root: Jupyter starts
             # this notebook in notebooks/, the demo writes runs/ at the root. A glob: its newest match (the demo
             # keys its checkpoints by stage, and a rerun with other settings trains a new one).
-            for base in (Path.cwd(), Path.cwd().parent):
+            bases = (Path.cwd(), Path.cwd().parent)
+            for base in bases:  # a literal name first, `[` and all
                 if (base / path).is_file():
                     return base / path
-                found = [Path(p) for p in glob.glob(str(base / path)) if Path(p).is_file()]
+            for base in bases:  # the folder itself is no pattern, whatever its name holds
+                found = [base / p for p in glob.glob(path, root_dir=base) if (base / p).is_file()]
                 if found:
                     return max(found, key=lambda p: p.stat().st_mtime)
             return None

@@ -110,8 +110,10 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
     ckpt = tmp_path / "fit" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
     # Where `lilicorr demo` writes them, read by the notebook's defaults: the newest stage checkpoint (an older
-    # stage's, here unreadable, beside it) and the newest results file (a quick run's, after a full run's).
-    demo_dir = tmp_path / "runs" / "demo"
+    # stage's, here unreadable, beside it) and the newest results file (a quick run's, after a full run's), in a
+    # checkout whose name would be a glob pattern.
+    work = tmp_path / "proj[v2]"
+    demo_dir = work / "runs" / "demo"
     (demo_dir / "checkpoints").mkdir(parents=True)
     older = demo_dir / "checkpoints" / "lilicorr-0123456789ab.ckpt"
     older.write_bytes(b"an earlier stage's checkpoint")
@@ -129,7 +131,7 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
         {"benchmark": "humaneval", "temperature": 1.0, "arm": "lilicorr", "tau": 1.5,
          "per_position_acceptance": [x / 2 for x in curve]},
     ]}))
-    nb = execute_notebook(tmp_path, monkeypatch, None, None)
+    nb = execute_notebook(work, monkeypatch, None, None)
 
     load = cell_text(nb, "load")
     assert "LiLiCorrHead" in load and "lattice width K = 4" in load and "block 8" in load

@@ -350,10 +350,11 @@ def test_a_refused_run_removes_nothing_and_a_file_removed_under_a_run_is_opened_
 
     calls = []
 
-    def removed_first(fh, busy):  # a failed run removes the file this one has just opened, then lets go of it
+    def removed_first(fh, busy):  # a failed run removes the file this one has just opened and the folder it made
         calls.append(1)
         if len(calls) == 1:
             out.unlink()
+            out.parent.rmdir()
         return real(fh, busy)
 
     monkeypatch.setattr(module, "hold_alone", removed_first)
@@ -366,6 +367,11 @@ def test_a_refused_or_stopped_new_output_leaves_neither_file_nor_folders(target_
     with pytest.raises(ValueError, match="does not fit the target's context"):
         run(target_dir, input_file, tmp_path / "a" / "b" / "out.jsonl", max_new_tokens=10_000)
     assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
+    (tmp_path / "y").mkdir()  # a folder of the user's, named through a folder that does not exist
+    with pytest.raises(ValueError, match="does not fit the target's context"):
+        run(target_dir, input_file, tmp_path / "x" / ".." / "y" / "out.jsonl", max_new_tokens=10_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "y"]
+    (tmp_path / "y").rmdir()
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt

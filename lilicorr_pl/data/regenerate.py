@@ -149,18 +149,36 @@ def _names(path: Path, fh: IO[Any]) -> bool:
         return False
 
 
+def _make_folders(folder: Path) -> list[Path]:
+    """``folder`` and its missing parents made; the ones made here (not by another process meanwhile), nearest first."""
+    made = []
+    for path in reversed([folder, *folder.parents]):
+        if path.is_dir():
+            continue
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        made.append(path)
+    return made[::-1]
+
+
 @contextlib.contextmanager
 def _appending_alone(output: Path) -> Iterator[IO[str]]:
     """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file, its settings
     record and the folders a run made are removed again when it stops before writing a record (a refused setting, a
     failed load, Ctrl-C), while it still holds the lock: a run refused by the lock removes nothing."""
+    output = output.resolve()  # a `..` in it names the folders that are made and removed
     busy = (f"another run is writing {output} (a lilicorr regenerate or demo); wait for it to finish, or write to "
             "another file (regenerate's --output)")
-    made_folders = [folder for folder in output.parents if not folder.exists()]  # the nearest first
-    output.parent.mkdir(parents=True, exist_ok=True)
+    made_folders: list[Path] = []
     while True:
+        made_folders += _make_folders(output.parent)
         created = not output.exists()
-        out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the lock's holder is known
+        try:
+            out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, once the lock's holder is known
+        except FileNotFoundError:  # its folder removed meanwhile by a run that failed: make it again
+            continue
         try:
             hold_alone(out, busy)
             if _names(output, out):
@@ -177,10 +195,9 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
                 with contextlib.suppress(OSError):  # (Windows removes no open file: an empty output is a fresh one)
                     output.unlink()
                     provenance_path(output).unlink(missing_ok=True)  # this run's settings, if it got that far
-                    for folder in made_folders:
+                    for folder in sorted(set(made_folders), key=lambda f: len(f.parts), reverse=True):
                         folder.rmdir()
             raise
-
 
 def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
     """Refuse to append to an output produced from another input, target or sampling settings."""
