@@ -212,12 +212,11 @@ def writer_is_gone(tmp: Path) -> bool:
         return False
 
 
-def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> list[Path]:
+def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> None:
     """Remove what killed writers left in ``folder``: the files and folders matching the glob ``pattern`` whose writer
     tag (:func:`writer_tag`) names a process that is gone (:func:`writer_is_gone`). A name without a writer tag was not
     made that way and is kept, unless ``untagged`` (a folder only this tool writes into). Best effort: what cannot be
-    removed (another user's, in a shared folder) stays, and the write that asked goes on. Returns what was removed."""
-    removed = []
+    removed (another user's, in a shared folder) stays, and the write that asked goes on."""
     for path in sorted(Path(folder).glob(pattern)):
         if (_WRITER.search(path.name) is None and not untagged) or not writer_is_gone(path):
             continue
@@ -228,8 +227,6 @@ def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> l
                 path.unlink(missing_ok=True)
         except OSError:
             continue
-        removed.append(path)
-    return removed
 
 
 @functools.cache

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from lilicorr_pl.data import corpus
-from lilicorr_pl.files import new_file_mode, remove_gone_writers, writer_tag
+from lilicorr_pl.files import new_file_mode, remove_gone_writers, temporary_name, writer_tag
 from lilicorr_pl.progress import progress_bar
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
@@ -794,12 +794,6 @@ def _build_into(directory: Path, config: TinyTargetConfig, fingerprint: str, pro
     return report
 
 
-def _remove_stale_temporaries(root: Path, name: str) -> None:
-    """Delete temp dirs of interrupted builds of ``name`` whose process no longer runs (:func:`writer_is_gone`: a
-    build on another host sharing this cache is left alone for a day)."""
-    remove_gone_writers(root, f".{glob.escape(name)}.*.tmp", untagged=True)
-
-
 def _training_threads(config: TinyTargetConfig) -> int:
     """All cores, except one for test-size models: their matmuls are too small to split, and the
     OpenMP barriers of a 2-thread step stall for whole scheduler slices when the cores are shared."""
@@ -844,7 +838,8 @@ def build_tiny_target(
     _log(progress, f"building {final} ({problem})")
 
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root, name)
+    # Temporary folders of this build's killed runs (one on another host sharing the cache is left alone for a day).
+    remove_gone_writers(root, f".{glob.escape(name)}.*.tmp", untagged=True)
     temporary = root / f".{name}.{writer_tag()}.tmp"
     temporary.mkdir()
     previous_threads = torch.get_num_threads()
@@ -859,7 +854,7 @@ def build_tiny_target(
         if final.exists():
             # An invalid (or forcibly replaced) build: move it aside first so the rename is atomic (named like a
             # temporary, so a kill before it is removed leaves nothing the next build's clean-up does not find).
-            trash = root / f".{name}.old.{writer_tag()}.tmp"
+            trash = temporary_name(final)
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         try:
