@@ -40,14 +40,14 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         τ (acceptance length) is always reported **including the target's bonus token**: τ = accepted + 1.
 
         The defaults read what `lilicorr demo` (or `lilicorr demo --quick`) wrote last when run from the repository
-        root: the newest `runs/demo/checkpoints/lilicorr-<stage key>.ckpt` and the newest `runs/demo/results*.json`
-        (`results.json`, or `results-quick.json` from `--quick`); point the two environment variables of the next cell
-        at any other `lilicorr fit` checkpoint or results file (a glob picks its newest match).
+        root: the newest `runs/demo/results*.json` (`results.json`, or `results-quick.json` from `--quick`) and the
+        LiLiCorr checkpoint of the same run, which that file names; point the two environment variables of the next
+        cell at any other `lilicorr fit` checkpoint or results file (a glob picks its newest match).
         """),
     ("code", "parameters", ["parameters"], r"""
         import os
 
-        CKPT = os.environ.get("LILICORR_NOTEBOOK_CKPT", "runs/demo/checkpoints/lilicorr-*.ckpt")
+        CKPT = os.environ.get("LILICORR_NOTEBOOK_CKPT")  # None: the LiLiCorr checkpoint of the results file below
         RESULTS = os.environ.get("LILICORR_NOTEBOOK_RESULTS", "runs/demo/results*.json")
         PROMPT_INDEX = 0
         BENCHMARK = "stdlib-heldout"  # or "humaneval"; prompts stay raw code (the demo target is a code LM)
@@ -90,6 +90,24 @@ CELLS: list[tuple[str, str, list[str], str]] = [
             return None
 
 
+        def run_checkpoint(results_path: Path | None) -> Path | None:
+            # The checkpoint of the run whose results section 5 shows: `lilicorr demo` names each arm's in its results
+            # file (the LiLiCorr arm's, else the first arm's). Looked for where it was written, then in the results
+            # file's own folder (a workdir moved or copied elsewhere). None for a results file without that entry
+            # (written by an older version) or whose checkpoint is gone.
+            if results_path is None:
+                return None
+            named = json.loads(results_path.read_text()).get("checkpoints") or {}
+            arm = "lilicorr" if "lilicorr" in named else next(iter(named), None)
+            if arm is None:
+                return None
+            recorded = Path(named[arm])
+            for path in (recorded, results_path.parent / "checkpoints" / recorded.name):
+                if path.is_file():
+                    return path
+            return None
+
+
         def show_figure(fig) -> None:
             # Embed as PNG whatever the matplotlib backend (inline in Jupyter, Agg in tests and CI).
             buffer = io.BytesIO()
@@ -105,13 +123,23 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         (a `builtin:` target was resolved to its built, cached directory when the training run started).
         """),
     ("code", "load", ["load"], r"""
-        ckpt_path = find(CKPT)
+        results_path = find(RESULTS)
+        if CKPT:
+            ckpt_path = find(CKPT)
+        else:  # the run's own checkpoint; for an older results file, the newest a demo wrote
+            ckpt_path = run_checkpoint(results_path)
+            if ckpt_path is None:
+                ckpt_path = find("runs/demo/checkpoints/lilicorr-*.ckpt")
+                if ckpt_path is not None and results_path is not None:
+                    print(f"note: {results_path.name} names no checkpoint that is still there; using the newest demo "
+                          f"checkpoint, {ckpt_path.name}, which may come from another run than section 5's results")
         if ckpt_path is None:
             raise FileNotFoundError(
-                f"no checkpoint at {CKPT!r}; run `lilicorr demo --quick` from the repository root (it writes "
-                "runs/demo/checkpoints/lilicorr-<stage key>.ckpt) or set LILICORR_NOTEBOOK_CKPT to a `lilicorr fit` "
-                "checkpoint"
+                f"no checkpoint at {CKPT or 'runs/demo/checkpoints/lilicorr-*.ckpt'!r}; run `lilicorr demo --quick` "
+                "from the repository root (it writes runs/demo/checkpoints/lilicorr-<stage key>.ckpt) or set "
+                "LILICORR_NOTEBOOK_CKPT to a `lilicorr fit` checkpoint"
             )
+        print(f"checkpoint: {ckpt_path.name}" + (f"  (results: {results_path.name})" if results_path else ""))
         system = DraftSystem.from_checkpoint(ckpt_path, map_location="cpu")
         system.configure_model()  # loads the frozen target named in the hyperparameters
         system.eval()
@@ -314,7 +342,6 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         (the best any chain reranker could do with the same drafter).
         """),
     ("code", "results", ["results"], r"""
-        results_path = find(RESULTS)
         if results_path is None:
             print(f"No results file at {RESULTS!r}. Produce one with `lilicorr demo --quick` from the repository "
                   "root (a few minutes on a laptop CPU; it writes runs/demo/results-quick.json), or set "

@@ -53,6 +53,9 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         assert "ProgressFile" not in (run_dir / "config.yaml").read_text()
         assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["enable_progress_bar"] is None
         assert result["training"][arm]["seconds"] > 0 and result["training"][arm]["threads"] == 1
+        # Each arm's checkpoint named in the results (the walkthrough notebook opens the run's own).
+        assert result["checkpoints"][arm] == str(tmp_path / "demo" / "checkpoints" / f"{arm}-{key}.ckpt")
+        assert Path(result["checkpoints"][arm]).is_file()
     assert result["tau_includes_bonus_token"] is True
     # The heads were benchmarked through torch.compile where this machine can compile (a C++ compiler), and the
     # JSON says which; the comparison is keyed by it.

@@ -109,21 +109,26 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
     fit_tiny(tmp_path / "fit", steps=2)
     ckpt = tmp_path / "fit" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
-    # Where `lilicorr demo` writes them, read by the notebook's defaults: the newest stage checkpoint (an older
-    # stage's, here unreadable, beside it) and the newest results file (a quick run's, after a full run's), in a
-    # checkout whose name would be a glob pattern.
+    # Where `lilicorr demo` writes them, read by the notebook's defaults: the newest results file (a quick run's, after
+    # a full run's) and the LiLiCorr checkpoint it names, not the newest checkpoint (another run's, here unreadable),
+    # in a checkout whose name would be a glob pattern. The workdir was moved since: the recorded path is gone and
+    # the checkpoint is found beside the results file.
     work = tmp_path / "proj[v2]"
     demo_dir = work / "runs" / "demo"
     (demo_dir / "checkpoints").mkdir(parents=True)
-    older = demo_dir / "checkpoints" / "lilicorr-0123456789ab.ckpt"
-    older.write_bytes(b"an earlier stage's checkpoint")
-    (demo_dir / "results.json").write_text(json.dumps({"results": []}))
-    for path in (older, demo_dir / "results.json"):
-        os.utime(path, (time.time() - 3600,) * 2)
     shutil.copyfile(ckpt, demo_dir / "checkpoints" / "lilicorr-ba9876543210.ckpt")
+    newer = demo_dir / "checkpoints" / "lilicorr-0123456789ab.ckpt"
+    newer.write_bytes(b"another run's checkpoint")
+    (demo_dir / "results.json").write_text(json.dumps({"results": []}))
+    for path in (demo_dir / "checkpoints" / "lilicorr-ba9876543210.ckpt", demo_dir / "results.json"):
+        os.utime(path, (time.time() - 3600,) * 2)
     curve = [0.9, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1]
     results = demo_dir / "results-quick.json"
-    results.write_text(json.dumps({"tau_includes_bonus_token": True, "results": [
+    moved_from = tmp_path / "elsewhere" / "runs" / "demo" / "checkpoints"
+    results.write_text(json.dumps({"tau_includes_bonus_token": True, "checkpoints": {
+        "dflash": str(moved_from / "dflash-00aa00aa00aa.ckpt"),
+        "lilicorr": str(moved_from / "lilicorr-ba9876543210.ckpt"),
+    }, "results": [
         {"benchmark": "stdlib-heldout", "temperature": 0.0, "arm": "dflash", "tau": 2.25,
          "per_position_acceptance": [x * 0.8 for x in curve]},
         {"benchmark": "stdlib-heldout", "temperature": 0.0, "arm": "lilicorr", "tau": 2.75,
@@ -134,6 +139,7 @@ def test_notebook_walks_the_lattice_of_a_tiny_lilicorr_checkpoint(tmp_path, monk
     nb = execute_notebook(work, monkeypatch, None, None)
 
     load = cell_text(nb, "load")
+    assert "checkpoint: lilicorr-ba9876543210.ckpt  (results: results-quick.json)" in load
     assert "LiLiCorrHead" in load and "lattice width K = 4" in load and "block 8" in load
 
     table = cell_text(nb, "lattice-table")
@@ -163,3 +169,17 @@ def test_notebook_shows_only_top1_for_a_checkpoint_without_a_lattice_head(tmp_pa
     assert not cell_has_png(nb, "scores")
     check_verify_cell(cell_text(nb, "verify"), ["top-1"])
     assert "lilicorr demo" in cell_text(nb, "results") and not cell_has_png(nb, "results")
+
+    # On its defaults beside a results file of an older version, which names no checkpoint: the newest demo
+    # checkpoint, with a note that it may come from another run.
+    demo_dir = tmp_path / "work" / "runs" / "demo"
+    (demo_dir / "checkpoints").mkdir(parents=True)
+    shutil.copyfile(ckpt, demo_dir / "checkpoints" / "lilicorr-a1b2c3d4e5f6.ckpt")
+    (demo_dir / "results.json").write_text(json.dumps({"results": [
+        {"benchmark": "humaneval", "temperature": 0.0, "arm": "dflash", "tau": 1.75,
+         "per_position_acceptance": [0.5, 0.25]}]}))
+    nb = execute_notebook(tmp_path / "work", monkeypatch, None, None)
+    load = cell_text(nb, "load")
+    assert "note: results.json names no checkpoint that is still there; using the newest demo checkpoint, " \
+           "lilicorr-a1b2c3d4e5f6.ckpt, which may come from another run" in load
+    assert "Top1Selector builds no lattice" in load and cell_has_png(nb, "results")

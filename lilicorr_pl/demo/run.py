@@ -877,6 +877,9 @@ def demo(
             "seed": seed,
             "stages": {"target": Path(target_dir).name, "data": data_key, "base": base_key,
                        "arms": {a: m["key"] for a, (_, m, _) in trained.items()}, "bench": bench_key},
+            # Each arm's checkpoint, so whatever reads this file (the walkthrough notebook) opens the checkpoints
+            # that produced its rows, not the newest of a workdir that other runs also wrote.
+            "checkpoints": {a: str(ckpt) for a, (ckpt, _, _) in trained.items()},
             # Per arm: its own stage's steps and seconds (on ``threads`` threads, beside other stages when jobs > 1;
             # ``resumed``: the seconds of the run that finished an interrupted stage, not the whole stage's);
             # head-stage arms add head_steps on their source's drafter.
