@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.interop import (
@@ -23,6 +24,8 @@ def export(
     allow_module: Sequence[str] = (),
     overwrite: bool = False,
     target: str | None = None,
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+    head_mlp_names: Literal["named", "sequential"] = "named",
 ) -> Path:
     """Export a trained drafter as a serving checkpoint directory.
 
@@ -38,6 +41,12 @@ def export(
         overwrite: allow a non-empty output; only the exported files are replaced, nothing else is touched.
         target: read the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere).
+        dtype: every exported tensor's dtype, the config's torch_dtype; auto: the target's (model.target.dtype:
+            bfloat16 for the Qwen3 recipes, whose bf16-mixed runs keep fp32 master weights).
+        head_mlp_names: how the LiLiCorr head's MLP tensors are spelled: named (feature_norm,
+            feature_mlp.up_proj, layers.<i>.mlp.up_proj, ...: what vLLM's current loader reads; SGLang and
+            TensorRT-LLM read both) or sequential (Model-Optimizer's nn.Sequential indices, feature_mlp.1,
+            layers.<i>.mlp.0, ...: for a loader that reads only those).
     """
     if not Path(ckpt).is_file():
         raise UserInputError(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
@@ -59,11 +68,14 @@ def export(
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
               "exporting the DFlash drafter alone", file=sys.stderr)
+    from lilicorr_pl.target import resolve_dtype
+
+    weights_dtype = resolve_dtype(system.target_spec.dtype if dtype == "auto" else dtype)
     try:
-        out = export_drafter(system.drafter, output, head=head,
-                             extra={"target": system.target_spec.name_or_path}, overwrite=overwrite)
+        out = export_drafter(system.drafter, output, head=head, extra={"target": system.target_spec.name_or_path},
+                             overwrite=overwrite, dtype=weights_dtype, head_mlp_names=head_mlp_names)
     except ExportError as err:
         raise UserInputError(str(err)) from None
     kind = LILICORR_ARCHITECTURE if head is not None else DFLASH_ARCHITECTURE
-    print(f"exported {kind} to {out}")
+    print(f"exported {kind} to {out} ({str(weights_dtype).removeprefix('torch.')})")
     return out

@@ -5,12 +5,24 @@ A drafter alone is the z-lab ``DFlashDraftModel`` directory: ``config.json``
 ``dflash_config``) and one ``model.safetensors`` with un-prefixed keys and no embedding or LM head.
 
 A drafter with a LiLiCorr head is the same directory as a ``LiLiCorrDraftModel`` (what SGLang, vLLM and
-TensorRT-LLM serve, and what NVIDIA Model-Optimizer's ``LiLiCorrExporter`` writes): ``dflash_config``
-adds ``causal: false``, ``projector_type: "lilicorr"``, ``lilicorr_enabled: true`` and the head's
-geometry ``lilicorr_{candidate_topk, hidden_size, num_layers, num_heads, mlp_ratio, factor_dim,
-vector_eps, logit_scale}``, and the head's tensors sit in the same ``model.safetensors`` under
-``lilicorr.``. :class:`~lilicorr_pl.heads.LiLiCorrHead`'s ``state_dict`` already uses the served names
-and shapes, so the export only adds the prefix. No companion files.
+TensorRT-LLM serve, and the layout of NVIDIA Model-Optimizer's ``LiLiCorrExporter``): ``dflash_config``
+adds ``projector_type: "lilicorr"``, ``lilicorr_enabled: true`` and the head's geometry
+``lilicorr_{candidate_topk, hidden_size, num_layers, num_heads, mlp_ratio, factor_dim, vector_eps,
+logit_scale}``, and the head's tensors sit in the same ``model.safetensors`` under ``lilicorr.``.
+:class:`~lilicorr_pl.heads.LiLiCorrHead`'s ``state_dict`` already uses the served names and shapes, so the
+export only adds the prefix. No companion files.
+
+The head's two MLPs have two spellings in the wild. Model-Optimizer's training module builds them as
+``nn.Sequential`` (``feature_mlp.{0,1,3}``, ``layers.<i>.mlp.{0,2}``), and its exporter writes those indices;
+vLLM's current loader names them (``feature_norm``, ``feature_mlp.{up,down}_proj``,
+``layers.<i>.mlp.{up,down}_proj``) and an earlier one read only the indices; SGLang and TensorRT-LLM rename
+the indices to the names, so they read both. The export writes the named form by default and the indexed form
+on request (``head_mlp_names="sequential"``); the import reads both.
+
+Both layouts carry ``dflash_config.causal: false`` (vLLM reads it as every layer's attention) and
+``torch_dtype``, the dtype every tensor is written in: by default the drafter's own; ``lilicorr export``
+passes the target's (a ``bf16-mixed`` run keeps fp32 master weights, which an engine would load at twice the
+size).
 """
 
 from __future__ import annotations
@@ -39,8 +51,8 @@ HEAD_CONFIG_FIELDS = (
     "candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps", "logit_scale",
 )
 """``dflash_config.lilicorr_<field>`` keys every engine requires to rebuild the head."""
-# Older exports (Model-Optimizer's training module) index the MLPs as nn.Sequential; the engines accept
-# both forms and we read both, but only ever write the named form.
+# Model-Optimizer's exports index the MLPs as nn.Sequential (see the module docstring): read in both forms,
+# written in the named form unless asked for the indexed one.
 _SEQUENTIAL_NAMES = (
     ("feature_mlp.0.", "feature_norm."), ("feature_mlp.1.", "feature_mlp.up_proj."),
     ("feature_mlp.3.", "feature_mlp.down_proj."), (".mlp.0.", ".mlp.up_proj."), (".mlp.2.", ".mlp.down_proj."),
@@ -68,9 +80,8 @@ def head_geometry(head: LiLiCorrHead) -> dict[str, Any]:
 
 
 def lilicorr_config_fields(head: LiLiCorrHead) -> dict[str, Any]:
-    """The ``dflash_config`` entries of a ``LiLiCorrDraftModel`` for ``head``."""
+    """The ``dflash_config`` entries a ``LiLiCorrDraftModel`` adds for ``head`` (``causal: false`` is every export's)."""
     return {
-        "causal": False,
         "projector_type": "lilicorr",
         "lilicorr_enabled": True,
         "lilicorr_candidate_topk": head.top_k,
@@ -111,8 +122,14 @@ def _check_head_fits(head: LiLiCorrHead, drafter: DFlashDrafter) -> None:
         )
 
 
-def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> dict[str, Any]:
-    """The ``config.json`` of a built drafter: ``DFlashDraftModel``, or ``LiLiCorrDraftModel`` with ``head``."""
+HEAD_MLP_NAMES = ("named", "sequential")
+"""How the head's MLP tensors are spelled in an export (see the module docstring)."""
+
+
+def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None,
+                   dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a built drafter: ``DFlashDraftModel``, or ``LiLiCorrDraftModel`` with ``head``;
+    ``torch_dtype`` is ``dtype`` (default: the drafter's parameters')."""
     if not drafter.built:
         raise RuntimeError("export needs a built drafter (DFlashDrafter.build)")
     tc, d = drafter.target_config, drafter.dims
@@ -121,7 +138,8 @@ def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> 
         "model_type": "qwen3",
         "block_size": drafter.block_size,
         "num_target_layers": int(tc.num_hidden_layers),
-        "dflash_config": {"mask_token_id": int(drafter.mask_token_id), "target_layer_ids": list(drafter.target_layer_ids)},
+        "dflash_config": {"mask_token_id": int(drafter.mask_token_id), "target_layer_ids": list(drafter.target_layer_ids),
+                          "causal": False},
         "num_hidden_layers": drafter.num_layers,
         "hidden_size": d.hidden_size,
         "intermediate_size": d.intermediate_size,
@@ -134,7 +152,11 @@ def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> 
         "vocab_size": int(tc.vocab_size),
         "tie_word_embeddings": bool(getattr(tc, "tie_word_embeddings", False)),
         "hidden_act": getattr(tc, "hidden_act", "silu"),
-        "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+        "initializer_range": float(getattr(tc, "initializer_range", 0.02)),
+        "attention_bias": False,  # the drafter's projections have none
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * drafter.num_layers,
+        "torch_dtype": str(dtype or next(drafter.parameters()).dtype).removeprefix("torch."),
     }
     params = getattr(tc, "rope_parameters", None) or {}
     if params.get("rope_type", "default") != "default":
@@ -145,15 +167,28 @@ def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> 
     return cfg
 
 
-def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None) -> dict[str, torch.Tensor]:
+def _indexed_name(key: str) -> str:
+    """A head tensor's name in Model-Optimizer's ``nn.Sequential`` form (the inverse of the import's renaming)."""
+    for indexed, named in _SEQUENTIAL_NAMES:
+        key = key.replace(named, indexed)  # "feature_mlp.up_proj." never contains ".mlp.up_proj.": no collision
+    return key
+
+
+def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None, dtype: torch.dtype | None = None,
+                 head_mlp_names: str = "named") -> dict[str, torch.Tensor]:
     """The tensors of ``model.safetensors``: the drafter's keys, plus the head's under ``lilicorr.``.
 
-    The head is cast to the drafter's dtype so the file has one dtype, the config's ``torch_dtype``.
+    Every tensor in one dtype, the config's ``torch_dtype``: ``dtype``, by default the drafter's. The head's MLPs
+    spelled as ``head_mlp_names`` says (``named`` or ``sequential``).
     """
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if head_mlp_names not in HEAD_MLP_NAMES:
+        raise ExportError(f"head_mlp_names {head_mlp_names!r}: use one of {', '.join(HEAD_MLP_NAMES)}")
+    dtype = dtype or next(drafter.parameters()).dtype
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     if head is not None:
-        dtype = next(drafter.parameters()).dtype
-        state.update({HEAD_PREFIX + k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()})
+        rename = _indexed_name if head_mlp_names == "sequential" else (lambda key: key)
+        state.update({HEAD_PREFIX + rename(k): v.detach().to(dtype).contiguous().cpu()
+                      for k, v in head.state_dict().items()})
     return state
 
 
@@ -196,15 +231,19 @@ def _publish(files: dict[str, Path], output: Path) -> None:
 
 
 def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Module | None = None,
-                   extra: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+                   extra: dict[str, Any] | None = None, overwrite: bool = False, dtype: torch.dtype | None = None,
+                   head_mlp_names: str = "named") -> Path:
     """Write ``drafter`` (and its LiLiCorr ``head``, if given) as one serving checkpoint directory.
 
     Without a head (or with a parameter-free selector) the directory is a ``DFlashDraftModel``; with a
     :class:`LiLiCorrHead` it is a ``LiLiCorrDraftModel``. Other heads have no serving layout here and
     are refused. Every file is written under a temporary name inside the destination and renamed
     into place, so a reader never sees a half-written export. A non-empty ``output`` is refused unless
-    ``overwrite``; even then only the files written here are replaced.
+    ``overwrite``; even then only the files written here are replaced. ``dtype``: every tensor's (default: the
+    drafter's); ``head_mlp_names``: ``named`` or ``sequential`` (Model-Optimizer's indices).
     """
+    if head_mlp_names not in HEAD_MLP_NAMES:
+        raise ExportError(f"head_mlp_names {head_mlp_names!r}: use one of {', '.join(HEAD_MLP_NAMES)}")
     if head is not None and not any(True for _ in head.parameters()):
         head = None  # top-1: nothing to serve beyond the drafter
     if head is not None and not isinstance(head, LiLiCorrHead):
@@ -220,12 +259,13 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     # The temporary files live inside the destination (same filesystem: each rename is atomic).
     tmp = Path(tempfile.mkdtemp(prefix=_EXPORT_TMP, suffix=f".{writer_tag()}.tmp", dir=output))
     try:
-        cfg = drafter_config(drafter, head)
+        cfg = drafter_config(drafter, head, dtype)
         if extra:
             cfg["lilicorr_pl"] = extra
         files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
         files["config.json"].write_text(json.dumps(cfg, indent=2))
-        save_file(export_state(drafter, head), str(files["model.safetensors"]), metadata={"format": "pt"})
+        save_file(export_state(drafter, head, dtype, head_mlp_names), str(files["model.safetensors"]),
+                  metadata={"format": "pt"})
         _publish(files, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -136,6 +136,32 @@ def test_tiny_fit_end_to_end_writes_a_checkpoint_without_the_target(tmp_path):
     for ours, theirs in ((loaded.head, head), (loaded.drafter, drafter)):
         assert ours.state_dict().keys() == theirs.state_dict().keys()
         assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in ours.state_dict().items())
+    # In another dtype and in Model-Optimizer's indexed MLP names: every tensor in that dtype, the config saying
+    # so, and the same head read back.
+    from safetensors.torch import load_file
+
+    half = main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "served-bf16"), "--dtype", "bfloat16",
+                 "--head_mlp_names", "sequential"])
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    tensors = load_file(str(half / "model.safetensors"))
+    assert {v.dtype for v in tensors.values()} == {torch.bfloat16}
+    assert "lilicorr.feature_mlp.1.weight" in tensors and "lilicorr.layers.0.mlp.2.bias" in tensors
+    assert not any("up_proj" in k or "feature_norm" in k for k in tensors if k.startswith("lilicorr."))
+    head16 = load_head(half)
+    assert all(torch.equal(v.to(torch.bfloat16), head16.state_dict()[k]) for k, v in loaded.head.state_dict().items())
+
+
+def test_export_writes_the_targets_dtype_by_default(tmp_path):
+    # A run whose target is bf16 (as the Qwen3 recipes'): its drafter trained in fp32, exported in bf16.
+    fit_tiny(tmp_path, "--model.target.dtype=bfloat16", steps=1)
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    out = main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "served")])
+    from safetensors.torch import load_file
+
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    kept = main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "fp32"), "--dtype", "float32"])
+    assert {v.dtype for v in load_file(str(kept / "model.safetensors")).values()} == {torch.float32}
 
 
 def test_no_distractor_overlay_removes_the_term(tmp_path):
@@ -336,6 +362,8 @@ def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name,
     (["bench", "--ckpt", "x.ckpt", "--device", "gpu"], "device"),
     (["bench", "--ckpt", "x.ckpt", "--draft_sampling", "greedy"], "draft_sampling"),
     (["export", "--ckpt", "x.ckpt", "--output", "out", "--overwrite=maybe"], "overwrite"),
+    (["export", "--ckpt", "x.ckpt", "--output", "out", "--dtype", "fp8"], "dtype"),
+    (["export", "--ckpt", "x.ckpt", "--output", "out", "--head_mlp_names", "indexed"], "head_mlp_names"),
     (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--dtype", "fp8"], "dtype"),
     (["regenerate", "--target", "t", "--input", "i.jsonl", "--output", "o.jsonl", "--limit", "-1"], "limit"),
     (["demo", "--arms", "dflash,unknown_arm"], "arms"),

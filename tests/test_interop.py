@@ -59,12 +59,15 @@ def test_export_matches_the_zlab_layout(tiny_target, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 6
-    assert cfg["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 2, 3]}
+    # causal: false as Model-Optimizer's exporter writes it (vLLM reads it as every layer's attention).
+    assert cfg["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 2, 3], "causal": False}
     for key, value in {
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "max_position_embeddings": 512, "vocab_size": 96,
         "tie_word_embeddings": tiny_target.config.tie_word_embeddings,
+        "attention_bias": False, "attention_dropout": 0.0, "layer_types": ["full_attention"] * 2,
+        "initializer_range": tiny_target.config.initializer_range, "torch_dtype": "float32",
     }.items():
         assert cfg[key] == value, key
 
@@ -146,6 +149,37 @@ def test_lilicorr_export_is_the_served_layout(tiny_target, tmp_path, head_width)
         "lilicorr_num_layers": 2, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 1.5, "lilicorr_factor_dim": 6,
         "lilicorr_vector_eps": 1e-5, "lilicorr_logit_scale": 5.0,
     }
+
+
+def test_export_in_model_optimizers_indexed_mlp_names_and_another_dtype(tiny_target, tmp_path):
+    drafter, head = make_pair(tiny_target, 16)
+    named = load_file(str(export_drafter(drafter, tmp_path / "named", head=head) / "model.safetensors"))
+    out = export_drafter(drafter, tmp_path / "indexed", head=head, dtype=torch.bfloat16, head_mlp_names="sequential")
+    indexed = load_file(str(out / "model.safetensors"))
+    # Model-Optimizer's nn.Sequential spelling, written out by hand: the LayerNorm is feature_mlp.0, the linears
+    # feature_mlp.1 / .3 and layers.<i>.mlp.0 / .2; every other tensor keeps its name.
+    spelled = {"lilicorr.feature_norm.": "lilicorr.feature_mlp.0.", "lilicorr.feature_mlp.up_proj.": "lilicorr.feature_mlp.1.",
+               "lilicorr.feature_mlp.down_proj.": "lilicorr.feature_mlp.3."}
+    for i in range(2):
+        spelled.update({f"lilicorr.layers.{i}.mlp.up_proj.": f"lilicorr.layers.{i}.mlp.0.",
+                        f"lilicorr.layers.{i}.mlp.down_proj.": f"lilicorr.layers.{i}.mlp.2."})
+
+    def by_hand(key: str) -> str:
+        for named_prefix, indexed_prefix in spelled.items():
+            if key.startswith(named_prefix):
+                return indexed_prefix + key[len(named_prefix):]
+        return key
+
+    assert set(indexed) == {by_hand(k) for k in named} and set(indexed) != set(named)
+    assert all(torch.equal(named[k].to(torch.bfloat16), indexed[by_hand(k)]) for k in named)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # Read back (the import takes both spellings): the same head, in bf16.
+    back = load_head(out)
+    assert all(torch.equal(v.to(torch.bfloat16), back.state_dict()[k]) for k, v in head.state_dict().items())
+    assert load_drafter(out).fc.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="head_mlp_names 'indexed'"):
+        export_drafter(drafter, tmp_path / "never", head=head, head_mlp_names="indexed")
+    assert not (tmp_path / "never").exists()
 
 
 def test_export_refuses_a_head_that_does_not_fit_the_drafter(tiny_target, tmp_path):
