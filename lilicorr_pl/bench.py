@@ -337,7 +337,7 @@ def bench(
             raise ValueError(
                 f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
             )
-        check_output_paths(output, plot)
+        check_output_paths(output, plot, command="bench")
         check_device(device)
         if compile:
             from lilicorr_pl.decoding.compiled import check_compile_available

@@ -34,11 +34,11 @@ def jsonable(value: Any) -> Any:
 
 
 def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output", plot_flag: str = "--plot",
-                       plot_fix: str = "pass a directory for the PNGs") -> None:
+                       plot_fix: str = "pass a directory for the PNGs", command: str | None = None) -> None:
     """Raise ``ValueError`` when results could not be written, before any benchmark work starts, or would replace a
     file that is not a results file of this tool (:func:`written_by_lilicorr`): a rerun may replace its own results,
-    never a user's file (``output_flag`` / ``plot_flag``: what named ``output`` / ``plot``, and ``plot_fix`` the fix,
-    for the messages)."""
+    never a user's file, nor (given ``command``) another command's results (``output_flag`` / ``plot_flag``: what
+    named ``output`` / ``plot``, and ``plot_fix`` the fix, for the messages)."""
     if output:
         out = Path(output)
         if out.is_dir():
@@ -46,6 +46,10 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
         if out.exists() and not written_by_lilicorr(out):
             raise ValueError(f"{output_flag} {out} exists and is not a results file lilicorr wrote, so it is not "
                              "overwritten; choose another file name")
+        if out.exists() and command is not None and not written_by_lilicorr(out, command):
+            raise ValueError(f"{output_flag} {out} holds the results of another lilicorr command "
+                             f"({_writer(out)}), which a `lilicorr {command}` run does not replace; choose another "
+                             "file name")
         check_writable_dir(out.parent, f"{output_flag} {out}")
     if plot:
         directory = Path(plot)
@@ -73,26 +77,46 @@ _LEGACY_RESULTS_KEYS = ({"tau_includes_bonus_token"}, {"step_total"}, {"penalty_
                         {"plain_step_ms", "arms"}, {"ops", "device", "settings"})
 
 
-def written_by_lilicorr(path: Path) -> bool:
-    """Whether ``path`` may be replaced as this tool's results: an empty file, a JSON results file naming ``lilicorr``
-    under :data:`WRITTEN_BY`, or a bench, demo or perf results file of an earlier version."""
+# Which of those each command wrote (bench's and demo's cannot be told apart).
+_LEGACY_KEYS_OF = {"bench": _LEGACY_RESULTS_KEYS[:1], "demo": _LEGACY_RESULTS_KEYS[:1], "perf": _LEGACY_RESULTS_KEYS[1:]}
+
+
+def _read_results(path: Path) -> dict[str, Any] | None:
+    """A results file's JSON object, or None (unreadable, not JSON, not an object, over 1 GiB)."""
     try:
-        size = path.stat().st_size
-        if size == 0:  # nothing to lose (``mktemp``)
-            return True
-        if size > 1 << 30:
-            return False
+        if path.stat().st_size > 1 << 30:
+            return None
         with open(path, encoding="utf-8") as fh:
             payload = json.load(fh)
     except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _writer(path: Path) -> str:
+    """What wrote a results file, for a message: its ``written_by``, or an earlier version's."""
+    payload = _read_results(path) or {}
+    return str(payload.get(WRITTEN_BY) or "written by an earlier version")
+
+
+def written_by_lilicorr(path: Path, command: str | None = None) -> bool:
+    """Whether ``path`` may be replaced as this tool's results: an empty file, a JSON results file naming ``lilicorr``
+    under :data:`WRITTEN_BY`, or a bench, demo or perf results file of an earlier version. Given ``command``
+    (``bench``, ``demo``, ``perf``), only that command's: a benchmark's results are not replaced by a timing run."""
+    try:
+        if path.stat().st_size == 0:  # nothing to lose (``mktemp``)
+            return True
+    except OSError:
         return False
-    if not isinstance(payload, dict):
+    payload = _read_results(path)
+    if payload is None:
         return False
-    if str(payload.get(WRITTEN_BY, "")).startswith("lilicorr "):
-        return True
+    writer = str(payload.get(WRITTEN_BY, ""))
+    if writer.startswith("lilicorr "):
+        return command is None or writer.split(" ")[1:2] == [command]
+    legacy = _LEGACY_KEYS_OF.get(command, _LEGACY_RESULTS_KEYS) if command else _LEGACY_RESULTS_KEYS
     runs = payload.get("runs") if isinstance(payload.get("runs"), list) else [payload]
-    return bool(runs) and all(isinstance(run, dict) and any(keys <= run.keys() for keys in _LEGACY_RESULTS_KEYS)
-                              for run in runs)
+    return bool(runs) and all(isinstance(run, dict) and any(keys <= run.keys() for keys in legacy) for run in runs)
 
 
 def write_results_json(path: Path, payload: dict[str, Any], command: str) -> None:

@@ -215,11 +215,32 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
             f"--output {output} is not empty; choose a new or empty directory, or pass --overwrite to replace "
             "only the files the export writes (config.json, model.safetensors) and keep everything else"
         )
+    if output.is_dir() and overwrite:
+        _refuse_another_model(output)
     try:
         check_writable_dir(output, f"--output {output}")
     except ValueError as err:
         raise ExportError(str(err)) from None
     return output
+
+
+def _refuse_another_model(output: Path) -> None:
+    """``--overwrite`` replaces an earlier export's ``config.json`` and ``model.safetensors``, never another model's
+    (a target's, a released checkpoint's): those files are refused unless the config is a drafter's."""
+    config, weights = output / "config.json", output / "model.safetensors"
+    if not config.exists() and not weights.exists():
+        return
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        architectures = None
+    if not config.exists() or not isinstance(architectures, list) or \
+            not {DFLASH_ARCHITECTURE, LILICORR_ARCHITECTURE} & set(map(str, architectures)):
+        held = f"a model of architectures {architectures}" if architectures else "files no export wrote"
+        raise ExportError(
+            f"--output {output} holds {held} (config.json / model.safetensors); --overwrite replaces only an "
+            "earlier drafter export's, so choose another directory"
+        )
 
 
 def _publish(files: dict[str, Path], output: Path) -> None:

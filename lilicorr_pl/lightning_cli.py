@@ -270,6 +270,7 @@ class LilicorrCLI(LightningCLI):
             self._place_outputs_under_the_root(config)
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
+            self._refuse_an_untrained_evaluation(config, subcommand)
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
@@ -452,7 +453,10 @@ class LilicorrCLI(LightningCLI):
         (SLURM's ``hpc_ckpt``, ``OnExceptionCheckpoint``) — writes the same record, and runs. A resumed fit rewrites
         its own. (Lightning's own check refuses all of these, which is why it is replaced by this one.)"""
         callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
-        if self.config["fit"].get("ckpt_path") or callback is None or not callback.save_to_log_dir:
+        ckpt_path = self.config["fit"].get("ckpt_path")
+        # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
+        if (ckpt_path and not (ckpt_path == "last" and not self._last_checkpoints())) or callback is None \
+                or not callback.save_to_log_dir:
             return
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
         record = os.path.join(log_dir, callback.fit_config_filename)
@@ -477,6 +481,31 @@ class LilicorrCLI(LightningCLI):
             f"{record} records another run (its {key}: {_short(saved.get(key), 80)}, this run's: "
             f"{_short(current.get(key), 80)}); resume that run with --ckpt_path=last, or write this one elsewhere with "
             f"{elsewhere}"
+        )
+
+    def _last_checkpoints(self) -> set[Any]:
+        """What ``--ckpt_path=last`` would resume from: the ``last*.ckpt`` the run's checkpoint callbacks find."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        found: set[Any] = set()
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                found |= set(callback._find_last_checkpoints(self.trainer))
+        return found
+
+    @staticmethod
+    def _refuse_an_untrained_evaluation(config: Any, subcommand: str | None) -> None:
+        """``validate``/``predict`` with neither a checkpoint nor a warm start would evaluate a freshly initialised
+        drafter and log it as the run's result (Lightning evaluates the model as built)."""
+        if subcommand not in VALIDATION_STAGES:
+            return
+        model = config.get("model") or {}
+        if config.get("ckpt_path") or model.get("init_drafter_from"):
+            return
+        raise ValueError(
+            f"lilicorr {subcommand} without --ckpt_path would evaluate an untrained drafter; pass --ckpt_path=<a "
+            f"checkpoint of lilicorr fit> (or last: the newest in this run's root), or "
+            f"--model.init_drafter_from=<a served drafter directory>"
         )
 
     def before_validate(self) -> None:

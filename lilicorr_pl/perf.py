@@ -770,7 +770,7 @@ class PerfCLI(LilicorrCLI):
         from lilicorr_pl.files import check_output_paths
 
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
-            check_output_paths(self.config.get("json"), None, "--json")
+            check_output_paths(self.config.get("json"), None, "--json", command="perf")
         except ValueError as err:
             raise UserInputError(str(err)) from None
         # Checked before anything is built: weights-only, checksum verified, trusted components only.

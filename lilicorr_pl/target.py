@@ -122,8 +122,13 @@ def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
 
 def local_target_path(name_or_path: str | os.PathLike[str]) -> str | None:
     """The directory a target name names on this machine, with ``~`` expanded (transformers does not expand it), or
-    ``None`` for a hub id. Whether that directory exists is the caller's check, with its own message."""
-    return os.path.expanduser(os.fspath(name_or_path)) if is_local_path(name_or_path) else None
+    ``None`` for a hub id. A name of the hub's form that is an existing directory here (``models/qwen``, ``tgt``) is
+    that directory, as transformers loads it. Whether a path-like name exists is the caller's check, with its own
+    message."""
+    name = os.fspath(name_or_path)
+    if is_local_path(name) or (name and os.path.isdir(name)):
+        return os.path.expanduser(name)
+    return None
 
 
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:

@@ -207,6 +207,22 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     assert Path(cli.trainer.ckpt_path).resolve() == (root / "checkpoints" / "last-v1.ckpt").resolve()
 
 
+def test_resume_with_nothing_to_resume_is_a_new_run_and_guarded_like_one(tmp_path, capsys):
+    """--ckpt_path=last where no checkpoint is (a batch script's first submission) starts a new run, as Lightning does;
+    it skipped the guard and replaced the config.yaml another run (or the user) had left in the folder."""
+    root = tmp_path / "runs" / "tiny"
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text("model:\n  num_anchors: 64\n")  # not this run's record
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+                              "--trainer.max_steps=1", "--ckpt_path=last"])
+    assert f"{root / 'config.yaml'} records another run" in err, err
+    assert (root / "config.yaml").read_text() == "model:\n  num_anchors: 64\n"
+    assert not (root / "checkpoints").exists()
+    (root / "config.yaml").unlink()
+    cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=1)  # nothing there: a new run, which writes its record
+    assert cli.trainer.global_step == 1 and (root / "config.yaml").is_file()
+
+
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
 ONLINE_FEATURES = ["--data.feature_cache=false", "--data.logit_cache=false", "--model.target_logits=exact"]
 
@@ -433,6 +449,9 @@ def test_a_yaml_error_names_the_file(tmp_path, capsys):
     (["test"], "`lilicorr test` needs a test split"),
     (["validate", "--data.val_fraction=0"], "`lilicorr validate` reads the validation split, and there is none"),
     (["predict", "--data.val_fraction=0"], "`lilicorr predict` reads the validation split, and there is none"),
+    # Neither a checkpoint nor a warm start: Lightning would evaluate a freshly built drafter as the run's result.
+    (["validate"], "lilicorr validate without --ckpt_path would evaluate an untrained drafter; pass --ckpt_path="),
+    (["predict"], "lilicorr predict without --ckpt_path would evaluate an untrained drafter"),
     (["fit", "--data.train_files=[nope.jsonl]"], "data file 'nope.jsonl' does not exist"),
     # The Trainer refuses its own settings: one line too, not Lightning's traceback.
     (["fit", "--trainer.enable_progress_bar=false", "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"],

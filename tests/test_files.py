@@ -174,3 +174,24 @@ def test_hold_alone_refuses_a_held_file_and_goes_on_where_locks_do_not_exist(tmp
     monkeypatch.setattr(fcntl, "flock", no_locks)
     with open(path, "a") as unlocked:
         hold_alone(unlocked, "busy")
+
+
+def test_one_commands_results_are_not_replaced_by_another_command(tmp_path):
+    """`perf --json` (or `demo --output`) onto a benchmark's results replaced them: any lilicorr results file counted
+    as replaceable. Only the command that wrote it may now (an earlier version's by what it holds)."""
+    bench = tmp_path / "results.json"
+    write_results_json(bench, {"runs": []}, "bench")
+    check_output_paths(str(bench), None, command="bench")  # bench's rerun
+    for command, flag in (("perf", "--json"), ("demo", "--output")):
+        with pytest.raises(ValueError, match=rf"{flag} .*results.json holds the results of another lilicorr command "
+                                             rf"\(lilicorr bench .*\), which a `lilicorr {command}` run does not"):
+            check_output_paths(str(bench), None, flag, command=command)
+    assert json.loads(bench.read_text())["written_by"].startswith("lilicorr bench ")
+    (tmp_path / "old-perf.json").write_text(json.dumps({"step_total": 0.3}))
+    (tmp_path / "old-bench.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}]}))
+    assert written_by_lilicorr(tmp_path / "old-perf.json", "perf")
+    assert not written_by_lilicorr(tmp_path / "old-perf.json", "bench")
+    assert written_by_lilicorr(tmp_path / "old-bench.json", "bench")
+    assert not written_by_lilicorr(tmp_path / "old-bench.json", "perf")
+    with pytest.raises(ValueError, match=r"earlier version"):
+        check_output_paths(str(tmp_path / "old-bench.json"), None, "--json", command="perf")

@@ -336,7 +336,19 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_drafter(drafter, out)
     assert sorted(p.name for p in out.iterdir()) == ["last.ckpt", "notes.txt"]
-    (out / "config.json").write_text("{}")  # a stale file of a previous export: replaced, not merged
+    # Another model's files are never replaced: a target's folder (its config and weights), or files of unknown origin.
+    (out / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    with pytest.raises(ExportError, match=r"holds a model of architectures \['Qwen3ForCausalLM'\].*--overwrite "
+                                          "replaces only an earlier drafter export's"):
+        export_drafter(drafter, out, overwrite=True)
+    (out / "config.json").unlink()
+    (out / "model.safetensors").write_bytes(b"someone's weights")
+    with pytest.raises(ExportError, match="holds files no export wrote"):
+        export_drafter(drafter, out, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() == b"someone's weights"
+    (out / "model.safetensors").unlink()
+    # A stale config of a previous export: replaced, not merged.
+    (out / "config.json").write_text('{"architectures": ["LiLiCorrDraftModel"], "block_size": 99}')
     export_drafter(drafter, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me" and (out / "last.ckpt").read_bytes() == b"precious"

@@ -201,7 +201,7 @@ def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     torch.manual_seed(0)  # keep global RNG use by other tests unaffected
 
 
-def test_resume_from_another_source_is_refused_before_any_generation(target_dir, input_file, tmp_path):
+def test_resume_from_another_source_is_refused_before_any_generation(target_dir, input_file, tmp_path, monkeypatch):
     """Issue 11.4: appending to an output made from another input, target or temperature mixed sources."""
     out = tmp_path / "out.jsonl"
     run(target_dir, input_file, out)
@@ -227,6 +227,15 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
         run(str(moved), input_file, tmp_path / "out2.jsonl")
     assert out.read_text() == before
+    # The same through a relative name of the hub's form ("models/tgt"), which transformers loads as the directory
+    # it names: it was keyed as a hub name (no weights), so other weights there resumed and mixed two models.
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(target_dir, tmp_path / "models" / "tgt")
+    run("models/tgt", input_file, tmp_path / "out3.jsonl", limit=2)
+    shutil.rmtree(tmp_path / "models" / "tgt")
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=4, name="retrained2"), tmp_path / "models" / "tgt")
+    with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
+        run("models/tgt", input_file, tmp_path / "out3.jsonl")
     # A record from before the weights, dtype and device were keyed: not resumable, and the message says why.
     from lilicorr_pl.data.regenerate import provenance_path
 

@@ -775,7 +775,7 @@ def demo(
 
     try:
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
-                           plot_fix="choose another --workdir")
+                           plot_fix="choose another --workdir", command="demo")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     from lilicorr_pl.decoding.compiled import check_compile_available
