@@ -128,7 +128,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.save_top_k != 0:
             self._last_global_step_saved = scheduled
         self._stop_saved_at = trainer.global_step
-        rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
+        rank_zero_info(f"Stopped at step {trainer.global_step}: saved {self.last_model_path}")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
@@ -144,7 +144,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 or trainer.fit_loop.epoch_loop._should_accumulate()):
             return
         self._save_last_at_this_step(trainer)
-        rank_zero_info(f"Stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}")
+        rank_zero_info(f"Stopped at step {trainer.global_step}: saved {self.last_model_path}")
 
     def _save_last_at_this_step(self, trainer: Any) -> None:
         # A step no scheduled save wrote (training's end, a SIGTERM): with `save_last="link"` Lightning would link `last`

@@ -44,8 +44,8 @@ class StoppedBySignal(SystemExit):
     A ``SystemExit`` like Lightning's own ``SIGTERMException``, which it replaces: Lightning raises that one without
     a status, i.e. exit status 0 (Lightning issue #19916)."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(128 + signal.SIGTERM)
+    def __init__(self, what: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(128 + signum)  # 143; 130 for a fit stopped by Ctrl-C (SIGINT), which saves the same way
         self.what = what  # what stopped, for the command's one line ("training at step 4 of 8")
 
 

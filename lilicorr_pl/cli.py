@@ -41,6 +41,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 AFTER_A_STOP = {
     "fit": "; resume with the same command and --ckpt_path=last",
     "demo": "; rerun the same command: every finished stage is reused",
+    "regenerate": "; rerun the same command: it goes on after the records already written",
 }
 # Tools whose function parses its own argv (a LightningCLI parser extended with its options) instead of run_function.
 OWN_PARSER = ("prepare", "perf")
@@ -137,10 +138,14 @@ def main(args: Sequence[str] | None = None) -> Any:
         # A user's mistake or an unsafe file: one line naming the problem and the fix, not a traceback.
         print(f"lilicorr{' ' + name if name else ''}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except StoppedBySignal as err:  # a cancelled or preempted run: say so, and how to go on (exit status 143)
+    except StoppedBySignal as err:  # a cancelled or preempted run: say so, and how to go on (exit status 143; 130 Ctrl-C)
         print(f"lilicorr{' ' + name if name else ''}: {err.what}{AFTER_A_STOP.get(name or '', '')} (exit status "
               f"{err.code})", file=sys.stderr)
         raise SystemExit(err.code) from None
+    except KeyboardInterrupt:  # Ctrl-C outside a fit's loop (which stops at a step's end): one line, not a traceback
+        after = AFTER_A_STOP.get(name or "", "") if name != "fit" else ""
+        print(f"\nlilicorr{' ' + name if name else ''}: interrupted (Ctrl-C){after} (exit status 130)", file=sys.stderr)
+        raise SystemExit(130) from None
     if args is not None:
         return result
     return result if isinstance(result, int) else None

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -432,6 +434,8 @@ class LilicorrCLI(LightningCLI):
 
     # ------------------------------------------------------------------ running
     def _run_subcommand(self, subcommand: str) -> None:
+        ctrl_c: list[bool] = []
+        previous = self._stop_fit_on_ctrl_c(ctrl_c) if subcommand == "fit" else None
         try:
             super()._run_subcommand(subcommand)
         except SIGTERMException:
@@ -439,8 +443,30 @@ class LilicorrCLI(LightningCLI):
             # which exits 0: a cancelled or preempted run would read as a finished one.
             step, total = self.trainer.global_step, self.trainer.max_steps
             where = f"at step {step}{f' of {total}' * (total is not None and total > 0)}"
-            raise StoppedBySignal(f"training stopped by SIGTERM {where}" if subcommand == "fit"
-                                  else f"{subcommand} stopped by SIGTERM before its end") from None
+            by = "Ctrl-C" if ctrl_c else "SIGTERM"
+            raise StoppedBySignal(f"training stopped by {by} {where}" if subcommand == "fit"
+                                  else f"{subcommand} stopped by {by} before its end",
+                                  signal.SIGINT if ctrl_c else signal.SIGTERM) from None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _stop_fit_on_ctrl_c(self, pressed: list[bool]) -> Any:
+        """Ctrl-C stops a fit as a SIGTERM does: after the step it is in, with that step saved as ``last`` (Lightning
+        would stop at once and save nothing, so a resume started over). A second Ctrl-C stops at once, unsaved.
+        Returns the handler it replaced (None off the main thread, where no handler can be set)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_ctrl_c(signum: int, frame: Any) -> None:
+            if pressed:
+                raise KeyboardInterrupt
+            pressed.append(True)
+            self.trainer._signal_connector.received_sigterm = True  # Lightning's own stop, at the step's end
+            print("\nlilicorr fit: Ctrl-C: stopping after this step, which is saved (Ctrl-C again: stop at once, "
+                  "unsaved)", file=sys.stderr, flush=True)
+
+        return signal.signal(signal.SIGINT, on_ctrl_c)
 
     def before_fit(self) -> None:
         self._refuse_a_fresh_run_over_another()

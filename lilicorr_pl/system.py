@@ -299,12 +299,19 @@ class DraftSystem(L.LightningModule):
         loaded = load_drafter(directory)
         check_compatible(loaded, config)
         ours, theirs = self.drafter.state_dict(), loaded.state_dict()
-        bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
-        if bad or loaded.target_layer_ids != self.drafter.target_layer_ids:
+        bad = sorted(k for k in set(ours) | set(theirs) if k not in theirs or k not in ours
+                     or theirs[k].shape != ours[k].shape)
+        differ = [f"{name} {mine} vs the directory's {its}" for name, mine, its in (
+            ("num_layers", self.drafter.num_layers, loaded.num_layers),
+            ("block_size", self.drafter.block_size, loaded.block_size),
+            ("target layer ids", list(self.drafter.target_layer_ids), list(loaded.target_layer_ids)),
+        ) if mine != its]
+        if bad and not differ:
+            differ = [f"tensors {bad[:4]}"]
+        if differ:
             raise ValueError(
-                f"model.init_drafter_from={directory} does not match model.drafter (differs at {bad[:4]}, "
-                f"layer ids {loaded.target_layer_ids} vs {self.drafter.target_layer_ids}); set num_layers, "
-                "block_size and target layer ids to the released drafter's config.json"
+                f"model.init_drafter_from={directory} does not match model.drafter ({'; '.join(differ)}); set "
+                "num_layers, block_size and target layer ids to the released drafter's config.json"
             )
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 

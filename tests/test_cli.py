@@ -589,3 +589,21 @@ def test_a_command_stopped_by_sigterm_says_what_stopped_and_exits_143(name, afte
     assert exit_.value.code == 143
     assert capsys.readouterr().err == (f"lilicorr {name}: training stopped by SIGTERM at step 2 of 5{after} "
                                        "(exit status 143)\n")
+
+
+@pytest.mark.parametrize("name, after", [
+    ("regenerate", "; rerun the same command: it goes on after the records already written"),
+    ("bench", ""),
+])
+def test_ctrl_c_outside_a_fit_is_one_line_and_exit_status_130(name, after, monkeypatch, capsys):
+    """Ctrl-C on regenerate or bench printed some 30 frames of traceback."""
+    import lilicorr_pl.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        main([name])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == f"\nlilicorr {name}: interrupted (Ctrl-C){after} (exit status 130)\n"

@@ -487,3 +487,16 @@ def test_warm_start_drafter_and_head_drafter_only_or_head_only(tmp_path):
     (out / "lilicorr_head.json").write_text("{}")
     with pytest.raises(ValueError, match="no longer supported"):
         _system(target_dir, init_drafter_from=str(out))
+
+
+def test_a_warm_start_from_another_shape_of_drafter_is_one_line_naming_what_differs(tmp_path):
+    """A deeper released drafter raised a KeyError from load_state_dict (only our keys missing from theirs were
+    checked), and another block size loaded silently."""
+    target_dir = save_tiny_target(tmp_path / "target")
+    base = _system(target_dir)
+    deeper = DFlashDrafter(num_layers=3, block_size=4).build(base.drafter.target_config, [1, 2, 3])
+    longer = DFlashDrafter(num_layers=2, block_size=6).build(base.drafter.target_config, [1, 2, 3])
+    for drafter, message in ((deeper, "num_layers 2 vs the directory's 3"), (longer, "block_size 4 vs the directory's 6")):
+        out = export_drafter(drafter, tmp_path / f"export-{drafter.num_layers}-{drafter.block_size}")
+        with pytest.raises(ValueError, match=rf"init_drafter_from=.* does not match model.drafter \({message}\); set"):
+            _system(target_dir, init_drafter_from=str(out))

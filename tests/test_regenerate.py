@@ -201,6 +201,12 @@ def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     torch.manual_seed(0)  # keep global RNG use by other tests unaffected
 
 
+def test_an_output_that_is_a_directory_is_one_line(target_dir, input_file, tmp_path):
+    with pytest.raises(ValueError, match=rf"--output {tmp_path} is a directory; pass a .jsonl file name such as "
+                                         rf"{tmp_path / 'train.jsonl'}"):
+        run(target_dir, input_file, tmp_path)
+
+
 def test_resume_from_another_source_is_refused_before_any_generation(target_dir, input_file, tmp_path, monkeypatch):
     """Issue 11.4: appending to an output made from another input, target or temperature mixed sources."""
     out = tmp_path / "out.jsonl"

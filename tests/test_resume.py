@@ -84,6 +84,18 @@ class TermAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class CtrlCAtStep(L.Callback):
+    """Test-only: a SIGINT (Ctrl-C in a terminal) to this process as step ``at_step`` ends; ``twice``: two of them."""
+
+    def __init__(self, at_step: int, twice: bool = False) -> None:
+        self.at_step, self.twice = at_step, twice
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step:
+            for _ in range(1 + self.twice):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
 class TermDuringValidation(L.Callback):
     """Test-only: a SIGTERM during the validation after step ``at_step``, at the end of its batch ``batch`` (of two):
     after the first, Lightning leaves the validation at its next batch; after the last, it ends the validation and
@@ -201,6 +213,26 @@ def test_sigterm_stops_with_status_143_saves_its_step_and_resumes_from_it(tmp_pa
     resumed = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == STEPS
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))
+
+
+def test_ctrl_c_stops_a_fit_after_its_step_and_saves_it_and_a_second_stops_at_once(tmp_path, uninterrupted):
+    """Lightning stopped at once on Ctrl-C and saved nothing (exit status 1): a resume started over at step 0."""
+    full_ckpts, cache = uninterrupted
+    out = _finish(_launch(tmp_path / "once", cache, "--trainer.callbacks+=test_resume.CtrlCAtStep",
+                          f"--trainer.callbacks.at_step={KILL_AT_STEP}", overrides=TERM_OVERRIDES),
+                  expect=128 + signal.SIGINT)
+    assert "Ctrl-C: stopping after this step, which is saved" in out
+    assert (f"lilicorr fit: training stopped by Ctrl-C at step {KILL_AT_STEP} of {STEPS}; resume with the same "
+            "command and --ckpt_path=last (exit status 130)") in out
+    last = tmp_path / "once" / "run" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == KILL_AT_STEP
+    _assert_same(_weights(last), _weights(full_ckpts / f"step={KILL_AT_STEP}.ckpt"))
+    # Pressed twice: at once, as Lightning's own Ctrl-C, with nothing saved at that step.
+    _finish(_launch(tmp_path / "twice", cache, "--trainer.callbacks+=test_resume.CtrlCAtStep",
+                    f"--trainer.callbacks.at_step={KILL_AT_STEP}", "--trainer.callbacks.twice=true",
+                    overrides=TERM_OVERRIDES), expect=1)
+    last = tmp_path / "twice" / "run" / "checkpoints" / "last.ckpt"  # step 3's validation's save, not this step's
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] < KILL_AT_STEP
 
 
 # Two validation batches (a larger validation split than the other tests'), so the stop can come in the middle of one.

@@ -381,6 +381,9 @@ def regenerate(
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"regeneration input {str(input_path)!r} does not exist (--input)")
+    if output_path.is_dir():
+        raise ValueError(f"--output {output_path} is a directory; pass a .jsonl file name such as "
+                         f"{output_path / 'train.jsonl'}")
     if input_path.resolve() == output_path.resolve():
         raise ValueError(f"--output must differ from --input ({input_path}); regeneration appends to the output")
     if max_new_tokens < 1 or batch_size < 1:
