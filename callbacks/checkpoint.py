@@ -15,7 +15,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lilicorr_pl.files import atomic_file, remove_gone_writers, temporary_name
 
@@ -209,5 +209,15 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and trainer.global_step != self._last_global_step_saved:
             self._save_last_at_this_step(trainer)
-            return
-        super().on_train_end(trainer, pl_module)
+        else:
+            super().on_train_end(trainer, pl_module)
+        self._say_where_the_last_is()
+
+    def _say_where_the_last_is(self) -> None:
+        # A run started over in a root that holds an earlier run's `last.ckpt` writes `last-v1.ckpt` (Lightning numbers
+        # it): commands pointed at `checkpoints/last.ckpt` would read the earlier run's weights without a word.
+        last = Path(self.last_model_path) if self.last_model_path else None
+        plain = last.with_name(self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION) if last is not None else None
+        if last is not None and last.name != plain.name and plain.exists():
+            rank_zero_warn(f"this run's final weights are in {last}; {plain.name} beside it holds an earlier run's "
+                           f"(a run started over in the same folder): pass {last} to bench and export")

@@ -199,7 +199,9 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     assert err.strip().endswith(f"another --trainer.default_root_dir and --trainer.logger.init_args.save_dir (the "
                                 f"logger writes the record to {root})"), err
     assert (root / "config.yaml").read_text() == record
-    fit_tiny(tmp_path, steps=1)  # the same run again
+    with pytest.warns(UserWarning, match=r"this run's final weights are in .*last-v1.ckpt; last.ckpt beside it holds "
+                                         r"an earlier run's .*pass .*last-v1.ckpt to bench and export"):
+        fit_tiny(tmp_path, steps=1)  # the same run again: Lightning numbers its last checkpoint
     cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # resumed: its own record is rewritten
     assert cli.trainer.global_step == 2 and "ckpt_path: last" in (root / "config.yaml").read_text()
     # ... from the run's own newest last checkpoint (the run again wrote last-v1.ckpt beside the first run's

@@ -147,6 +147,14 @@ def test_thinking_flag_reaches_the_template(tmp_path, tok):
     tpl_file.write_text(template)
     again = load_examples([path], tok, chat_template=str(tpl_file), enable_thinking=True)[0]
     assert again.input_ids == on.input_ids
+    # Regenerated with thinking on (the record says so) and trained with it off: the answers would be rendered unlike
+    # the target wrote them, silently. Refused, naming the record and the setting; the matching setting reads it.
+    regenerated = write_jsonl(tmp_path / "r.jsonl", [{"messages": CHAT[:3], "generation": {"enable_thinking": True}}])
+    with pytest.raises(DataFormatError, match=r"r.jsonl line 1: regenerated with enable_thinking true \(its "
+                                              r"\"generation\" entry\), but data.enable_thinking is false.*set "
+                                              r"data.enable_thinking: true"):
+        load_examples([regenerated], tok, chat_template=template, enable_thinking=False)
+    assert load_examples([regenerated], tok, chat_template=template, enable_thinking=True)[0].input_ids == on.input_ids
 
 
 def test_truncation_and_packing_preserve_masks(tmp_path, tok):

@@ -397,6 +397,14 @@ def tokenize_record(
         c = list(tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"])
         return p + c, [False] * len(p) + [True] * len(c), fmt
     messages = record_messages(record, fmt, where)
+    generation = record.get("generation")
+    recorded = generation.get("enable_thinking") if isinstance(generation, dict) else None
+    if isinstance(recorded, bool) and recorded != enable_thinking:  # `lilicorr regenerate` wrote how it rendered them
+        raise DataFormatError(
+            f"{where}: regenerated with enable_thinking {str(recorded).lower()} (its \"generation\" entry), but "
+            f"data.enable_thinking is {str(enable_thinking).lower()}, so the chat template would render the target's "
+            f"answers unlike it wrote them; set data.enable_thinking: {str(recorded).lower()}"
+        )
     template = resolve_chat_template(chat_template)
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataFormatError(
