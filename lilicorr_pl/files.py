@@ -114,7 +114,7 @@ def written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     writer = str(payload.get(WRITTEN_BY, ""))
     if writer.startswith("lilicorr "):
         return command is None or writer.split(" ")[1:2] == [command]
-    legacy = _LEGACY_KEYS_OF.get(command, _LEGACY_RESULTS_KEYS) if command else _LEGACY_RESULTS_KEYS
+    legacy = _LEGACY_KEYS_OF.get(command, ()) if command else _LEGACY_RESULTS_KEYS
     runs = payload.get("runs") if isinstance(payload.get("runs"), list) else [payload]
     return bool(runs) and all(isinstance(run, dict) and any(keys <= run.keys() for keys in legacy) for run in runs)
 

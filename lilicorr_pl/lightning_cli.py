@@ -37,6 +37,7 @@ from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputE
                                     config_modules, read_checkpoint)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
+from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import DraftSystem, _short, check_resume_settings, plain_data
 
@@ -273,6 +274,8 @@ class LilicorrCLI(LightningCLI):
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
             self._refuse_an_untrained_evaluation(config, subcommand)
+            if subcommand == "predict":  # written at its end: a file it may not replace is refused before anything
+                check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict")
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
@@ -537,6 +540,39 @@ class LilicorrCLI(LightningCLI):
     def before_validate(self) -> None:
         self._wire_data()
 
+    def after_predict(self) -> None:
+        """``predict``'s per-block diagnostics, which Lightning returns and LightningCLI drops: their means printed
+        and every block's values written to ``<default_root_dir>/predict.json``."""
+        if not self.trainer.is_global_zero:
+            return
+        batches = [b for b in (self.trainer.predict_loop.predictions or []) if isinstance(b, Mapping)]
+        if not batches:
+            return
+        import torch
+
+        merged = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+        valid = merged["valid_block"].bool()
+        supervised = merged["supervised"].bool()
+        summary: dict[str, float] = {}
+        for key, values in merged.items():
+            if key in ("valid_block", "supervised"):
+                continue
+            if values.dim() == 1:  # per block: the mean over the blocks every value is read on
+                summary[key] = float(values[valid].float().mean()) if valid.any() else float("nan")
+            else:  # per slot: the rate over supervised slots
+                summary[f"{key}_rate"] = float(values[supervised].float().mean()) if supervised.any() else float("nan")
+        path = _predict_output(self.config["predict"])
+        write_results_json(path, {
+            "ckpt_path": self.config["predict"].get("ckpt_path"), "processes": self.trainer.world_size,
+            "blocks": int(valid.numel()), "valid_blocks": int(valid.sum()), "summary": summary,
+            "per_block": {k: v.tolist() for k, v in merged.items() if v.dim() == 1},
+        }, "predict")
+        print(f"predict: {int(valid.sum())} valid blocks of {valid.numel()}"
+              + (f" (rank 0's share of {self.trainer.world_size} processes)" if self.trainer.world_size > 1 else ""))
+        for key, value in summary.items():
+            print(f"  {key:<22} {value:.4f}")
+        print(f"wrote {path}")
+
     def before_test(self) -> None:
         self._wire_data()
 
@@ -548,6 +584,12 @@ class LilicorrCLI(LightningCLI):
                 wire_logit_cache(self.model, dm)
             except ValueError as err:  # model and data settings that contradict each other: one line
                 raise UserInputError(str(err)) from None
+
+
+def _predict_output(config: Any) -> Path:
+    """Where ``lilicorr predict`` writes its diagnostics: ``<trainer.default_root_dir>/predict.json``."""
+    trainer = config.get("trainer")
+    return Path(str((trainer.get("default_root_dir") if trainer is not None else None) or ".")) / "predict.json"
 
 
 def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:

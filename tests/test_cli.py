@@ -298,7 +298,7 @@ def test_tiny_loss_falls_over_fifty_steps(tmp_path):
     assert last < 0.95 * first, (first, last)  # measured: 6.37 -> 5.71
 
 
-def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
+def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, capsys):
     fit_tiny(tmp_path, steps=2)
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     saved = tmp_path / "runs" / "tiny" / "config.yaml"
@@ -312,6 +312,19 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path):
     out = cli.trainer.predict_loop.predictions
     assert out and {"top1_prefix", "oracle_prefix"} <= set(out[0])
     assert (out[0]["oracle_prefix"] >= out[0]["top1_prefix"]).all()  # the lattice contains top-1
+    # ... which Lightning returned and the CLI dropped: now printed (means) and written, every block's values.
+    written = json.loads((saved.parent / "predict.json").read_text())
+    assert written["written_by"].startswith("lilicorr predict ") and written["ckpt_path"] == str(ckpt)
+    valid = torch.tensor(written["per_block"]["valid_block"], dtype=torch.bool)
+    assert written["blocks"] == len(out[0]["top1_prefix"]) and written["valid_blocks"] == int(valid.sum()) > 0
+    assert written["summary"]["oracle_prefix"] == pytest.approx(out[0]["oracle_prefix"][valid].float().mean().item())
+    assert written["summary"]["covered_rate"] >= written["summary"]["top1_correct_rate"]
+    assert f"wrote {saved.parent / 'predict.json'}" in capsys.readouterr().out
+    # A file of that name the command did not write is never replaced: refused before anything is built.
+    (saved.parent / "predict.json").write_text("my notes")
+    err = user_error(capsys, ["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}"])
+    assert "predict.json exists and is not a results file lilicorr wrote" in err
+    assert (saved.parent / "predict.json").read_text() == "my notes"
     # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
     assert saved.read_bytes() == trained_with
     for stage in ("validate", "predict"):
