@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import UserInputError, not_a_checkpoint_file
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import DeviceName, check_device
 
@@ -328,7 +328,8 @@ def bench(
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     path = Path(ckpt)
     if not path.is_file():
-        raise UserInputError(f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
+        raise UserInputError(not_a_checkpoint_file(path) if path.exists() else
+                             f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
     try:
         names = parse_selectors(selectors)
         if benchmark.endswith(".jsonl"):

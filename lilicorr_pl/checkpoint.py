@@ -66,11 +66,21 @@ def state_checksum(state_dict: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def not_a_checkpoint_file(path: Path) -> str:
+    """The message for a ``--ckpt`` that exists and is no file: a run's folder, a served export, or anything else."""
+    if (path / "config.json").is_file():
+        return (f"checkpoint {path} is a served drafter directory, not a training checkpoint; pass a .ckpt written by "
+                "`lilicorr fit` (a served drafter warm-starts a fit: --model.init_drafter_from)")
+    found = sorted(path.glob("**/last*.ckpt"))[:1] if path.is_dir() else []
+    example = f" (such as {found[0]})" if found else ""
+    return f"checkpoint {path} is a directory; pass a .ckpt file written by `lilicorr fit`{example}"
+
+
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} is not a file; pass a .ckpt written by `lilicorr fit`")
+        raise CheckpointError(not_a_checkpoint_file(path))
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes); it was not written completely")
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import UserInputError, not_a_checkpoint_file
 from lilicorr_pl.interop import (
     DFLASH_ARCHITECTURE,
     LILICORR_ARCHITECTURE,
@@ -49,7 +49,8 @@ def export(
             layers.<i>.mlp.0, ...: for a loader that reads only those).
     """
     if not Path(ckpt).is_file():
-        raise UserInputError(f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
+        raise UserInputError(not_a_checkpoint_file(Path(ckpt)) if Path(ckpt).exists() else
+                             f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
     try:
         check_output_dir(output, overwrite)
     except ExportError as err:

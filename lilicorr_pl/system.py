@@ -92,13 +92,27 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
         differing.remove("target")  # only how it is loaded changed (e.g. load_kwargs), not which target
     refused = [k for k in differing if k in RESUME_FIXED_KEYS]
     if refused:
-        detail = "; ".join(f"model.{k}: checkpoint {_short(saved.get(k))} vs now {_short(current.get(k))}" for k in refused)
+        detail = "; ".join(f"model.{path}: checkpoint {_short(was)} vs now {_short(now)}"
+                           for k in refused for path, was, now in _differences(saved.get(k), current.get(k), k)[:3])
         raise CheckpointError(
             f"cannot resume: the checkpoint was trained with other {', '.join(refused)} settings ({detail}); "
             "resume with the checkpoint's settings, or start a new run (to start from its weights: `lilicorr export` "
             "it, then model.init_drafter_from / model.init_head_from the exported directory)"
         )
     return [f"model.{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in differing]
+
+
+def _differences(saved: Any, current: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """The leaves where two settings differ, as ``(dotted path, saved, current)``: a whole head config printed to 160
+    characters could end before the field that differs."""
+    if isinstance(saved, Mapping) and isinstance(current, Mapping) and \
+            saved.get("class_path", None) == current.get("class_path", None):
+        found = []
+        for key in sorted(set(saved) | set(current), key=str):
+            if saved.get(key) != current.get(key):
+                found += _differences(saved.get(key), current.get(key), f"{path}.{key}")
+        return found or [(path, saved, current)]
+    return [(path, saved, current)]
 
 
 def _short(value: Any, limit: int = 160) -> str:
@@ -471,17 +485,42 @@ class DraftSystem(L.LightningModule):
             "chat_template": getattr(dm, "chat_template", None),
             "stop_token_ids": self.target.stop_token_ids() if self.target is not None else None,
             "version": __import__("lilicorr_pl").__version__,
+            "target_weights": self.target_weights_fingerprint(),  # which weights, wherever they are read from
             "total_steps": self._run_total_steps,  # the run length curricula anneal over
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
         # The global random streams travel with callbacks.RandomStateCheckpoint (in every shipped fit config).
 
+    def target_weights_fingerprint(self) -> str | None:
+        """A short hash of the target's config and weight files (sizes and sampled contents; not their names or
+        folder, so a moved copy matches), or None where no local file can be read (a hub name not cached here)."""
+        if not hasattr(self, "_target_weights"):
+            from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target
+
+            parts = fingerprint_target({"name_or_path": str(self.target_path)}, include_layers=False)
+            weights = parts.get("weights")
+            self._target_weights = fingerprint({"config": parts.get("config"), "weights": [
+                [size, digest] for _, size, digest in weights]})[:16] if weights else None
+        return self._target_weights
+
+    def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> None:
+        """Say so when the target read now is not the one ``checkpoint`` trained against (another model under the
+        same name or path): ``what`` the checkpoint is used for. A warning, not a refusal: a re-saved copy of the
+        same model (other shards) also reads as another."""
+        recorded = (checkpoint.get("lilicorr") or {}).get("target_weights")
+        now = self.target_weights_fingerprint()
+        if recorded and now and recorded != now:
+            warnings.warn(f"the target at {self.target_path} is not the one this checkpoint trained against (its "
+                          f"config and weight files hash to {now}, the checkpoint's target to {recorded}); {what} this "
+                          "drafter against another model", stacklevel=2)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
         verify_checksum(checkpoint)
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
+            self.warn_if_other_target(checkpoint, "resuming trains")
         elif self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
             self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
 
@@ -563,6 +602,7 @@ class DraftSystem(L.LightningModule):
             raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
                                   "model it was trained with (--target)") from err
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
+        system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
         return system
 
     def _check_resume_settings(self, saved: Mapping[str, Any]) -> None:

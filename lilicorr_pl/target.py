@@ -96,8 +96,9 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
     ids = [int(round(1 + i * (num_layers - 4) / (num_features - 1))) for i in range(num_features)]
     if len(set(ids)) != len(ids):
         raise ValueError(
-            f"default layer ids {ids} repeat a layer for a {num_layers}-layer target with "
-            f"{num_features} features; use fewer features or set model.target.layer_ids"
+            f"default layer ids {ids} repeat a layer for a {num_layers}-layer target with {num_features} features "
+            "(model.target.num_features, at most the target's layer count); set a smaller model.target.num_features "
+            "or model.target.layer_ids"
         )
     return ids
 

@@ -333,6 +333,8 @@ def test_resume_never_silently_takes_the_checkpoints_settings(tiny_run, tmp_path
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "model.head" in err and "Traceback" not in err
+    # The field that differs, not the head's whole config cut at 160 characters (which could end before it).
+    assert "model.head.init_args.top_k: checkpoint 4 vs now 3" in err, err
     # An invalid value is rejected with one line.
     with pytest.raises(SystemExit):
         _resume(tmp_path, good, "--model.num_anchors=0")

@@ -474,6 +474,9 @@ def test_a_yaml_error_names_the_file(tmp_path, capsys):
     # A warm start from a folder that is not there, or not a drafter: the path's problem in one line, no traceback.
     (["fit", "--model.init_drafter_from=no/such/dir"], "no/such/dir"),
     (["fit", "--model.init_head_from=."], "is not a"),
+    # A folder where a file belongs: said so, not "does not exist".
+    (["fit", "--data.train_files=[.]"], "data file '.' is a directory; list its .jsonl/.parquet files in "
+                                        "data.train_files"),
 ])
 def test_a_run_without_its_data_or_with_bad_settings_is_one_line_before_anything_starts(argv, message, tmp_path,
                                                                                           monkeypatch, capsys):
@@ -622,3 +625,48 @@ def test_ctrl_c_outside_a_fit_is_one_line_and_exit_status_130(name, after, monke
         main([name])
     assert exit_.value.code == 130
     assert capsys.readouterr().err == f"\nlilicorr {name}: interrupted (Ctrl-C){after} (exit status 130)\n"
+
+
+def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder(tmp_path, capsys):
+    """bench / export --ckpt <a run's folder> or <a served export> said "does not exist" of a folder that exists."""
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text("{}")
+    for command in (["bench", "--ckpt", str(run)], ["export", "--output", str(tmp_path / "out"), "--ckpt", str(run)]):
+        err = user_error(capsys, command)
+        assert f"checkpoint {run} is a directory; pass a .ckpt file written by `lilicorr fit` (such as " \
+               f"{run / 'checkpoints' / 'last.ckpt'})" in err, err
+    err = user_error(capsys, ["bench", "--ckpt", str(served)])
+    assert f"checkpoint {served} is a served drafter directory, not a training checkpoint" in err, err
+
+
+def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tmp_path):
+    """A checkpoint names its target by path: other weights copied there resumed and exported without a word. The
+    checkpoint now records a hash of the target's config and weight files, and a target that differs is said."""
+    import shutil
+
+    import warnings
+
+    from helpers import make_tiny_target_dir
+
+    target = Path(make_tiny_target_dir(tmp_path, seed=0, name="target"))
+    fit_tiny(tmp_path, f"--model.target.name_or_path={target}", steps=1)
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    recorded = torch.load(ckpt, map_location="cpu", weights_only=True)["lilicorr"]["target_weights"]
+    assert isinstance(recorded, str) and len(recorded) == 16
+    with warnings.catch_warnings():  # the same model, moved: no word
+        warnings.simplefilter("error", UserWarning)
+        moved = tmp_path / "moved"
+        shutil.copytree(target, moved)
+        main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "same"), "--target", str(moved)])
+    shutil.rmtree(target)
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=1, name="other"), target)  # same config, other weights
+    with pytest.warns(UserWarning, match=rf"the target at {target} is not the one this checkpoint trained against "
+                                         rf".*the checkpoint's target to {recorded}\); using it measures or serves"):
+        main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "other-export")])
+    with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
+                                         r"drafter against another model"):
+        fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)

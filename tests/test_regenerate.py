@@ -205,6 +205,12 @@ def test_an_output_that_is_a_directory_is_one_line(target_dir, input_file, tmp_p
     with pytest.raises(ValueError, match=rf"--output {tmp_path} is a directory; pass a .jsonl file name such as "
                                          rf"{tmp_path / 'train.jsonl'}"):
         run(target_dir, input_file, tmp_path)
+    # An input of another kind (plain text) was read line by line, every line failing as malformed JSON.
+    text = tmp_path / "prompts.txt"
+    text.write_text("def f():\n")
+    with pytest.raises(ValueError, match=r"--input .*prompts.txt has suffix '.txt'; pass a .jsonl/.parquet file"):
+        run(target_dir, text, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_resume_from_another_source_is_refused_before_any_generation(target_dir, input_file, tmp_path, monkeypatch):

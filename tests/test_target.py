@@ -17,6 +17,10 @@ def test_default_layer_ids_match_published_rule():
     assert default_layer_ids(6, 3) == [1, 2, 3]
     with pytest.raises(ValueError, match="layer_ids"):
         default_layer_ids(3, 2)
+    # The count is the capped one (5 features asked of a 4-layer target): the message names the setting and the cap.
+    with pytest.raises(ValueError, match=r"with 4 features \(model.target.num_features, at most the target's layer "
+                                         r"count\); set a smaller model.target.num_features"):
+        default_layer_ids(4, 4)
 
 
 @pytest.mark.parametrize("name, local", [
@@ -39,6 +43,11 @@ def test_local_target_path_expands_home_and_leaves_hub_ids(monkeypatch, tmp_path
     assert local_target_path("./qwen") == "./qwen"
     assert local_target_path("Qwen/Qwen3-8B") is None
     assert local_target_path("") is None
+    # A name of the hub's form that is a directory here is that directory, as transformers loads it.
+    monkeypatch.chdir(tmp_path)
+    assert local_target_path("models/qwen") is None
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    assert local_target_path("models/qwen") == "models/qwen"
 
 
 def test_target_is_frozen_and_stays_in_eval(tiny_target):

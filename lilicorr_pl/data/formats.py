@@ -107,6 +107,8 @@ def check_data_files(paths: Sequence[str | os.PathLike], setting: str = "data.tr
     out = []
     for p in paths:
         path = Path(p).expanduser()
+        if path.is_dir():
+            raise DataFormatError(f"data file {str(p)!r} is a directory; list its .jsonl/.parquet files in {setting}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"data file {str(p)!r} does not exist (resolved to {path.resolve()}); fix {setting}"

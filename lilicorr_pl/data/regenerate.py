@@ -45,6 +45,7 @@ from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
 from lilicorr_pl.data.formats import (
+    SUPPORTED_SUFFIXES,
     DataFormatError,
     _require_pyarrow,
     detect_format,
@@ -381,6 +382,9 @@ def regenerate(
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"regeneration input {str(input_path)!r} does not exist (--input)")
+    if input_path.suffix.lower() not in SUPPORTED_SUFFIXES:  # every line would fail as malformed JSON, one by one
+        raise ValueError(f"--input {input_path} has suffix {input_path.suffix!r}; pass a "
+                         f"{'/'.join(SUPPORTED_SUFFIXES)} file of chat, text or prompt/completion records")
     if output_path.is_dir():
         raise ValueError(f"--output {output_path} is a directory; pass a .jsonl file name such as "
                          f"{output_path / 'train.jsonl'}")
