@@ -107,8 +107,12 @@ def run_bench(
     timing: bool = False,
     draft_sampling: str = "both",
     compile: bool = False,
+    template: str | None = None,
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
+
+    ``template``: the chat template the run was trained with (``data.chat_template``, Jinja text), None for the
+    tokenizer's.
 
     ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
     share) is device time rather than launch time; it adds the same few synchronisations per step to the
@@ -129,7 +133,7 @@ def run_bench(
 
         arms = compile_selectors(arms)
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
-                           enable_thinking=enable_thinking, seed=seed)
+                           enable_thinking=enable_thinking, seed=seed, template=template)
     check_context(prompts, max_new_tokens, target)
     runs = []
     for temp in temperatures:
@@ -333,7 +337,9 @@ def bench(
     try:
         names = parse_selectors(selectors)
         if benchmark.endswith(".jsonl"):
-            read_prompt_file(benchmark, num_prompts)
+            if any(isinstance(p, list) for p in read_prompt_file(benchmark, num_prompts)) and chat_template == "no":
+                raise ValueError(f"{benchmark}: its chat records are rendered with the chat template, which "
+                                 "--chat_template no turns off; give those prompts as 'prompt' text")
         elif benchmark not in available_benchmarks():
             raise ValueError(
                 f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
@@ -368,17 +374,23 @@ def bench(
             raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
                              f"{','.join(names)} does not decode with it; add {getattr(system.head, 'name', 'it')} "
                              "to --selectors or drop them")
-    except ValueError as err:
+        from lilicorr_pl.data.formats import resolve_chat_template
+
+        # The run's own template, as its data was rendered (a template file recorded on another machine: one line).
+        template = resolve_chat_template(meta.get("chat_template"), option="the checkpoint's data.chat_template")
+    except (ValueError, FileNotFoundError) as err:
         raise UserInputError(str(err)) from None
     system.configure_model()
     system.to(device)
     chat = {"auto": None, "yes": True, "no": False}[chat_template]
+
     try:
         runs = run_bench(
             system, benchmark, names, temperatures, num_prompts, max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
             timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
             draft_sampling=draft_sampling, compile=compile,
+            template=template,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None

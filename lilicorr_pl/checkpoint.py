@@ -71,7 +71,7 @@ def not_a_checkpoint_file(path: Path) -> str:
     if (path / "config.json").is_file():
         return (f"checkpoint {path} is a served drafter directory, not a training checkpoint; pass a .ckpt written by "
                 "`lilicorr fit` (a served drafter warm-starts a fit: --model.init_drafter_from)")
-    found = sorted(path.glob("**/last*.ckpt"))[:1] if path.is_dir() else []
+    found = sorted([*path.glob("last*.ckpt"), *path.glob("checkpoints/last*.ckpt")])[:1] if path.is_dir() else []
     example = f" (such as {found[0]})" if found else ""
     return f"checkpoint {path} is a directory; pass a .ckpt file written by `lilicorr fit`{example}"
 

@@ -42,6 +42,8 @@ from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_wri
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
 
+EXPORT_MARKER = "lilicorr_pl"
+"""The ``config.json`` key every ``lilicorr export`` writes (the package version, the target's name)."""
 HEAD_PREFIX = "lilicorr."
 """Key prefix of the LiLiCorr head's tensors inside ``model.safetensors``."""
 LILICORR_ARCHITECTURE = "LiLiCorrDraftModel"
@@ -189,6 +191,10 @@ def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None, dtype
         rename = _indexed_name if head_mlp_names == "sequential" else (lambda key: key)
         state.update({HEAD_PREFIX + rename(k): v.detach().to(dtype).contiguous().cpu()
                       for k, v in head.state_dict().items()})
+    overflowed = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if overflowed:
+        raise ExportError(f"{len(overflowed)} tensor(s) are not finite in {str(dtype).removeprefix('torch.')} (e.g. "
+                          f"{overflowed[0]}: values past that type's range); export in bfloat16 or float32 (--dtype)")
     return state
 
 
@@ -226,21 +232,22 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
 
 def _refuse_another_model(output: Path) -> None:
     """``--overwrite`` replaces an earlier export's ``config.json`` and ``model.safetensors``, never another model's
-    (a target's, a released checkpoint's): those files are refused unless the config is a drafter's."""
+    (a target's, a released drafter's): those files are refused unless the config carries this tool's marker."""
     config, weights = output / "config.json", output / "model.safetensors"
     if not config.exists() and not weights.exists():
         return
     try:
-        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        architectures = None
-    if not config.exists() or not isinstance(architectures, list) or \
-            not {DFLASH_ARCHITECTURE, LILICORR_ARCHITECTURE} & set(map(str, architectures)):
-        held = f"a model of architectures {architectures}" if architectures else "files no export wrote"
-        raise ExportError(
-            f"--output {output} holds {held} (config.json / model.safetensors); --overwrite replaces only an "
-            "earlier drafter export's, so choose another directory"
-        )
+        payload = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get(EXPORT_MARKER), dict):
+        return
+    architectures = payload.get("architectures") if isinstance(payload, dict) else None
+    held = f"a model of architectures {architectures}" if architectures else "files no export wrote"
+    raise ExportError(
+        f"--output {output} holds {held} (config.json / model.safetensors, not written by lilicorr export); "
+        "--overwrite replaces only an earlier lilicorr export's, so choose another directory"
+    )
 
 
 def _publish(files: dict[str, Path], output: Path) -> None:
@@ -281,8 +288,8 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     tmp = Path(tempfile.mkdtemp(prefix=_EXPORT_TMP, suffix=f".{writer_tag()}.tmp", dir=output))
     try:
         cfg = drafter_config(drafter, head, dtype)
-        if extra:
-            cfg["lilicorr_pl"] = extra
+        # Every export says it is one (what --overwrite may replace; a released drafter has no such key).
+        cfg[EXPORT_MARKER] = {"version": __import__("lilicorr_pl").__version__, **(extra or {})}
         files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
         files["config.json"].write_text(json.dumps(cfg, indent=2))
         save_file(export_state(drafter, head, dtype, head_mlp_names), str(files["model.safetensors"]),

@@ -25,7 +25,7 @@ from typing import IO, Any
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
 from lightning.pytorch.loggers import WandbLogger
@@ -235,6 +235,16 @@ def _callback_list(given: Any) -> list[Any]:
     return list(given) if isinstance(given, (list, tuple)) else [given]
 
 
+class _LoopStarted(Callback):
+    """Notes when the fit loop starts: a Ctrl-C before it (data, target load) stops at once, with nothing to save."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.started = True
+
+
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.
 
@@ -421,8 +431,9 @@ class LilicorrCLI(LightningCLI):
                 added.append(LogProgressBar())
             else:
                 added.append(StepProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar())
-        if added:
-            kwargs.setdefault("callbacks", [*callbacks, *added])
+        self._loop_started = _LoopStarted()
+        added.append(self._loop_started)
+        kwargs.setdefault("callbacks", [*callbacks, *added])
         if "enable_progress_bar" in self.reporting:
             kwargs.setdefault("enable_progress_bar", show_bar)
         return super().instantiate_trainer(**kwargs)
@@ -460,13 +471,19 @@ class LilicorrCLI(LightningCLI):
         Returns the handler it replaced (None off the main thread, where no handler can be set)."""
         if threading.current_thread() is not threading.main_thread():
             return None
+        installer = os.getpid()
 
         def on_ctrl_c(signum: int, frame: Any) -> None:
-            if pressed:
-                raise KeyboardInterrupt
+            if os.getpid() != installer:  # a forked DataLoader worker: its process stops with the fit's
+                return
+            loop = getattr(self, "_loop_started", None)
+            if pressed or (loop is not None and not loop.started):  # again, or before the loop runs (data, target
+                raise KeyboardInterrupt  # load): at once, nothing trained yet (Lightning clears the flag at its start)
             pressed.append(True)
             self.trainer._signal_connector.received_sigterm = True  # Lightning's own stop, at the step's end
-            print("\nlilicorr fit: Ctrl-C: stopping after this step, which is saved (Ctrl-C again: stop at once, "
+            saved = ("which is saved" if self.trainer.world_size == 1 else
+                     "and resume from the latest scheduled save (several processes)")
+            print(f"\nlilicorr fit: Ctrl-C: stopping after this step, {saved} (Ctrl-C again: stop at once, "
                   "unsaved)", file=sys.stderr, flush=True)
 
         return signal.signal(signal.SIGINT, on_ctrl_c)
@@ -484,8 +501,8 @@ class LilicorrCLI(LightningCLI):
         callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
         ckpt_path = self.config["fit"].get("ckpt_path")
         # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
-        if (ckpt_path and not (ckpt_path == "last" and not self._last_checkpoints())) or callback is None \
-                or not callback.save_to_log_dir:
+        nothing_to_resume = ckpt_path == "last" and self._last_checkpoint("fit") is None and not self._last_checkpoints()
+        if (ckpt_path and not nothing_to_resume) or callback is None or not callback.save_to_log_dir:
             return
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
         record = os.path.join(log_dir, callback.fit_config_filename)
@@ -506,10 +523,12 @@ class LilicorrCLI(LightningCLI):
         elsewhere = "another --trainer.default_root_dir"
         if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
             elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
+        fix = ("--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record; "
+               "write it elsewhere with" if nothing_to_resume else
+               "resume that run with --ckpt_path=last, or write this one elsewhere with")
         raise UserInputError(
             f"{record} records another run (its {key}: {_short(saved.get(key), 80)}, this run's: "
-            f"{_short(current.get(key), 80)}); resume that run with --ckpt_path=last, or write this one elsewhere with "
-            f"{elsewhere}"
+            f"{_short(current.get(key), 80)}); {fix} {elsewhere}"
         )
 
     def _last_checkpoints(self) -> set[Any]:
@@ -522,15 +541,29 @@ class LilicorrCLI(LightningCLI):
                 found |= set(callback._find_last_checkpoints(self.trainer))
         return found
 
-    @staticmethod
-    def _refuse_an_untrained_evaluation(config: Any, subcommand: str | None) -> None:
-        """``validate``/``predict`` with neither a checkpoint nor a warm start would evaluate a freshly initialised
-        drafter and log it as the run's result (Lightning evaluates the model as built)."""
+    def _refuse_an_untrained_evaluation(self, config: Any, subcommand: str | None) -> None:
+        """``validate``/``predict`` with neither a checkpoint nor a warm start of what it evaluates would evaluate a
+        freshly initialised drafter (or head) and log it as the run's result (Lightning evaluates the model as built,
+        and ``--ckpt_path=last`` with nothing to resume only warns)."""
         if subcommand not in VALIDATION_STAGES:
             return
+        ckpt = config.get("ckpt_path")
+        if ckpt == "last" and not os.path.exists("last") and self._last_checkpoint(subcommand) is None:
+            raise ValueError(f"lilicorr {subcommand} --ckpt_path=last: there is no last checkpoint under this run's "
+                             "root (trainer.default_root_dir); pass the .ckpt to evaluate")
         model = config.get("model") or {}
-        if config.get("ckpt_path") or model.get("init_drafter_from"):
+        head = model.get("head")
+        head_class = str(getattr(head, "class_path", None) or (head.get("class_path") if isinstance(head, Mapping)
+                                                                else "") or "")
+        untrained_head = bool(head_class) and not head_class.endswith("Top1Selector") and not model.get("init_head_from")
+        if ckpt or (model.get("init_drafter_from") and not untrained_head):
             return
+        if model.get("init_drafter_from"):
+            raise ValueError(
+                f"lilicorr {subcommand} without --ckpt_path would evaluate the warm-started drafter with an untrained "
+                f"{head_class.rsplit('.', 1)[-1]}; pass --ckpt_path=<a checkpoint of lilicorr fit>, or also "
+                "--model.init_head_from=<the served LiLiCorr directory>"
+            )
         raise ValueError(
             f"lilicorr {subcommand} without --ckpt_path would evaluate an untrained drafter; pass --ckpt_path=<a "
             f"checkpoint of lilicorr fit> (or last: the newest in this run's root), or "

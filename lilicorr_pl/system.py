@@ -498,7 +498,8 @@ class DraftSystem(L.LightningModule):
         if not hasattr(self, "_target_weights"):
             from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target
 
-            parts = fingerprint_target({"name_or_path": str(self.target_path)}, include_layers=False)
+            parts = fingerprint_target({"name_or_path": str(self.target_path),
+                                        "load_kwargs": dict(self.target_spec.load_kwargs or {})}, include_layers=False)
             weights = parts.get("weights")
             self._target_weights = fingerprint({"config": parts.get("config"), "weights": [
                 [size, digest] for _, size, digest in weights]})[:16] if weights else None

@@ -97,7 +97,10 @@ CELLS: list[tuple[str, str, list[str], str]] = [
             # (written by an older version) or whose checkpoint is gone.
             if results_path is None:
                 return None
-            named = json.loads(results_path.read_text()).get("checkpoints") or {}
+            try:
+                named = json.loads(results_path.read_text()).get("checkpoints") or {}
+            except (OSError, ValueError, AttributeError):  # not a results file: section 5 says so
+                return None
             arm = "lilicorr" if "lilicorr" in named else next(iter(named), None)
             if arm is None:
                 return None

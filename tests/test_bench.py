@@ -438,6 +438,10 @@ def test_a_prompts_file_of_chat_records_is_read_as_the_training_data_is(tiny_run
     with pytest.raises(ValueError, match=r"chat records \(prompt 1 is one\) are rendered with the chat template, "
                                          r"which --chat_template no turns off"):
         load_prompts(path, tokenizer, chat_template=False)
+    # The run's own template (data.chat_template), not the tokenizer's, when the run recorded one.
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    with_own = load_prompts(path, tokenizer, enable_thinking=False, template=own)
+    assert tokenizer.decode(with_own.input_ids[0]) == "[system] be brief\n[user] def add(a, b):\n[assistant]"
     empty = write(tmp_path / "answer-only.jsonl", json.dumps({"messages": [answer]}) + "\n")
     with pytest.raises(ValueError, match=r"answer-only.jsonl:1: a chat record whose turns before the first assistant "
                                          r"turn hold no user message"):

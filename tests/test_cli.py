@@ -218,6 +218,7 @@ def test_resume_with_nothing_to_resume_is_a_new_run_and_guarded_like_one(tmp_pat
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
                               "--trainer.max_steps=1", "--ckpt_path=last"])
     assert f"{root / 'config.yaml'} records another run" in err, err
+    assert "--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record" in err
     assert (root / "config.yaml").read_text() == "model:\n  num_anchors: 64\n"
     assert not (root / "checkpoints").exists()
     (root / "config.yaml").unlink()
@@ -467,6 +468,10 @@ def test_a_yaml_error_names_the_file(tmp_path, capsys):
     # Neither a checkpoint nor a warm start: Lightning would evaluate a freshly built drafter as the run's result.
     (["validate"], "lilicorr validate without --ckpt_path would evaluate an untrained drafter; pass --ckpt_path="),
     (["predict"], "lilicorr predict without --ckpt_path would evaluate an untrained drafter"),
+    (["validate", "--ckpt_path=last"], "lilicorr validate --ckpt_path=last: there is no last checkpoint under this "
+                                       "run's root"),
+    (["validate", "--model.init_drafter_from=served"], "would evaluate the warm-started drafter with an untrained "
+                                                       "LiLiCorrHead; pass --ckpt_path"),
     (["fit", "--data.train_files=[nope.jsonl]"], "data file 'nope.jsonl' does not exist"),
     # The Trainer refuses its own settings: one line too, not Lightning's traceback.
     (["fit", "--trainer.enable_progress_bar=false", "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"],
@@ -670,3 +675,12 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
     with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
                                          r"drafter against another model"):
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)
+
+
+def test_chat_records_with_the_template_turned_off_are_refused_before_the_checkpoint_is_opened(tmp_path, capsys):
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    ckpt = tmp_path / "never-opened.ckpt"
+    ckpt.write_bytes(b"not a checkpoint: the prompts are refused first")
+    err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--chat_template", "no"])
+    assert "its chat records are rendered with the chat template, which --chat_template no turns off" in err, err

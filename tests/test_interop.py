@@ -339,7 +339,11 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
     # Another model's files are never replaced: a target's folder (its config and weights), or files of unknown origin.
     (out / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     with pytest.raises(ExportError, match=r"holds a model of architectures \['Qwen3ForCausalLM'\].*--overwrite "
-                                          "replaces only an earlier drafter export's"):
+                                          "replaces only an earlier lilicorr export's"):
+        export_drafter(drafter, out, overwrite=True)
+    # ... nor a released drafter's (the same architecture, no export's marker).
+    (out / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 16}')
+    with pytest.raises(ExportError, match=r"holds a model of architectures \['DFlashDraftModel'\]"):
         export_drafter(drafter, out, overwrite=True)
     (out / "config.json").unlink()
     (out / "model.safetensors").write_bytes(b"someone's weights")
@@ -348,7 +352,8 @@ def test_export_never_deletes_what_it_did_not_write(tiny_target, tmp_path):
     assert (out / "model.safetensors").read_bytes() == b"someone's weights"
     (out / "model.safetensors").unlink()
     # A stale config of a previous export: replaced, not merged.
-    (out / "config.json").write_text('{"architectures": ["LiLiCorrDraftModel"], "block_size": 99}')
+    (out / "config.json").write_text('{"architectures": ["LiLiCorrDraftModel"], "block_size": 99, '
+                                     '"lilicorr_pl": {"version": "0.1.0"}}')
     export_drafter(drafter, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me" and (out / "last.ckpt").read_bytes() == b"precious"
@@ -500,3 +505,16 @@ def test_a_warm_start_from_another_shape_of_drafter_is_one_line_naming_what_diff
         out = export_drafter(drafter, tmp_path / f"export-{drafter.num_layers}-{drafter.block_size}")
         with pytest.raises(ValueError, match=rf"init_drafter_from=.* does not match model.drafter \({message}\); set"):
             _system(target_dir, init_drafter_from=str(out))
+
+
+def test_an_export_that_overflows_its_dtype_is_refused(tiny_target, tmp_path):
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = 1e6  # past float16's 65504
+    with pytest.raises(ExportError, match=r"1 tensor\(s\) are not finite in float16 \(e.g. fc.weight: .*export in "
+                                          r"bfloat16 or float32"):
+        export_drafter(drafter, tmp_path / "half", dtype=torch.float16)
+    assert not (tmp_path / "half").exists()
+    assert export_drafter(drafter, tmp_path / "bf16", dtype=torch.bfloat16).is_dir()

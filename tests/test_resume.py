@@ -96,6 +96,13 @@ class CtrlCAtStep(L.Callback):
                 os.kill(os.getpid(), signal.SIGINT)
 
 
+class CtrlCAtSetup(L.Callback):
+    """Test-only: a SIGINT while the fit is being set up (as during a long target load), before its loop runs."""
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 class TermDuringValidation(L.Callback):
     """Test-only: a SIGTERM during the validation after step ``at_step``, at the end of its batch ``batch`` (of two):
     after the first, Lightning leaves the validation at its next batch; after the last, it ends the validation and
@@ -233,6 +240,11 @@ def test_ctrl_c_stops_a_fit_after_its_step_and_saves_it_and_a_second_stops_at_on
                     overrides=TERM_OVERRIDES), expect=1)
     last = tmp_path / "twice" / "run" / "checkpoints" / "last.ckpt"  # step 3's validation's save, not this step's
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] < KILL_AT_STEP
+    # Before the loop runs (Lightning clears its stop flag when the loop starts, so the stop was lost and the fit
+    # trained to its end): at once, nothing trained.
+    out = _finish(_launch(tmp_path / "setup", cache, "--trainer.callbacks+=test_resume.CtrlCAtSetup",
+                          overrides=TERM_OVERRIDES), expect=1)
+    assert not (tmp_path / "setup" / "first_step.txt").exists(), out[-2000:]
 
 
 # Two validation batches (a larger validation split than the other tests'), so the stop can come in the middle of one.

@@ -163,6 +163,7 @@ def load_prompts(
     enable_thinking: bool | None = False,
     seed: int = 0,
     prefix_tokens: int = 64,
+    template: str | None = None,
 ) -> PromptSet:
     """Load and tokenize a benchmark's prompts.
 
@@ -174,13 +175,16 @@ def load_prompts(
             unknown, an error only when the prompts go through the template.
         seed: picks the ``stdlib-heldout`` cut points.
         prefix_tokens: token budget of each ``stdlib-heldout`` prefix.
+        template: the chat template to render with (Jinja text; a run's ``data.chat_template``), instead of the
+            tokenizer's.
     """
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1 (or None for all), got {num_prompts}")
     texts, kind = _raw_prompts(name, num_prompts, tokenizer, seed, prefix_tokens)
     if not texts:
         raise ValueError(f"benchmark {name!r} yielded no prompts")
-    has_template = getattr(tokenizer, "chat_template", None) is not None
+    has_template = template is not None or getattr(tokenizer, "chat_template", None) is not None
+    render = {"chat_template": template} if template is not None else {}
     use_template = (kind in ("math", "chat", "code") and has_template) if chat_template is None else chat_template
     if use_template and enable_thinking is None:
         raise ThinkingFlagUnknown(
@@ -200,7 +204,7 @@ def load_prompts(
     for text in texts:
         if isinstance(text, list):  # a chat record's turns before its first answer
             rendered = tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True,
-                                                     enable_thinking=enable_thinking)
+                                                     enable_thinking=enable_thinking, **render)
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
             rendered_texts.append(rendered)
             continue
@@ -212,7 +216,7 @@ def load_prompts(
                 text = HUMANEVAL_WRAP.format(prompt=text.strip())
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
-                enable_thinking=enable_thinking,
+                enable_thinking=enable_thinking, **render,
             )
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
         else:
