@@ -248,6 +248,15 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     shutil.copytree(make_tiny_target_dir(tmp_path, seed=4, name="retrained2"), tmp_path / "models" / "tgt")
     with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
         run("models/tgt", input_file, tmp_path / "out3.jsonl")
+    # An output begun by an earlier version, which recorded that name as a hub name: said why it cannot resume.
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    record = provenance_path(tmp_path / "out3.jsonl")
+    old = json.loads(record.read_text()) | {"target_fingerprint": None, "target_revision": None}
+    record.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"an earlier version read --target models/tgt as a hub name and recorded no "
+                                         r"weights"):
+        run("models/tgt", input_file, tmp_path / "out3.jsonl")
     # A record from before the weights, dtype and device were keyed: not resumable, and the message says why.
     from lilicorr_pl.data.regenerate import provenance_path
 

@@ -220,8 +220,13 @@ def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
     differing = sorted(k for k in set(saved) | set(provenance) if saved.get(k) != provenance.get(k))
     if differing:
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {provenance.get(k)!r}" for k in differing)
+        why = ""
+        if saved.get("target_fingerprint") is None and provenance.get("target_fingerprint") is not None \
+                and saved.get("target") == provenance.get("target"):
+            why = (f" (an earlier version read --target {provenance.get('target')} as a hub name and recorded no "
+                   "weights, so this output cannot be checked against the directory's)")
         raise ValueError(
-            f"--output {output} was produced with other settings ({detail}); resuming would mix sources: "
+            f"--output {output} was produced with other settings ({detail}){why}; resuming would mix sources: "
             "choose a new --output, or rerun with the original settings"
         )
 
