@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import UserInputError, not_a_checkpoint_file
+from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import DeviceName, check_device
 
@@ -325,21 +325,19 @@ def bench(
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
     """
-    from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file
+    from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file, refuse_chat_records
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     temperatures = [float(t) for t in temperature]
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     path = Path(ckpt)
-    if not path.is_file():
-        raise UserInputError(not_a_checkpoint_file(path) if path.exists() else
-                             f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
+    check_checkpoint_file(path)
     try:
         names = parse_selectors(selectors)
         if benchmark.endswith(".jsonl"):
-            if any(isinstance(p, list) for p in read_prompt_file(benchmark, num_prompts)) and chat_template == "no":
-                raise ValueError(f"{benchmark}: its chat records are rendered with the chat template, which "
-                                 "--chat_template no turns off; give those prompts as 'prompt' text")
+            prompts = read_prompt_file(benchmark, num_prompts)
+            if chat_template == "no":
+                refuse_chat_records(benchmark, prompts)
         elif benchmark not in available_benchmarks():
             raise ValueError(
                 f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"

@@ -76,7 +76,8 @@ def not_a_checkpoint_file(path: Path) -> str:
     return f"checkpoint {path} is a directory; pass a .ckpt file written by `lilicorr fit`{example}"
 
 
-def _check_file(path: Path) -> None:
+def check_checkpoint_file(path: Path) -> None:
+    """Raise ``CheckpointError`` (one line) for a ``--ckpt`` that is missing, no file, or empty."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .ckpt written by `lilicorr fit`")
     if not path.is_file():
@@ -88,7 +89,7 @@ def _check_file(path: Path) -> None:
 def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint weights-only (memory-mapped) and, with ``verify``, check its recorded checksum."""
     path = Path(path)
-    _check_file(path)
+    check_checkpoint_file(path)
     try:
         checkpoint = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:

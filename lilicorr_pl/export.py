@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lilicorr_pl.checkpoint import UserInputError, not_a_checkpoint_file
+from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file
 from lilicorr_pl.interop import (
     DFLASH_ARCHITECTURE,
     LILICORR_ARCHITECTURE,
@@ -48,9 +48,7 @@ def export(
             TensorRT-LLM read both) or sequential (Model-Optimizer's nn.Sequential indices, feature_mlp.1,
             layers.<i>.mlp.0, ...: for a loader that reads only those).
     """
-    if not Path(ckpt).is_file():
-        raise UserInputError(not_a_checkpoint_file(Path(ckpt)) if Path(ckpt).exists() else
-                             f"checkpoint {ckpt} does not exist; pass a .ckpt written by `lilicorr fit`")
+    check_checkpoint_file(Path(ckpt))
     try:
         check_output_dir(output, overwrite)
     except ExportError as err:

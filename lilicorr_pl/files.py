@@ -43,10 +43,10 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
         out = Path(output)
         if out.is_dir():
             raise ValueError(f"{output_flag} {out} is a directory; pass a file name such as {out / 'results.json'}")
-        if out.exists() and not written_by_lilicorr(out):
-            raise ValueError(f"{output_flag} {out} exists and is not a results file lilicorr wrote, so it is not "
-                             "overwritten; choose another file name")
-        if out.exists() and command is not None and not written_by_lilicorr(out, command):
+        if out.exists() and not written_by_lilicorr(out, command):  # its own results: read once; else say whose
+            if not written_by_lilicorr(out):
+                raise ValueError(f"{output_flag} {out} exists and is not a results file lilicorr wrote, so it is not "
+                                 "overwritten; choose another file name")
             raise ValueError(f"{output_flag} {out} holds the results of another lilicorr command "
                              f"({_writer(out)}), which a `lilicorr {command}` run does not replace; choose another "
                              "file name")

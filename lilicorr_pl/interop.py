@@ -128,6 +128,11 @@ HEAD_MLP_NAMES = ("named", "sequential")
 """How the head's MLP tensors are spelled in an export (see the module docstring)."""
 
 
+def _check_head_mlp_names(value: str) -> None:
+    if value not in HEAD_MLP_NAMES:
+        raise ExportError(f"head_mlp_names {value!r}: use one of {', '.join(HEAD_MLP_NAMES)}")
+
+
 def drafter_config(drafter: DFlashDrafter, head: LiLiCorrHead | None = None,
                    dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The ``config.json`` of a built drafter: ``DFlashDraftModel``, or ``LiLiCorrDraftModel`` with ``head``;
@@ -183,8 +188,7 @@ def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None, dtype
     Every tensor in one dtype, the config's ``torch_dtype``: ``dtype``, by default the drafter's. The head's MLPs
     spelled as ``head_mlp_names`` says (``named`` or ``sequential``).
     """
-    if head_mlp_names not in HEAD_MLP_NAMES:
-        raise ExportError(f"head_mlp_names {head_mlp_names!r}: use one of {', '.join(HEAD_MLP_NAMES)}")
+    _check_head_mlp_names(head_mlp_names)
     dtype = dtype or next(drafter.parameters()).dtype
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     if head is not None:
@@ -270,8 +274,7 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     ``overwrite``; even then only the files written here are replaced. ``dtype``: every tensor's (default: the
     drafter's); ``head_mlp_names``: ``named`` or ``sequential`` (Model-Optimizer's indices).
     """
-    if head_mlp_names not in HEAD_MLP_NAMES:
-        raise ExportError(f"head_mlp_names {head_mlp_names!r}: use one of {', '.join(HEAD_MLP_NAMES)}")
+    _check_head_mlp_names(head_mlp_names)
     if head is not None and not any(True for _ in head.parameters()):
         head = None  # top-1: nothing to serve beyond the drafter
     if head is not None and not isinstance(head, LiLiCorrHead):

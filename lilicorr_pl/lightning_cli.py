@@ -501,7 +501,7 @@ class LilicorrCLI(LightningCLI):
         callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
         ckpt_path = self.config["fit"].get("ckpt_path")
         # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
-        nothing_to_resume = ckpt_path == "last" and self._last_checkpoint("fit") is None and not self._last_checkpoints()
+        nothing_to_resume = ckpt_path == "last" and not self._last_checkpoints()
         if (ckpt_path and not nothing_to_resume) or callback is None or not callback.save_to_log_dir:
             return
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
@@ -532,14 +532,18 @@ class LilicorrCLI(LightningCLI):
         )
 
     def _last_checkpoints(self) -> set[Any]:
-        """What ``--ckpt_path=last`` would resume from: the ``last*.ckpt`` the run's checkpoint callbacks find."""
-        from lightning.pytorch.callbacks import ModelCheckpoint
+        """What ``--ckpt_path=last`` can resume from, found as Lightning finds it once the Trainer is built: the
+        ``last*`` checkpoints of the run's ``ModelCheckpoint`` callbacks and the files of its ``OnExceptionCheckpoint``
+        callbacks, those that exist."""
+        from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
         found: set[Any] = set()
-        for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, OnExceptionCheckpoint):
+                found.add(callback.ckpt_path)
+            elif isinstance(callback, ModelCheckpoint):
                 found |= set(callback._find_last_checkpoints(self.trainer))
-        return found
+        return {path for path in found if path and os.path.exists(path)}
 
     def _refuse_an_untrained_evaluation(self, config: Any, subcommand: str | None) -> None:
         """``validate``/``predict`` with neither a checkpoint nor a warm start of what it evaluates would evaluate a
@@ -552,9 +556,7 @@ class LilicorrCLI(LightningCLI):
             raise ValueError(f"lilicorr {subcommand} --ckpt_path=last: there is no last checkpoint under this run's "
                              "root (trainer.default_root_dir); pass the .ckpt to evaluate")
         model = config.get("model") or {}
-        head = model.get("head")
-        head_class = str(getattr(head, "class_path", None) or (head.get("class_path") if isinstance(head, Mapping)
-                                                                else "") or "")
+        head_class = str((model.get("head") or {}).get("class_path") or "")
         untrained_head = bool(head_class) and not head_class.endswith("Top1Selector") and not model.get("init_head_from")
         if ckpt or (model.get("init_drafter_from") and not untrained_head):
             return

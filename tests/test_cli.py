@@ -683,4 +683,4 @@ def test_chat_records_with_the_template_turned_off_are_refused_before_the_checkp
     ckpt = tmp_path / "never-opened.ckpt"
     ckpt.write_bytes(b"not a checkpoint: the prompts are refused first")
     err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--chat_template", "no"])
-    assert "its chat records are rendered with the chat template, which --chat_template no turns off" in err, err
+    assert "its chat records (prompt 1 is one) are rendered with the chat template, which --chat_template no turns off" in err, err

@@ -101,6 +101,16 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
     return texts
 
 
+def refuse_chat_records(name: str, prompts: list[Any], has_template: bool = True) -> None:
+    """Raise for chat records (read by :func:`read_prompt_file`) among prompts that will not go through a chat
+    template: the tokenizer has none, or the user turned it off."""
+    chats = [i for i, p in enumerate(prompts) if isinstance(p, list)]
+    if chats:
+        raise ValueError(f"{name}: its chat records (prompt {chats[0] + 1} is one) are rendered with the chat "
+                         "template, which " + ("the tokenizer has none of" if not has_template else
+                                               "--chat_template no turns off") + "; give those prompts as 'prompt' text")
+
+
 def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_tokens: int) -> tuple[list[str], str]:
     if name.endswith(".jsonl"):
         prompts = read_prompt_file(name, num)
@@ -194,11 +204,8 @@ def load_prompts(
     if use_template and not has_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False (lilicorr bench: "
                          "--chat_template no)")
-    chats = [i for i, t in enumerate(texts) if isinstance(t, list)]
-    if chats and not use_template:
-        raise ValueError(f"{name}: its chat records (prompt {chats[0] + 1} is one) are rendered with the chat "
-                         "template, which " + ("the tokenizer has none of" if not has_template else
-                                               "--chat_template no turns off") + "; give those prompts as 'prompt' text")
+    if not use_template:
+        refuse_chat_records(name, texts, has_template)
     ids: list[list[int]] = []
     rendered_texts: list[str] = []
     for text in texts:
