@@ -163,6 +163,8 @@ def run_bench(
             # The trained LiLiCorr head's decoding: lattice width served and T = 0 walk (None without one).
             "lattice": _lattice_settings(system.head),
             "target_tokens_per_s": target_tps,
+            # The selector every other one's ratios and intervals are taken against: the first named.
+            "reference_selector": next(iter(arms)),
             "selectors": {},
         }
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
@@ -191,6 +193,11 @@ def run_bench(
                 "round_cost_ratio": r.round_cost_ratio,
                 "rounds": r.rounds,
                 "num_tokens": r.num_tokens,
+                # Per prompt, in the benchmark's order: any subset's pooled τ and tokens/s (the bootstrap below).
+                "per_prompt_tau": r.per_prompt_tau,
+                "per_prompt_rounds": r.per_prompt_rounds,
+                "per_prompt_tokens": r.per_prompt_tokens,
+                "per_prompt_seconds": r.per_prompt_seconds,
             }
             for rule in rules[1:]:  # the other rule, same prompts and seeds
                 o = results[f"{name}@{rule}"]
@@ -202,8 +209,42 @@ def run_bench(
                     "speedup_vs_target": o.tokens_per_s / target_tps if target_tps > 0 else math.nan,
                     "rounds": o.rounds,
                 }
+        out["plain_per_prompt_tokens"] = [len(r.tokens) for r in reference]
+        out["plain_per_prompt_seconds"] = [float(r.total) for r in reference]
+        add_intervals(out, seed=seed)
         runs.append(out)
     return runs
+
+
+def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
+    """Paired bootstrap 95 % intervals over the run's prompts (the demo's, :mod:`lilicorr_pl.decoding.stats`).
+
+    Every selector gets ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target`` (its tokens/s against
+    plain decoding of the same prompts); every selector but the reference (``run["reference_selector"]``, the
+    first named) gets ``ratio_to_reference`` with ``ci_low``/``ci_high`` (pooled τ) and
+    ``tokens_per_s_ratio_to_reference`` with ``tps_ci_low``/``tps_ci_high``. Prompts are resampled in pairs
+    because every arm decoded the same prompts, interleaved prompt by prompt.
+    """
+    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums
+
+    selectors = run["selectors"]
+    ref = selectors[run["reference_selector"]]
+    for name, r in selectors.items():
+        if sum(r["per_prompt_seconds"]) > 0 and sum(run["plain_per_prompt_seconds"]) > 0:
+            _, low, high = bootstrap_ratio_of_sums(r["per_prompt_tokens"], r["per_prompt_seconds"],
+                                                   run["plain_per_prompt_tokens"], run["plain_per_prompt_seconds"],
+                                                   seed=seed)
+            r.update(speedup_ci_low=low, speedup_ci_high=high)
+        if name == run["reference_selector"]:
+            continue
+        if sum(r["per_prompt_rounds"]) > 0 and sum(ref["per_prompt_rounds"]) > 0:
+            ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
+                                               ref["per_prompt_rounds"], seed=seed)
+            r.update(ratio_to_reference=ratio, ci_low=low, ci_high=high)
+        if sum(r["per_prompt_seconds"]) > 0 and sum(ref["per_prompt_seconds"]) > 0:
+            ratio, low, high = bootstrap_ratio_of_sums(r["per_prompt_tokens"], r["per_prompt_seconds"],
+                                                       ref["per_prompt_tokens"], ref["per_prompt_seconds"], seed=seed)
+            r.update(tokens_per_s_ratio_to_reference=ratio, tps_ci_low=low, tps_ci_high=high)
 
 
 def format_table(run: dict[str, Any]) -> str:
@@ -223,6 +264,18 @@ def format_table(run: dict[str, Any]) -> str:
         )
         if "point_mass" in r:
             lines.append(f"{'':<10} {r['point_mass']['tau']:>6.2f} (tau with the point-mass rule)")
+    ref = run.get("reference_selector")
+    for name, r in run["selectors"].items():  # the paired bootstrap intervals (95 %, over prompts)
+        parts = []
+        if "speedup_ci_low" in r:
+            parts.append(f"speedup {r['speedup_vs_target']:.2f}x [{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}]")
+        if "ratio_to_reference" in r:
+            parts.append(f"tau / {ref} {r['ratio_to_reference']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+        if "tokens_per_s_ratio_to_reference" in r:
+            parts.append(f"tok/s / {ref} {r['tokens_per_s_ratio_to_reference']:.3f} "
+                         f"[{r['tps_ci_low']:.3f}, {r['tps_ci_high']:.3f}]")
+        if parts:
+            lines.append(f"{name:<10} " + ", ".join(parts))
     return "\n".join(lines)
 
 

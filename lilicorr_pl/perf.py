@@ -530,7 +530,9 @@ def round_timing(
         from lilicorr_pl.decoding.compiled import check_compile_available
 
         check_compile_available(device, fix="run without --compile")
-    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device="cpu")
+    # Built where they run, in the run's dtype: an 8B-shaped target initialised on the CPU in float32 first would
+    # take minutes and 32 GB of host memory before a GPU timed anything.
+    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device=device)
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
     if limit and context + new_tokens + drafter.block_size > limit:
         raise ValueError(
@@ -541,8 +543,9 @@ def round_timing(
         dtype = (_model_section(config).get("target") or {}).get("dtype", "float32")
     dtype = resolve_dtype(dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(target_cfg)  # random float32 weights, then the run's dtype
-    target = FrozenTarget(model.to(device=device, dtype=dtype), layer_ids=drafter.target_layer_ids)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(target_cfg, dtype=dtype)  # random weights
+    target = FrozenTarget(model.eval(), layer_ids=drafter.target_layer_ids)
     drafter, head = drafter.to(device=device, dtype=dtype).eval(), head.to(device=device, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(seed)
     vocab = min(int(target_cfg.vocab_size), int(getattr(target_cfg, "mask_token_id", None) or target_cfg.vocab_size))

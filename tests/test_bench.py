@@ -64,6 +64,29 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         assert all(isinstance(x, float) and x > 0 for x in split + [r["round_ms"], r["plain_step_ms"]]), name
         assert sum(split) == pytest.approx(r["round_ms"], rel=1e-9)
         assert r["round_cost_ratio"] == pytest.approx(r["round_ms"] / r["plain_step_ms"], rel=1e-9)
+        # Per-prompt data pools back to the run's numbers; the paired bootstrap intervals come from it.
+        n = run["num_prompts"]
+        assert all(len(r[k]) == n for k in ("per_prompt_tau", "per_prompt_rounds", "per_prompt_tokens",
+                                             "per_prompt_seconds")), name
+        committed = sum(t * k for t, k in zip(r["per_prompt_tau"], r["per_prompt_rounds"]) if k)
+        assert committed / sum(r["per_prompt_rounds"]) == pytest.approx(r["tau"]), name
+        assert sum(r["per_prompt_tokens"]) == r["num_tokens"], name
+        assert r["tokens_per_s"] == pytest.approx(r["num_tokens"] / sum(r["per_prompt_seconds"])), name
+        assert r["speedup_ci_low"] <= r["speedup_vs_target"] <= r["speedup_ci_high"], name
+        assert r["speedup_ci_low"] < r["speedup_ci_high"], name  # measured per-prompt times: never a constant
+    assert len(run["plain_per_prompt_tokens"]) == len(run["plain_per_prompt_seconds"]) == run["num_prompts"]
+    assert sum(run["plain_per_prompt_tokens"]) / sum(run["plain_per_prompt_seconds"]) == pytest.approx(
+        run["target_tokens_per_s"])
+    reference = run["reference_selector"]
+    assert reference == selectors[0] and "ratio_to_reference" not in run["selectors"][reference]
+    for name, r in run["selectors"].items():
+        if name == reference:
+            continue
+        ref = run["selectors"][reference]
+        assert r["ratio_to_reference"] == pytest.approx(r["tau"] / ref["tau"]), name
+        assert r["ci_low"] <= r["ratio_to_reference"] <= r["ci_high"], name
+        assert r["tokens_per_s_ratio_to_reference"] == pytest.approx(r["tokens_per_s"] / ref["tokens_per_s"]), name
+        assert r["tps_ci_low"] <= r["tokens_per_s_ratio_to_reference"] <= r["tps_ci_high"], name
     if temperature == 0:
         assert run["draft_sampling"] is None and all("point_mass" not in r for r in run["selectors"].values())
         return
@@ -446,3 +469,36 @@ def test_a_prompts_file_of_chat_records_is_read_as_the_training_data_is(tiny_run
     with pytest.raises(ValueError, match=r"answer-only.jsonl:1: a chat record whose turns before the first assistant "
                                          r"turn hold no user message"):
         load_prompts(empty, tokenizer, enable_thinking=False)
+
+
+def test_bench_intervals_are_paired_over_prompts_on_a_hand_made_run():
+    """add_intervals on hand-made per-prompt numbers: a selector exactly 2x the reference on every prompt has the
+    ratio 2 with the interval [2, 2] (the pairing cancels the prompts' spread); one faster on some prompts only
+    has an interval around its pooled ratio."""
+    from lilicorr_pl.bench import add_intervals, format_table
+
+    def sel(tau, rounds, tokens, seconds):
+        return {"tau": sum(t * k for t, k in zip(tau, rounds)) / sum(rounds), "per_prompt_tau": tau,
+                "per_prompt_rounds": rounds, "per_prompt_tokens": tokens, "per_prompt_seconds": seconds,
+                "tokens_per_s": sum(tokens) / sum(seconds), "per_position_acceptance": [], "head_time_fraction": 0.0,
+                "lossless": True}
+
+    top1 = sel([1.5, 3.0, 2.0], [10, 4, 6], [15, 12, 12], [1.0, 0.5, 2.0])
+    double = sel([3.0, 6.0, 4.0], [5, 2, 3], [15, 12, 12], [0.5, 0.25, 1.0])
+    mixed = sel([1.5, 6.0, 2.0], [10, 2, 6], [15, 12, 12], [1.0, 0.25, 2.0])
+    run = {"reference_selector": "top1", "selectors": {"top1": top1, "double": double, "mixed": mixed},
+           "plain_per_prompt_tokens": [15, 12, 12], "plain_per_prompt_seconds": [3.0, 1.5, 6.0]}
+    for r in run["selectors"].values():
+        r["speedup_vs_target"] = r["tokens_per_s"] / (39 / 10.5)
+    add_intervals(run, seed=0)
+    assert "ratio_to_reference" not in top1 and (top1["speedup_ci_low"], top1["speedup_ci_high"]) == pytest.approx((3.0, 3.0))
+    assert (double["ratio_to_reference"], double["ci_low"], double["ci_high"]) == pytest.approx((2.0, 2.0, 2.0))
+    assert (double["tokens_per_s_ratio_to_reference"], double["tps_ci_low"], double["tps_ci_high"]) == pytest.approx(
+        (2.0, 2.0, 2.0))
+    assert double["speedup_vs_target"] == pytest.approx(6.0) and double["speedup_ci_low"] == pytest.approx(6.0)
+    # mixed: the same 39 tokens in 18 rounds against top1's 20; only prompt 2 differs, so the interval spans 1 to above.
+    assert mixed["ratio_to_reference"] == pytest.approx(20 / 18)
+    assert mixed["ci_low"] == pytest.approx(1.0) and mixed["ci_high"] > mixed["ratio_to_reference"] > 1.0
+    run.update(benchmark="hand", temperature=0.0, max_new_tokens=4, num_prompts=3, chat_template=False,
+               enable_thinking=False, target_tokens_per_s=39 / 10.5)
+    assert "tau / top1 2.000 [2.000, 2.000]" in format_table(run)

@@ -277,3 +277,22 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
     # --json is written at the end of every mode: a directory there is refused before anything is built.
     assert f"--json {tmp_path} is a directory; pass a file name" in user_error(capsys, [*base, "--json", str(tmp_path)])
+
+
+def test_round_timing_builds_the_random_target_where_it_runs_in_the_runs_dtype(tmp_path, monkeypatch):
+    """No float32 copy first: at 8B shapes that was 32 GB of host memory and minutes before a GPU timed anything."""
+    from transformers import AutoModelForCausalLM
+
+    built = []
+    original = AutoModelForCausalLM.from_config
+
+    def spy(config, **kwargs):
+        model = original(config, **kwargs)
+        built.append((kwargs.get("dtype"), {p.dtype for p in model.parameters()}))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", spy)
+    config = _timing_config(tmp_path, save_tiny_target(tmp_path / "target", layers=4), [1, 3])
+    cli_main(["perf", "--round-timing", "-c", str(config), "--new-tokens", "2", "--prompts", "1", "--context", "8",
+              "--model.target.dtype", "bf16"])
+    assert built == [(torch.bfloat16, {torch.bfloat16})]
