@@ -190,11 +190,15 @@ def export_state(drafter: DFlashDrafter, head: LiLiCorrHead | None = None, dtype
     """
     _check_head_mlp_names(head_mlp_names)
     dtype = dtype or next(drafter.parameters()).dtype
-    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    trained = {k: v.detach() for k, v in drafter.state_dict().items()}
     if head is not None:
         rename = _indexed_name if head_mlp_names == "sequential" else (lambda key: key)
-        state.update({HEAD_PREFIX + rename(k): v.detach().to(dtype).contiguous().cpu()
-                      for k, v in head.state_dict().items()})
+        trained.update({HEAD_PREFIX + rename(k): v.detach() for k, v in head.state_dict().items()})
+    broken = [k for k, v in trained.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if broken:  # not the export's dtype: the weights were never finite (a diverged run)
+        raise ExportError(f"{len(broken)} tensor(s) of the trained weights hold NaN or inf (e.g. {broken[0]}): the "
+                          "run diverged before this checkpoint; export an earlier checkpoint of it")
+    state = {k: v.to(dtype).contiguous().cpu() for k, v in trained.items()}
     overflowed = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if overflowed:
         raise ExportError(f"{len(overflowed)} tensor(s) are not finite in {str(dtype).removeprefix('torch.')} (e.g. "

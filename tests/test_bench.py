@@ -362,7 +362,7 @@ def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_ru
 
 
 def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_time(tiny_run):
-    """Every variant decodes prompt i before any decodes i + 1, in an order rotated per prompt, with the same
+    """Every variant decodes prompt i before any decodes i + 1, in the balanced orders taken in turn, with the same
     seeds as evaluate_arm -- so interleaving changes when an arm runs, never what it generates."""
     import lilicorr_pl.decoding.evaluate as evaluate
     from lilicorr_pl.decoding.benchmarks import load_prompts
@@ -404,8 +404,8 @@ def test_evaluate_arms_interleaves_prompt_by_prompt_and_matches_one_arm_at_a_tim
     calls, temps, _ = traced()
     assert calls[:4] == [(0, name) for name in order] and len(calls) == 4 + 16 and set(temps) == {1.0}
     calls, _, (plain, results) = traced(warmup_tokens=0)
-    expected = [(i, order[(i + j) % 4]) for i in range(4) for j in range(4)]
-    assert calls == expected
+    williams = [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]  # each variant after each other once
+    assert calls == [(i, order[v]) for i in range(4) for v in williams[i]]
     assert list(results) == ["head", "top1", "head_pm"] and len(plain) == 4
     for name, spec in specs.items():
         one = evaluate.evaluate_arm(target, spec.drafter, spec.selector, prompts, 10, temperature=1.0, seed=5,
@@ -502,3 +502,21 @@ def test_bench_intervals_are_paired_over_prompts_on_a_hand_made_run():
     run.update(benchmark="hand", temperature=0.0, max_new_tokens=4, num_prompts=3, chat_template=False,
                enable_thinking=False, target_tokens_per_s=39 / 10.5)
     assert "tau / top1 2.000 [2.000, 2.000]" in format_table(run)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_orders_put_each_variant_after_each_other_equally_often(n):
+    from collections import Counter
+
+    from lilicorr_pl.decoding.evaluate import balanced_orders
+
+    orders = balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n) and all(sorted(o) == list(range(n)) for o in orders)
+    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    assert set(follows) == set(pairs) and len(set(follows.values())) <= 1  # every ordered pair, equally often
+    assert Counter(o[0] for o in orders) == Counter({v: len(orders) // n for v in range(n)})  # each one first alike
+    # The old rotation of one order fails this: variant 1 always right after variant 0.
+    rotated = [[(v + r) % n for v in range(n)] for r in range(n)]
+    if n > 2:
+        assert Counter((a, b) for o in rotated for a, b in zip(o, o[1:]))[(1, 0)] == 0

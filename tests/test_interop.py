@@ -518,3 +518,11 @@ def test_an_export_that_overflows_its_dtype_is_refused(tiny_target, tmp_path):
         export_drafter(drafter, tmp_path / "half", dtype=torch.float16)
     assert not (tmp_path / "half").exists()
     assert export_drafter(drafter, tmp_path / "bf16", dtype=torch.bfloat16).is_dir()
+    # Weights that were never finite (a diverged run) are not blamed on the dtype, in any dtype.
+    with torch.no_grad():
+        drafter.fc.weight[0, 1] = float("nan")
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ExportError, match=r"1 tensor\(s\) of the trained weights hold NaN or inf \(e.g. fc.weight\): "
+                                              r"the run diverged before this checkpoint; export an earlier checkpoint"):
+            export_drafter(drafter, tmp_path / "nan", dtype=dtype)
+    assert not (tmp_path / "nan").exists()

@@ -224,7 +224,9 @@ def evaluate_arms(
     on_prompt: Callable[[], None] | None = None,
 ) -> tuple[list[GenerationResult], dict[str, ArmResult]]:
     """Plain decoding and every arm, **interleaved**: all of them decode prompt ``i`` before any decodes
-    prompt ``i + 1``, in an order rotated by one place per prompt.
+    prompt ``i + 1``, in the orders of :func:`balanced_orders` taken in turn (each variant runs right after each
+    other one equally often: rotating one order would put the same variant after plain decoding on most prompts,
+    and whatever a run leaves behind -- warm caches, an allocator's pool -- would favour or burden one arm).
 
     A machine whose speed drifts over minutes (shared cores, thermal limits) then slows every arm alike, so
     tokens/s ratios between arms, and to plain decoding, measure the arms rather than the moment each ran;
@@ -242,10 +244,10 @@ def evaluate_arms(
     warmup(target, arms, prompts, warmup_tokens, temperature, seed)
     plain: list[GenerationResult] = []
     results: dict[str, list[GenerationResult]] = {name: [] for name in arms}
-    order: list[str | None] = [None, *arms]  # None: plain decoding (an arm may be called anything)
+    variants: list[str | None] = [None, *arms]  # None: plain decoding (an arm may be called anything)
+    orders = balanced_orders(len(variants))
     for i, ids in enumerate(prompts.input_ids):
-        shift = i % len(order)
-        for name in order[shift:] + order[:shift]:
+        for name in (variants[v] for v in orders[i % len(orders)]):
             generator = _generator(target, seed + i)
             if name is None:
                 plain.append(target_generate(target, ids, max_new_tokens, temperature=temperature,
@@ -262,6 +264,23 @@ def evaluate_arms(
         name: _arm_result(results[name], prompts, spec.drafter.num_slots, temperature, spec.draft_sampling, plain)
         for name, spec in arms.items()
     }
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` variants in which each variant immediately follows every other one equally often
+    (a Williams design, balanced for first-order carry-over): ``n`` orders for even ``n``, ``2n`` for odd ``n``
+    (each order and its reverse). The first is ``0, 1, n-1, 2, n-2, …``; the others add ``r`` modulo ``n``."""
+    if n < 1:
+        raise ValueError(f"balanced_orders needs at least one variant, got {n}")
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(v + r) % n for v in first] for r in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
 def warmup(target: Any, arms: Mapping[str, ArmSpec], prompts: PromptSet, max_new_tokens: int = 4,
