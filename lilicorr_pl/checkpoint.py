@@ -15,12 +15,14 @@ goes through :func:`read_checkpoint`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import signal
+import threading
 import warnings
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,25 @@ class StoppedBySignal(SystemExit):
     def __init__(self, what: str, signum: int = signal.SIGTERM) -> None:
         super().__init__(128 + signum)  # 143; 130 for a fit stopped by Ctrl-C (SIGINT), which saves the same way
         self.what = what  # what stopped, for the command's one line ("training at step 4 of 8")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(what: str = "stopped by SIGTERM") -> Iterator[None]:
+    """Inside the block SIGTERM raises :class:`StoppedBySignal` (``what``), so a cancelled job unwinds like Ctrl-C:
+    every ``finally`` runs and the command says in one line how to go on (Python's default ends the process without a
+    word). A no-op outside the main thread, where no handler can be set; the previous handler is restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise StoppedBySignal(what)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class CheckpointError(UserInputError):

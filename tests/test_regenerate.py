@@ -392,6 +392,45 @@ def test_a_refused_run_removes_nothing_and_a_file_removed_under_a_run_is_opened_
     assert len(calls) == 2 and stats.succeeded == len(RECORDS) and len(read(out)) == len(RECORDS)
 
 
+def test_a_sigterm_stops_regenerate_in_one_line_keeping_every_record_written(target_dir, input_file, tmp_path,
+                                                                            monkeypatch, capsys):
+    """A cancelled job (SIGTERM after the first batch) says what stopped and how to go on, exit status 143 (the
+    default ended the process without a word); the rerun goes on after the records written, and the handler the
+    command replaced is back."""
+    import signal
+
+    out = tmp_path / "out.jsonl"
+    generate = Qwen3ForCausalLM.generate
+    calls = []
+
+    def cancelled_after_one_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", cancelled_after_one_batch)
+
+    def outside(signum, frame):  # what a SIGTERM the command did not handle would reach (not the test run's end)
+        raise RuntimeError("SIGTERM reached the handler the command should have replaced")
+
+    before = signal.signal(signal.SIGTERM, outside)
+    argv = ["regenerate", "--target", target_dir, "--input", str(input_file), "--output", str(out),
+            "--max-new-tokens", "3", "--batch-size", "2", "--no-progress"]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(argv)
+        assert exit_.value.code == 143 and signal.getsignal(signal.SIGTERM) is outside
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.endswith("lilicorr regenerate: stopped by SIGTERM; rerun the same command: it goes "
+                                            "on after the records already written (exit status 143)\n")
+    assert len(read(out)) == 2  # the first batch, whole
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", generate)
+    assert cli_main(argv) == 0
+    assert "succeeded 3, failed 0, skipped 2" in capsys.readouterr().out and len(read(out)) == 5
+
+
 def test_a_refused_or_stopped_new_output_leaves_neither_file_nor_folders(target_dir, input_file, tmp_path,
                                                                          monkeypatch):
     with pytest.raises(ValueError, match="does not fit the target's context"):

@@ -585,14 +585,15 @@ def regenerate_command(
         device: cuda, cuda:1 or cpu; default CUDA when available.
         progress: show a progress bar.
     """
-    from lilicorr_pl.checkpoint import UserInputError
+    from lilicorr_pl.checkpoint import UserInputError, stop_on_sigterm
 
     try:
-        stats = regenerate(
-            target, input, output, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-            enable_thinking=enable_thinking, limit=limit, seed=seed, progress=progress, prefix_chars=prefix_chars,
-            chat_template=chat_template, dtype=dtype, device=device,
-        )
+        with stop_on_sigterm():  # a cancelled job: one line and exit status 143; every record written stays
+            stats = regenerate(
+                target, input, output, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                enable_thinking=enable_thinking, limit=limit, seed=seed, progress=progress, prefix_chars=prefix_chars,
+                chat_template=chat_template, dtype=dtype, device=device,
+            )
     except (ValueError, FileNotFoundError) as err:  # settings, checked before the model loads
         raise UserInputError(str(err)) from None
     print(f"regenerate: {stats}")
