@@ -66,8 +66,8 @@ def stop_on_sigterm(what: str = "stopped by SIGTERM") -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler set from C, which Python cannot put back; the default is the closest
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class CheckpointError(UserInputError):

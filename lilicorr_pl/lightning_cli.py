@@ -245,6 +245,28 @@ class _LoopStarted(Callback):
         self.started = True
 
 
+def counts_before_fractions(trainer_class: type) -> None:
+    """Type the Trainer's ``int | float`` arguments int first, so ``--trainer.limit_val_batches=1`` is one batch.
+
+    ``limit_*_batches``, ``val_check_interval`` and ``overfit_batches`` mean a count of batches when an int and a
+    fraction when a float, and the parser tries a union's types in order. ``typing`` caches ``Union[int, float]``
+    and ``Union[float, int]`` as one object (they compare equal), so the order in the Trainer's signature is whichever
+    a module imported earlier wrote: with transformers 5.0–5.17 (imported by Lightning) it was float first, and
+    ``--trainer.limit_predict_batches=1`` meant 1.0, every batch. Rewritten as ``int | float`` (``types.UnionType``
+    keeps its order) on the class the CLI builds; any other annotation is left as it is.
+    """
+    import types
+    import typing
+
+    annotations = getattr(trainer_class.__init__, "__annotations__", {})
+    for name, annotation in list(annotations.items()):
+        if isinstance(annotation, str) or typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+            continue
+        members = typing.get_args(annotation)
+        if set(members) - {type(None)} == {int, float}:
+            annotations[name] = (int | float | None) if type(None) in members else (int | float)
+
+
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.
 
@@ -262,6 +284,7 @@ class LilicorrCLI(LightningCLI):
         self.reporting = dict(reporting or {})
         if "callbacks" in self.reporting:
             self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
+        counts_before_fractions(kwargs.get("trainer_class", Trainer))
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -489,7 +489,7 @@ def round_timing(
     target_overrides: dict[str, Any] | None = None,
     context: int = 64,
     new_tokens: int = 32,
-    prompts: int = 8,
+    prompts: int = 12,
     tau: float = 6.0,
     device: str = "cpu",
     compile: bool = False,
@@ -719,7 +719,7 @@ def perf_options(
     peak_tflops: PositiveFloat | None = None,
     bandwidth_tbs: PositiveFloat | None = None,
     new_tokens: PositiveInt = 32,
-    prompts: PositiveInt = 8,
+    prompts: PositiveInt = 12,
     device: DeviceName = "cpu",
     compile: bool = False,
     allow_module: Sequence[str] = (),
@@ -747,7 +747,8 @@ def perf_options(
         peak_tflops: cost model: override the preset's dense bf16 TFLOP/s.
         bandwidth_tbs: cost model: override the preset's memory bandwidth (TB/s).
         new_tokens: round timing: tokens generated per prompt.
-        prompts: round timing: random prompts, each decoded plainly and with each selector, interleaved.
+        prompts: round timing: random prompts, each decoded plainly and with each selector, interleaved (12:
+            two whole cycles of the balanced orders of plain decoding, top-1 and the head).
         device: round timing: where to run (cpu, cuda, cuda:1, mps).
         compile: round timing: run the LiLiCorr head through torch.compile (as the demo's benchmark does).
         allow_module: also trust components from these packages when the --ckpt checkpoint names them (as for

@@ -684,3 +684,22 @@ def test_chat_records_with_the_template_turned_off_are_refused_before_the_checkp
     ckpt.write_bytes(b"not a checkpoint: the prompts are refused first")
     err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--chat_template", "no"])
     assert "its chat records (prompt 1 is one) are rendered with the chat template, which --chat_template no turns off" in err, err
+
+
+def test_trainer_counts_stay_counts_whatever_order_typing_cached_the_union_in(monkeypatch, tmp_path):
+    """`--trainer.limit_val_batches=1` is one batch, not 1.0 (every batch): with transformers 5.0-5.17 imported first,
+    typing's cache gave Lightning's `Optional[Union[int, float]]` the float-first order and the parser read 1 as 1.0
+    (simulated here with a float-first annotation on the Trainer)."""
+    from lightning.pytorch import Trainer
+
+    from lilicorr_pl.lightning_cli import run_lightning
+
+    for name in ("limit_val_batches", "limit_train_batches", "val_check_interval"):
+        monkeypatch.setitem(Trainer.__init__.__annotations__, name, float | int | None)
+    monkeypatch.chdir(tmp_path)
+    cli = run_lightning(["-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false",
+                         "--trainer.limit_val_batches=1", "--trainer.limit_train_batches=0.5",
+                         "--trainer.val_check_interval=2"], run=False)
+    assert cli.trainer.limit_val_batches == 1 and type(cli.trainer.limit_val_batches) is int
+    assert cli.trainer.limit_train_batches == 0.5 and cli.trainer.val_check_interval == 2
+    assert Trainer.__init__.__annotations__["limit_val_batches"] == int | float | None

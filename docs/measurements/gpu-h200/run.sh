@@ -18,7 +18,8 @@ python -m pytest tests/gpu -q -p no:cacheprovider
 $LC perf --round_timing true -c configs/demo/base.yaml -c configs/demo/arms/lilicorr.yaml \
   --model.target.name_or_path="$TARGET" --device cuda --json "$OUT/round-timing-demo-shape.json"
 $LC perf --round_timing true -c configs/qwen3-8b/base.yaml -c configs/qwen3-8b/lilicorr.yaml \
-  --target_config configs/qwen3-8b/Qwen3-8B.config.json --context 2048 --device cuda --json "$OUT/round-timing-qwen3-8b.json"
+  --target_config configs/qwen3-8b/Qwen3-8B.config.json --context 2048 --device cuda --json "$OUT/round-timing-qwen3-8b-run1.json"
+# (run2: the same command again, in a later call)
 
 B="bench --target $TARGET --chat_template no --seed 1 --num_prompts 40 --max_new_tokens 32 --device cuda --temperature 0"
 $LC $B --ckpt "$LILICORR" --benchmark humaneval --output "$OUT/bench-lilicorr-humaneval.json"
