@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
+from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, stop_on_sigterm
 from lilicorr_pl.command import shipped_configs
 from lilicorr_pl.files import InUseError, atomic_file, hold_alone
 from lilicorr_pl.progress import progress_bar
@@ -456,10 +456,6 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
     return trained
 
 
-def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise StoppedBySignal("stopped by SIGTERM")  # unwinds like Ctrl-C: every `finally` runs, no stage is left
-
-
 @dataclass
 class _Process:
     process: Any  # subprocess.Popen
@@ -484,22 +480,18 @@ class Background:
         self.slots = slots
         self.running: dict[str, _Process] = {}
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._handles_sigterm = False
-        self._previous_sigterm: Any = None
+        # SIGTERM unwinds like Ctrl-C while stages run: every `finally` runs and no stage is left behind.
+        self._sigterm = stop_on_sigterm()
 
     def __enter__(self) -> Background:
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
-            self._handles_sigterm = True
+        self._sigterm.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import signal
+        import threading
 
-        if self._handles_sigterm:  # a second SIGTERM must not cut the cleanup short
+        if threading.current_thread() is threading.main_thread():  # a second SIGTERM must not cut the cleanup short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             # A failed or interrupted demo leaves no stage running: every stage is told to stop first (Lightning
@@ -516,9 +508,7 @@ class Background:
                 stage.bar.close()
             self.running.clear()
         finally:
-            if self._handles_sigterm:  # None: a handler not set from Python, i.e. the default
-                signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None
-                              else signal.SIG_DFL)
+            self._sigterm.__exit__(None, None, None)  # the handler the demo found, back
 
     def full(self) -> bool:
         return len(self.running) >= self.slots
