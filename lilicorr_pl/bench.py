@@ -108,6 +108,7 @@ def run_bench(
     draft_sampling: str = "both",
     compile: bool = False,
     template: str | None = None,
+    compile_mode: str = "default",
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
@@ -117,6 +118,7 @@ def run_bench(
     ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
     share) is device time rather than launch time; it adds the same few synchronisations per step to the
     plain-decoding baseline and to every arm.
+    ``compile_mode``: ``torch.compile``'s mode for the compiled heads (``"reduce-overhead"``: in CUDA graphs).
     ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
     the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
     """
@@ -131,7 +133,7 @@ def run_bench(
     if compile:  # every head with weights: compiling one arm's head alone would favour it
         from lilicorr_pl.decoding.compiled import compile_selectors
 
-        arms = compile_selectors(arms)
+        arms = compile_selectors(arms, compile_mode)
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed, template=template)
     check_context(prompts, max_new_tokens, target)
@@ -160,6 +162,7 @@ def run_bench(
             "synchronized_timing": timing,
             "interleaved": True,
             "compiled_selectors": compile,
+            "compile_mode": compile_mode if compile else None,
             # The trained LiLiCorr head's decoding: lattice width served and T = 0 walk (None without one).
             "lattice": _lattice_settings(system.head),
             "target_tokens_per_s": target_tps,
@@ -252,7 +255,8 @@ def format_table(run: dict[str, Any]) -> str:
     lines = [
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
         f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}"
-        + (f" draft_sampling={rule}" if rule else ""),
+        + (f" draft_sampling={rule}" if rule else "")
+        + (f" compiled_heads={run.get('compile_mode') or 'default'}" if run.get("compiled_selectors") else ""),
         f"target: {run['target_tokens_per_s']:.1f} tok/s   (tau includes the bonus token)",
         f"{'selector':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6} {'lossless':>8}  acceptance by position",
     ]
@@ -338,6 +342,7 @@ def bench(
     output: str | None = None,
     plot: str | None = None,
     compile: bool = False,
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default",
     lattice_k: PositiveInt | None = None,
     walk: Literal["greedy", "viterbi", "top1_start"] | None = None,
     target: str | None = None,
@@ -370,6 +375,8 @@ def bench(
         compile: run every selector with weights through torch.compile for deterministic drafts (T = 0 and
             the point-mass rule; sampled drafts and the parameter-free top1 stay eager), as the serving engines
             run heads inside CUDA graphs; needs a C++ compiler on CPU, Triton on GPU.
+        compile_mode: torch.compile's mode for those heads; reduce-overhead (CUDA only) also captures each in a CUDA
+            graph, one replay per round instead of a launch per kernel, as the engines serve them.
         lattice_k: serve the checkpoint's LiLiCorr head with a narrower lattice, k <= the K it was trained with
             (its rank-ordered candidates; the engines choose k at serving time). Default: the head's own.
         walk: the LiLiCorr head's T = 0 walk: greedy (the method), viterbi (the max-sum ablation) or top1_start (the
@@ -397,9 +404,10 @@ def bench(
             )
         check_output_paths(output, plot, command="bench")
         check_device(device)
-        if compile:
-            from lilicorr_pl.decoding.compiled import check_compile_available
+        from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
 
+        check_compile_mode(compile_mode, compile, device)
+        if compile:
             check_compile_available(device)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         raise UserInputError(str(err)) from None
@@ -440,7 +448,7 @@ def bench(
             system, benchmark, names, temperatures, num_prompts, max_new_tokens,
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
             timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
-            draft_sampling=draft_sampling, compile=compile,
+            draft_sampling=draft_sampling, compile=compile, compile_mode=compile_mode,
             template=template,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package

@@ -496,6 +496,7 @@ def round_timing(
     seed: int = 0,
     json_path: str | None = None,
     dtype: str | torch.dtype | None = None,
+    compile_mode: str = "default",
 ) -> dict[str, Any]:
     """Measure one speculative round on this machine at a config's shapes, against one plain decoding step.
 
@@ -508,6 +509,7 @@ def round_timing(
     commits one token and the drafter appends one feature per round where a trained one appends τ.
 
     ``dtype``: of the target, drafter and head (default: ``model.target.dtype`` of the -c files).
+    ``compile_mode``: ``torch.compile``'s mode for the head with ``compile`` (``"reduce-overhead"``: CUDA graphs).
 
     Returns:
         ``{"settings", "plain_step_ms", "arms": {"top1"|"lilicorr": {"tau", "round_ms", "draft_ms", "head_ms",
@@ -526,19 +528,23 @@ def round_timing(
     check_device(device)
     if new_tokens < 2:
         raise ValueError(f"--new_tokens {new_tokens}: the first token comes from the prefill, so time at least 2")
-    if compile:
-        from lilicorr_pl.decoding.compiled import check_compile_available
+    from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
 
+    check_compile_mode(compile_mode, compile, device)
+    if compile:
         check_compile_available(device, fix="run without --compile")
-    # Built where they run, in the run's dtype: an 8B-shaped target initialised on the CPU in float32 first would
-    # take minutes and 32 GB of host memory before a GPU timed anything.
-    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device=device)
+    # The shapes first, on the meta device (nothing allocated), so a context past the target's positions is refused
+    # before anything is built.
+    target_cfg, drafter, _ = load_round_modules(config, target_config, target_overrides)
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
     if limit and context + new_tokens + drafter.block_size > limit:
         raise ValueError(
             f"--context {context} + --new_tokens {new_tokens} + a block of {drafter.block_size} runs past the target's "
             f"{limit} positions; lower --context or --new_tokens"
         )
+    # Built where they run, in the run's dtype: an 8B-shaped target initialised on the CPU in float32 first would
+    # take minutes and 32 GB of host memory before a GPU timed anything.
+    target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides, device=device)
     if dtype is None:
         dtype = (_model_section(config).get("target") or {}).get("dtype", "float32")
     dtype = resolve_dtype(dtype)
@@ -555,7 +561,7 @@ def round_timing(
     if compile:
         from lilicorr_pl.decoding.compiled import compile_selectors
 
-        selectors = compile_selectors(selectors)
+        selectors = compile_selectors(selectors, compile_mode)
     arms = {name: ArmSpec(drafter, selector) for name, selector in selectors.items()}
     reference, results = evaluate_arms(target, arms, prompt_set, new_tokens, 0.0, seed=seed, stop_token_ids=[],
                                        timing=torch.device(device).type == "cuda")
@@ -568,7 +574,7 @@ def round_timing(
             "target_layer_ids": list(drafter.target_layer_ids), "drafter_layers": drafter.num_layers,
             "block_size": drafter.block_size, "head_top_k": head.top_k, "context": context, "new_tokens": new_tokens,
             "prompts": prompts, "tau": tau, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "compiled_head": compile, "threads": torch.get_num_threads(), "weights": "random",
+            "compiled_head": compile, "compile_mode": compile_mode if compile else None, "threads": torch.get_num_threads(), "weights": "random",
         },
         "plain_step_ms": step,
         "arms": {},
@@ -593,7 +599,7 @@ def format_round_timing(result: dict[str, Any]) -> str:
         f"one speculative round, measured ({st['device']}, {st['dtype']}, {st['threads']} threads, random weights): "
         f"target {st['target']}, layers {st['target_layer_ids']} read by a {st['drafter_layers']}-layer DFlash "
         f"drafter, block {st['block_size']}; context {st['context']}, {st['prompts']} prompts x {st['new_tokens']} "
-        f"tokens",
+        f"tokens; head {'compiled (' + str(st.get('compile_mode') or 'default') + ')' if st.get('compiled_head') else 'eager'}",
         f"plain decoding step: {result['plain_step_ms']:.2f} ms",
         f"{'selector':<10} {'draft':>7} {'head':>7} {'verify':>7} {'other':>7} {'round ms':>9} "
         f"{'verify/step':>11} {'round/step':>10} {'speedup at tau ' + format(st['tau'], 'g'):>18}",
@@ -722,6 +728,7 @@ def perf_options(
     prompts: PositiveInt = 12,
     device: DeviceName = "cpu",
     compile: bool = False,
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default",
     allow_module: Sequence[str] = (),
 ) -> None:
     """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.
@@ -751,6 +758,8 @@ def perf_options(
             two whole cycles of the balanced orders of plain decoding, top-1 and the head).
         device: round timing: where to run (cpu, cuda, cuda:1, mps).
         compile: round timing: run the LiLiCorr head through torch.compile (as the demo's benchmark does).
+        compile_mode: round timing: torch.compile's mode for the head; reduce-overhead (CUDA only) also captures it
+            in a CUDA graph, as the engines serve it.
         allow_module: also trust components from these packages when the --ckpt checkpoint names them (as for
             ``bench`` and ``export``).
     """
@@ -829,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    json_path=options.json, target_overrides=overrides)
             return round_timing(configs, options.target_config, overrides, options.context or 64, options.new_tokens,
                                 options.prompts, options.tau, options.device, options.compile, json_path=options.json,
-                                dtype=options.model.target.dtype)
+                                dtype=options.model.target.dtype, compile_mode=options.compile_mode)
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule

@@ -170,6 +170,7 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the head did run as a compiled graph
     for e, c in zip(eager, compiled):
         assert e["compiled_selectors"] is False and c["compiled_selectors"] is True
+        assert e["compile_mode"] is None and c["compile_mode"] == "default"
         for name in ("top1", "lilicorr"):
             assert c["selectors"][name]["histogram"] == e["selectors"][name]["histogram"]
             assert c["selectors"][name]["tau"] == e["selectors"][name]["tau"]
@@ -243,6 +244,10 @@ def write(path: Path, text: str) -> str:
                                      r"max_position_embeddings 64; use shorter prompts"),
         ("lattice_k_too_wide", r"--lattice_k 99 is outside 1\.\.\d+: the head was trained with K="),
         ("lattice_k_without_the_head", r"--selectors top1 does not decode with it; add lilicorr to --selectors"),
+        ("compile_mode_without_compile", r"--compile_mode max-autotune-no-cudagraphs sets how the heads are compiled, "
+                                         r"and they are not; add --compile true"),
+        ("cuda_graphs_on_the_cpu", r"--compile_mode reduce-overhead captures the heads in CUDA graphs, which need a "
+                                   r"CUDA device \(--device cuda\); on cpu use --compile_mode default"),
     ],
 )
 def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, case, message):
@@ -299,6 +304,10 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--selectors"] = "top1,lilicorr"
     elif case == "lattice_k_without_the_head":
         args["--lattice-k"] = "2"
+    elif case == "compile_mode_without_compile":
+        args["--compile-mode"] = "max-autotune-no-cudagraphs"
+    elif case == "cuda_graphs_on_the_cpu":
+        args.update({"--compile": "true", "--compile-mode": "reduce-overhead", "--device": "cpu"})
     argv = ["bench", *(x for kv in args.items() for x in kv)]
     import lilicorr_pl.decoding.evaluate as evaluate
 

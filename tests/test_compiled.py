@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lilicorr_pl.decoding.compiled import CompiledSelector, check_compile_available, compile_selectors
+from lilicorr_pl.decoding.compiled import (
+    CompiledSelector,
+    check_compile_available,
+    check_compile_mode,
+    compile_selectors,
+    owned,
+    uses_cuda_graphs,
+)
 from lilicorr_pl.heads import DominoHead, DSparkHead, LiLiCorrHead, Top1Selector
-from lilicorr_pl.heads.base import SelectContext
+from lilicorr_pl.heads.base import SelectContext, Selection
 from lilicorr_pl.heads.sampling import DraftSampling
 from lilicorr_pl.models.dflash import DraftOutput
 
@@ -124,3 +131,55 @@ def test_a_head_the_compiler_fails_on_names_the_fix():
             compiled.select(draft_output(3, stride_source=6), context())
     finally:
         torch._dynamo.reset()
+
+
+def test_compile_modes_map_to_cuda_graphs_and_impossible_ones_are_refused_in_one_line():
+    assert [uses_cuda_graphs(m) for m in (None, "default", "reduce-overhead", "max-autotune",
+                                          "max-autotune-no-cudagraphs")] == [False, False, True, True, False]
+    check_compile_mode("default", False, "cpu")
+    check_compile_mode("max-autotune-no-cudagraphs", True, "cpu")
+    check_compile_mode("reduce-overhead", True, "cuda:1")
+    with pytest.raises(ValueError, match=r"'fast' is not a torch.compile mode; use one of default, reduce-overhead"):
+        check_compile_mode("fast", True, "cuda")
+    with pytest.raises(ValueError, match=r"--compile_mode reduce-overhead sets how the heads are compiled, and they "
+                                         r"are not; add --compile true"):
+        check_compile_mode("reduce-overhead", False, "cuda")
+    with pytest.raises(ValueError, match=r"captures the heads in CUDA graphs, which need a CUDA device \(--device "
+                                         r"cuda\); on mps use --compile_mode default"):
+        check_compile_mode("max-autotune", True, "mps")
+
+
+def test_a_cuda_graph_mode_asks_inductor_to_fail_rather_than_leave_a_graph_uncaptured(monkeypatch):
+    """torch.compile takes a mode or options: the mode's own options are spelled out, plus cudagraph_or_error, so
+    a head Inductor could not capture never runs eagerly under a CUDA-graph label."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    head = DSparkHead(rank=8)
+    head.build(H, V, block_size=S + 1)
+    for mode in (None, "reduce-overhead", "max-autotune-no-cudagraphs"):
+        CompiledSelector(head, mode)
+    assert seen[0] == {"dynamic": False, "options": None}
+    assert seen[1]["options"] == {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}
+    assert seen[2]["options"] == {"max_autotune": True, "coordinate_descent_tuning": True}  # no CUDA graphs asked
+    graphs = CompiledSelector(head, "reduce-overhead")
+    assert graphs.cuda_graphs and graphs.mode == "reduce-overhead"
+    with pytest.raises(RuntimeError, match=r"compiled with mode 'reduce-overhead', which captures CUDA graphs, and "
+                                           r"its inputs are on cpu; compile it with mode 'default' there"):
+        graphs.select(draft_output(0, stride_source=6), context())
+
+
+def test_owned_copies_every_tensor_of_a_selection_out_of_shared_memory():
+    """A CUDA graph's outputs are overwritten by its next replay: what a round keeps must be its own copy."""
+    head, _ = _small_compiled_head()
+    with torch.no_grad():
+        selection = head.select(draft_output(4, stride_source=6), context())
+    copy = owned(selection)
+    assert isinstance(copy, Selection) and copy.q is None
+    pairs = [(selection.tokens, copy.tokens), (selection.lattice_index, copy.lattice_index),
+             *((getattr(selection.lattice, f), getattr(copy.lattice, f))
+               for f in ("candidates", "start", "pair", "candidate_logprobs"))]
+    for original, mine in pairs:
+        assert torch.equal(original, mine) and mine.data_ptr() != original.data_ptr()
+    selection.tokens.zero_()  # the next replay writing over the pool leaves the copy as it was
+    assert not torch.equal(copy.tokens, selection.tokens)
+    assert owned({"a": [torch.ones(1), (2, None)]})["a"][1] == (2, None)

@@ -272,8 +272,18 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
         load_round_modules([str(config)], None, {"num_hidden_layers": 1})
     assert "time at least 2" in user_error(capsys, [*base[:4], "--new-tokens", "1"])
     assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
-    assert "runs past the target's 512 positions; lower --context" in user_error(
-        capsys, [*base[:-1], "510"])
+    import lilicorr_pl.perf as perf
+
+    built_on, real = [], perf.load_round_modules
+    perf.load_round_modules = lambda *a, device="meta", **k: built_on.append(device) or real(*a, device=device, **k)
+    try:
+        assert "runs past the target's 512 positions; lower --context" in user_error(capsys, [*base[:-1], "510"])
+    finally:
+        perf.load_round_modules = real
+    assert built_on == ["meta"]  # refused from the shapes alone, before anything was built where it runs
+    assert ("--compile_mode reduce-overhead captures the heads in CUDA graphs, which need a CUDA device (--device "
+            "cuda); on cpu use --compile_mode default") in user_error(
+        capsys, [*base, "--compile", "true", "--compile-mode", "reduce-overhead"])
     assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
     # --json is written at the end of every mode: a directory there is refused before anything is built.
     assert f"--json {tmp_path} is a directory; pass a file name" in user_error(capsys, [*base, "--json", str(tmp_path)])

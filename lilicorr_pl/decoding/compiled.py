@@ -5,6 +5,11 @@ eager mode its cost is mostly per-op dispatch, not arithmetic. The engines captu
 graphs; :class:`CompiledSelector` is the portable stand-in: the same ``select``, traced once per shape and
 fused by Inductor, token for token the same drafts (tested). A benchmark that compiles one arm's head must
 compile every arm's head (``lilicorr bench --compile``, ``lilicorr demo --compile``), or the comparison favours it.
+
+On CUDA, ``mode="reduce-overhead"`` (or ``"max-autotune"``) also captures the fused graph in a CUDA graph, so a
+round's head is one replay instead of a launch per kernel: what the engines do. A graph Inductor cannot capture
+is an error there, not a silent eager fallback, and every selection is copied out of the graphs' memory pool
+(the next replay overwrites it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,28 @@ from torch import nn
 
 from lilicorr_pl.heads.base import SelectContext, Selection
 
-__all__ = ["CompiledSelector", "check_compile_available", "compile_selectors"]
+__all__ = ["COMPILE_MODES", "CompiledSelector", "check_compile_available", "check_compile_mode", "compile_selectors",
+           "uses_cuda_graphs"]
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch.compile``'s modes, as ``--compile_mode`` takes them."""
+
+
+def uses_cuda_graphs(mode: str | None) -> bool:
+    """Whether ``torch.compile(mode=mode)`` captures CUDA graphs (Inductor's ``triton.cudagraphs``)."""
+    return mode not in (None, "default") and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
+
+
+def check_compile_mode(mode: str, compile: bool, device: str | torch.device) -> None:
+    """Refuse, in one line and before anything is built, a ``--compile_mode`` that cannot apply: one torch does not
+    know, one given without ``--compile true``, or a CUDA-graph mode on a device without CUDA graphs."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile_mode {mode!r} is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)}")
+    if mode != "default" and not compile:
+        raise ValueError(f"--compile_mode {mode} sets how the heads are compiled, and they are not; add --compile true")
+    if uses_cuda_graphs(mode) and torch.device(device).type != "cuda":
+        raise ValueError(f"--compile_mode {mode} captures the heads in CUDA graphs, which need a CUDA device "
+                         f"(--device cuda); on {device} use --compile_mode default")
 
 
 # Past Dynamo's recompile limit a compiled function silently runs eagerly; torch >= 2.7 can raise instead (older
@@ -46,12 +72,22 @@ class CompiledSelector(nn.Module):
 
     Holds the original selector as a submodule, so eval/train mode, devices and state dicts are its own.
     RNN layers (Domino's GRU) are traced too (``allow_rnn``), so no head is left half-compiled.
+
+    ``mode``: ``torch.compile``'s (None = ``"default"``). A CUDA-graph mode (``"reduce-overhead"``,
+    ``"max-autotune"``) runs on CUDA only; a graph Inductor would leave uncaptured raises instead
+    (``triton.cudagraph_or_error``), and each selection is returned as tensors of its own.
     """
 
     def __init__(self, selector: nn.Module, mode: str | None = None) -> None:
         super().__init__()
         self.selector = selector
-        self._select = torch.compile(selector.select, dynamic=False, mode=mode)
+        self.mode = mode or "default"
+        self.cuda_graphs = uses_cuda_graphs(self.mode)
+        options = dict(torch._inductor.list_mode_options(self.mode))
+        if self.cuda_graphs and hasattr(torch._inductor.config.triton, "cudagraph_or_error"):
+            options["triton.cudagraph_or_error"] = True  # an uncaptured graph fails rather than runs eagerly
+        # torch.compile takes a mode or options, not both: the mode's own options, spelled out.
+        self._select = torch.compile(selector.select, dynamic=False, options=options or None)
 
     @property
     def name(self) -> str:
@@ -69,18 +105,23 @@ class CompiledSelector(nn.Module):
         draft = dataclasses.replace(draft, **{f.name: _dense(getattr(draft, f.name)) for f in dataclasses.fields(draft)})
         context = dataclasses.replace(context, anchor_tokens=_dense(context.anchor_tokens),
                                       anchor_positions=_dense(context.anchor_positions))
+        if self.cuda_graphs:
+            if not draft.slot_logits.is_cuda:
+                raise RuntimeError(f"the {self.name!r} head is compiled with mode {self.mode!r}, which captures CUDA "
+                                   f"graphs, and its inputs are on {draft.slot_logits.device}; compile it with mode "
+                                   "'default' there")
+            torch.compiler.cudagraph_mark_step_begin()  # a new round: the previous replay's outputs may be reused
         # Past Dynamo's recompile limit (8 shapes per code object; instances of one head class share their graphs)
         # it would run the head eagerly without a word, and the row would still say compiled: fail instead.
         try:
             with torch._dynamo.config.patch(allow_rnn=True, **_LOUD_RECOMPILE_LIMIT):
-                return self._select(draft, context, *args)
+                selection = self._select(draft, context, *args)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # a head Inductor cannot compile, after training
             inner = getattr(error, "inner_exception", None) or error
             first = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
-            raise RuntimeError(
-                f"compiling the {self.name!r} head failed ({first}); run without --compile (lilicorr demo --compile "
-                "false reuses every trained stage)"
-            ) from error
+            fix = ("run with --compile_mode default (no CUDA graphs)" if self.cuda_graphs else
+                   "run without --compile (lilicorr demo --compile false reuses every trained stage)")
+            raise RuntimeError(f"compiling the {self.name!r} head failed ({first}); {fix}") from error
         except _RecompileLimitHit as error:
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             raise RuntimeError(
@@ -88,6 +129,22 @@ class CompiledSelector(nn.Module):
                 f"({limit}) allows, so it would silently run eagerly; benchmark fewer lattice widths or block sizes "
                 "in one process, or run without compiling (--compile false)"
             ) from error
+        # A CUDA graph's outputs live in its memory pool, which the next round's replay overwrites.
+        return owned(selection) if self.cuda_graphs else selection
+
+
+def owned(value: Any) -> Any:
+    """``value`` with every tensor in it (inside dataclasses, tuples, lists and dicts) copied to memory of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: owned(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (list, tuple)):
+        return type(value)(owned(v) for v in value)
+    if isinstance(value, dict):
+        return {k: owned(v) for k, v in value.items()}
+    return value
 
 
 def check_compile_available(device: str | torch.device = "cpu", fix: str = "run without --compile") -> None:
@@ -104,6 +161,6 @@ def check_compile_available(device: str | torch.device = "cpu", fix: str = "run 
 
 
 def compile_selectors(selectors: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
-    """Every selector with weights wrapped in :class:`CompiledSelector`; a parameter-free one (top-1: one argmax)
-    has nothing to fuse and would only pay the wrapper's guards, so it stays as it is."""
+    """Every selector with weights wrapped in :class:`CompiledSelector` (with ``mode``); a parameter-free one
+    (top-1: one argmax) has nothing to fuse and would only pay the wrapper's guards, so it stays as it is."""
     return {name: s if s.parameter_free else CompiledSelector(s, mode) for name, s in selectors.items()}

@@ -294,3 +294,66 @@ def test_lilicorr_bench_on_the_device(run, tmp_path):
             split = [s[k] for k in ("draft_ms", "head_ms", "verify_ms", "bookkeeping_ms")]
             assert all(x > 0 for x in split) and sum(split) == pytest.approx(s["round_ms"], rel=1e-9), name
             assert 0.0 < s["head_time_fraction"] < 1.0
+
+
+# ------------------------------------------------------------------------------ the head inside CUDA graphs
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs are a CUDA feature")
+def test_cuda_graph_head_drafts_as_eager_mode_and_keeps_every_rounds_selection(run):
+    """``CompiledSelector(mode="reduce-overhead")``: Inductor's graph captured in a CUDA graph (no skip), the same
+    drafts as eager mode round after round, and a selection kept from an earlier round unchanged by later replays
+    (they write the graph's memory pool again)."""
+    from lilicorr_pl.decoding.compiled import CompiledSelector
+    from lilicorr_pl.heads.base import SelectContext
+    from lilicorr_pl.models.dflash import DraftOutput
+
+    system = run.system.eval()
+    target, head = system.target, system.head
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphs = CompiledSelector(head, "reduce-overhead")
+    hidden, vocab, slots = target.config.hidden_size, target.config.vocab_size, BLOCK - 1
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def draft() -> DraftOutput:
+        return DraftOutput(slot_hidden=torch.randn(1, slots, hidden, device=DEVICE, generator=g),
+                           slot_logits=4 * torch.randn(1, slots, vocab, device=DEVICE, generator=g),
+                           anchor_feature=torch.randn(1, hidden, device=DEVICE, generator=g),
+                           anchor_feature_valid=torch.ones(1, dtype=torch.bool, device=DEVICE))
+
+    kept = []
+    with torch.no_grad():
+        for r in range(6):  # warm-up, recording, then replays
+            out = draft()
+            context = SelectContext(torch.tensor([r + 3], device=DEVICE), torch.tensor([9 + r], device=DEVICE),
+                                    target.embed)
+            eager, captured = head.select(out, context), graphs.select(out, context)
+            assert torch.equal(eager.tokens, captured.tokens)
+            assert torch.equal(eager.lattice.candidates, captured.lattice.candidates)
+            assert torch.allclose(eager.lattice.pair, captured.lattice.pair, rtol=1e-4, atol=1e-4)  # fused rounding
+            kept.append((captured, captured.tokens.clone(), captured.lattice.pair.clone()))
+        for captured, tokens, pair in kept:  # every earlier round's selection survived the later replays
+            assert torch.equal(captured.tokens, tokens) and torch.equal(captured.lattice.pair, pair)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    # Whole generations: the same tokens and accepted lengths as the eager head (lossless, T = 0).
+    prompts = run.callback.prompt_set(system)
+    for ids in prompts.input_ids:
+        with torch.no_grad():
+            a = speculative_generate(target, system.drafter, head, ids, MAX_NEW)
+            b = speculative_generate(target, system.drafter, graphs, ids, MAX_NEW)
+        assert a.tokens == b.tokens and a.accepted_lengths == b.accepted_lengths
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs are a CUDA feature")
+def test_bench_with_heads_in_cuda_graphs_decodes_what_eager_mode_decodes(run, tmp_path):
+    args = ["bench", "--ckpt", str(run.ckpt), "--benchmark", run.prompts, "--num-prompts", "2", "--max-new-tokens", "16",
+            "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "no", "--device", DEVICE]
+    (eager,) = cli_main(args)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (graphs,) = cli_main([*args, "--compile", "true", "--compile-mode", "reduce-overhead"])
+    assert graphs["compile_mode"] == "reduce-overhead" and eager["compile_mode"] is None
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    for name in ("top1", "lilicorr"):
+        assert graphs["selectors"][name]["lossless"] is True
+        assert graphs["selectors"][name]["histogram"] == eager["selectors"][name]["histogram"], name

@@ -28,6 +28,19 @@ $LC $B --ckpt "$DFLASH" --selectors top1 --benchmark humaneval --output "$OUT/be
 $LC $B --ckpt "$DFLASH" --selectors top1 --benchmark $PROMPTS --output "$OUT/bench-dflash-stdlib.json"
 $LC $B --ckpt "$LILICORR" --benchmark humaneval --compile true --output "$OUT/bench-lilicorr-humaneval-compiled.json"
 
+# A later session: the heads inside CUDA graphs (log-run2.txt; tests/gpu first, as above). The bench pair was run
+# again with --selectors lilicorr,top1 (the *-swapped.json files), the round timings with and without $G.
+G="--compile true --compile_mode reduce-overhead"
+$LC $B --ckpt "$LILICORR" --benchmark humaneval $G --output "$OUT/bench-lilicorr-humaneval-cudagraphs.json"
+$LC $B --ckpt "$LILICORR" --benchmark $PROMPTS $G --output "$OUT/bench-lilicorr-stdlib-cudagraphs.json"
+$LC $B --ckpt "$LILICORR" --benchmark humaneval $G --selectors lilicorr,top1 --output "$OUT/bench-lilicorr-humaneval-cudagraphs-swapped.json"
+$LC $B --ckpt "$LILICORR" --benchmark $PROMPTS $G --selectors lilicorr,top1 --output "$OUT/bench-lilicorr-stdlib-cudagraphs-swapped.json"
+$LC perf --round_timing true -c configs/demo/base.yaml -c configs/demo/arms/lilicorr.yaml \
+  --model.target.name_or_path="$TARGET" --device cuda $G --json "$OUT/round-timing-demo-shape-cudagraphs.json"
+$LC perf --round_timing true -c configs/qwen3-8b/base.yaml -c configs/qwen3-8b/lilicorr.yaml \
+  --target_config configs/qwen3-8b/Qwen3-8B.config.json --context 2048 --device cuda $G --json "$OUT/round-timing-qwen3-8b-cudagraphs.json"
+# (eager, the same two commands without $G: round-timing-qwen3-8b-run3-balanced.json, round-timing-demo-shape-eager-run2.json)
+
 # How the prompts file was written (on the machine that ran the demo):
 #   python -c "import json; from transformers import AutoTokenizer; from lilicorr_pl.data.corpus import heldout_prefixes;
 #   tok = AutoTokenizer.from_pretrained('TARGET_DIR'); f = open('stdlib-heldout-demo.jsonl', 'w');
