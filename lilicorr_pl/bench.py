@@ -6,6 +6,7 @@ decoding measured in the same process. τ always includes the target's bonus tok
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Sequence
@@ -157,6 +158,10 @@ def run_bench(
             "enable_thinking": prompts.enable_thinking,
             "seed": seed,
             "target": system.target_spec.name_or_path,
+            # Which target weights were measured, against the ones the checkpoint trained with (a hash of the config
+            # and weight files; None where unreadable): a false match says the drafter ran against another model.
+            "target_weights": system.target_weights_fingerprint(),
+            "target_weights_trained": (getattr(system, "checkpoint_meta", None) or {}).get("target_weights"),
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
             "synchronized_timing": timing,
@@ -170,6 +175,8 @@ def run_bench(
             "reference_selector": next(iter(arms)),
             "selectors": {},
         }
+        if out["target_weights"] and out["target_weights_trained"]:
+            out["same_target_as_training"] = out["target_weights"] == out["target_weights_trained"]
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:
             r = results[name]
@@ -283,15 +290,25 @@ def format_table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
-    """Per-position conditional acceptance of every selector in one PNG; returns its path."""
+def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperature: float) -> Path:
+    """Where ``bench --plot`` draws one temperature of one checkpoint's benchmark: the file name is keyed by the
+    checkpoint (its name and a hash of its resolved path: two runs' ``last.ckpt`` never share a plot), the benchmark
+    and the temperature, so a rerun replaces its own plot and another checkpoint's is never taken for it."""
+    ckpt = Path(ckpt)
+    key = hashlib.sha256(str(ckpt.resolve()).encode()).hexdigest()[:8]
+    return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{Path(str(benchmark)).stem}_T{temperature}.png"
+
+
+def plot_acceptance(run: dict[str, Any], directory: str | Path, ckpt: str | Path) -> Path:
+    """Per-position conditional acceptance of every selector in one PNG (:func:`plot_path`; the checkpoint, prompt
+    count and budget in its title and PNG text); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    from lilicorr_pl.files import save_figure
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, r in run["selectors"].items():
         acc = r["per_position_acceptance"]  # NaN where no round reached the position: a gap in the line
@@ -299,13 +316,17 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path) -> Path:
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | accepted < k)")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"{run['benchmark']}, T={run['temperature']}")
+    ckpt = Path(ckpt)
+    ax.set_title(f"{Path(str(run['benchmark'])).name}, T={run['temperature']}: {ckpt.parent.name}/{ckpt.name}, "
+                 f"{run['num_prompts']} prompts x {run['max_new_tokens']} tokens", fontsize=8)
     ax.legend()
     fig.tight_layout()
-    path = directory / f"acceptance_{Path(str(run['benchmark'])).stem}_T{run['temperature']}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    about = {"checkpoint": str(ckpt), **{k: run[k] for k in ("benchmark", "temperature", "num_prompts",
+                                                               "max_new_tokens", "seed", "draft_sampling")}}
+    try:
+        return save_figure(fig, plot_path(directory, ckpt, run["benchmark"], run["temperature"]), "bench", about)
+    finally:
+        plt.close(fig)
 
 
 def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
@@ -403,6 +424,10 @@ def bench(
                 f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
             )
         check_output_paths(output, plot, command="bench")
+        if plot:  # a file of a plot's name that this tool did not write (a user's) is never replaced
+            from lilicorr_pl.files import check_plot_files
+
+            check_plot_files(plot_path(plot, path, benchmark, t) for t in temperatures)
         check_device(device)
         from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
 
@@ -462,5 +487,5 @@ def bench(
         print(f"results: {out}")
     if plot:
         for run in runs:
-            print(f"plot: {plot_acceptance(run, plot)}")
+            print(f"plot: {plot_acceptance(run, plot, path)}")
     return runs

@@ -19,7 +19,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 
 def jsonable(value: Any) -> Any:
@@ -125,6 +125,69 @@ def write_results_json(path: Path, payload: dict[str, Any], command: str) -> Non
     from lilicorr_pl import __version__
 
     write_json_atomic(path, {WRITTEN_BY: f"lilicorr {command} {__version__}", **jsonable(payload)})
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_text(path: Path, limit: int = 1 << 20) -> dict[str, str] | None:
+    """The ``tEXt`` entries of a PNG file (read from its first ``limit`` bytes), or None if it is not a PNG."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit)
+    except OSError:
+        return None
+    if not data.startswith(_PNG_SIGNATURE):
+        return None
+    entries, at = {}, len(_PNG_SIGNATURE)
+    while at + 8 <= len(data):
+        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
+        body = data[at + 8 : at + 8 + length]
+        if kind == b"tEXt" and b"\0" in body:
+            key, _, value = body.partition(b"\0")
+            entries[key.decode("latin-1")] = value.decode("latin-1")
+        if kind in (b"IDAT", b"IEND"):  # matplotlib writes its text before the image data
+            break
+        at += 12 + length
+    return entries
+
+
+def png_written_by_lilicorr(path: Path, command: str | None = None) -> bool:
+    """Whether ``path`` may be replaced as a plot of this tool: an empty file, or a PNG whose ``written_by`` text
+    names ``lilicorr`` (and ``command``, given one)."""
+    try:
+        if path.stat().st_size == 0:
+            return True
+    except OSError:
+        return False
+    writer = (png_text(path) or {}).get(WRITTEN_BY, "")
+    return writer.startswith("lilicorr ") and (command is None or writer.split(" ")[1:2] == [command])
+
+
+def check_plot_files(paths: Iterable[Path], flag: str = "--plot") -> None:
+    """Raise ``ValueError`` for a plot path that holds something this tool did not write (a user's file of that
+    name), before any work starts: a rerun replaces its own plots, nothing else."""
+    for path in paths:
+        if path.is_dir():
+            raise ValueError(f"{flag}: {path} is a directory where a plot would be written; move it or choose "
+                             "another plot directory")
+        if path.exists() and not png_written_by_lilicorr(path):
+            raise ValueError(f"{flag}: {path} exists and is not a plot lilicorr wrote, so it is not overwritten; "
+                             "choose another plot directory")
+
+
+def save_figure(fig: Any, path: Path, command: str, about: dict[str, str] | None = None, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG atomically (a reader sees the previous file or the new one, whole), with
+    ``written_by`` (``lilicorr <command> <version>``) and ``about`` (what produced it) as PNG text, so a rerun may
+    replace it and a reader can tell which run drew it."""
+    from lilicorr_pl import __version__
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"Software": f"lilicorr {__version__}", WRITTEN_BY: f"lilicorr {command} {__version__}",
+                **{k: str(v) for k, v in (about or {}).items()}}
+    with atomic_file(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=dpi, metadata=metadata)
+    return path
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -116,8 +116,17 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
     assert run["max_new_tokens"] == 16 and run["num_prompts"] == 2
     assert run["written_by"].startswith("lilicorr bench ")  # so a rerun may replace it, and nothing else
     assert run["chat_template"] is True  # wrapped as one user message in the tokenizer's chat template
+    assert run["same_target_as_training"] is True and len(run["target_weights"]) == 16
     (png,) = plots.glob("*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from lilicorr_pl.bench import plot_path
+    from lilicorr_pl.files import png_text
+
+    # Keyed by the checkpoint, saying what drew it: another checkpoint's plot is never taken for this one's.
+    assert png == plot_path(plots, ckpt, prompts, 0.0) and png.name.startswith(f"acceptance_{Path(ckpt).stem}-")
+    text = png_text(png)
+    assert text["written_by"].startswith("lilicorr bench ") and text["checkpoint"] == str(ckpt)
+    assert text["num_prompts"] == "2" and text["temperature"] == "0.0"
 
 
 def test_a_failing_plot_does_not_lose_the_measured_results(tiny_run, tmp_path, monkeypatch):
@@ -126,7 +135,7 @@ def test_a_failing_plot_does_not_lose_the_measured_results(tiny_run, tmp_path, m
     _, ckpt = tiny_run
     out = tmp_path / "results.json"
 
-    def broken(run, directory):
+    def broken(run, directory, ckpt):
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(bench_module, "plot_acceptance", broken)
@@ -246,6 +255,8 @@ def write(path: Path, text: str) -> str:
         ("lattice_k_without_the_head", r"--selectors top1 does not decode with it; add lilicorr to --selectors"),
         ("compile_mode_without_compile", r"--compile_mode max-autotune-no-cudagraphs sets how the heads are compiled, "
                                          r"and they are not; add --compile true"),
+        ("plot_over_a_users_file", r"--plot: .*acceptance_.*_humaneval_T0\.0\.png exists and is not a plot lilicorr "
+                                   r"wrote, so it is not overwritten; choose another plot directory"),
         ("cuda_graphs_on_the_cpu", r"--compile_mode reduce-overhead captures the heads in CUDA graphs, which need a "
                                    r"CUDA device \(--device cuda\); on cpu use --compile_mode default"),
     ],
@@ -306,6 +317,13 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--lattice-k"] = "2"
     elif case == "compile_mode_without_compile":
         args["--compile-mode"] = "max-autotune-no-cudagraphs"
+    elif case == "plot_over_a_users_file":  # a PNG of the plot's name that lilicorr did not draw
+        from lilicorr_pl.bench import plot_path
+
+        args["--plot"] = str(tmp_path / "plots")
+        users = plot_path(tmp_path / "plots", ckpt, "humaneval", 0.0)
+        users.parent.mkdir()
+        users.write_bytes(b"\x89PNG\r\n\x1a\n" + b"a figure of the user's own")
     elif case == "cuda_graphs_on_the_cpu":
         args.update({"--compile": "true", "--compile-mode": "reduce-overhead", "--device": "cpu"})
     argv = ["bench", *(x for kv in args.items() for x in kv)]

@@ -672,6 +672,14 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
     with pytest.warns(UserWarning, match=rf"the target at {target} is not the one this checkpoint trained against "
                                          rf".*the checkpoint's target to {recorded}\); using it measures or serves"):
         main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "other-export")])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*using it measures"):
+        (run,) = main(["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num_prompts", "1",
+                       "--max_new_tokens", "2", "--selectors", "top1", "--chat_template", "no"])
+    # The results say it too: the weights measured, and the ones the drafter trained against.
+    assert run["target_weights_trained"] == recorded and run["target_weights"] not in (None, recorded)
+    assert run["same_target_as_training"] is False
     with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
                                          r"drafter against another model"):
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)

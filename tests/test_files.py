@@ -195,3 +195,37 @@ def test_one_commands_results_are_not_replaced_by_another_command(tmp_path):
     assert not written_by_lilicorr(tmp_path / "old-bench.json", "perf")
     with pytest.raises(ValueError, match=r"earlier version"):
         check_output_paths(str(tmp_path / "old-bench.json"), None, "--json", command="perf")
+
+
+def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lilicorr_pl.files import check_plot_files, png_text, png_written_by_lilicorr, save_figure
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [0.5, 0.7])
+    ours = save_figure(fig, tmp_path / "plots" / "ours.png", "bench", {"checkpoint": "runs/a/last.ckpt", "seed": 3})
+    theirs = tmp_path / "plots" / "theirs.png"
+    fig.savefig(theirs)  # matplotlib's own PNG: a user's figure
+    plt.close(fig)
+    text = png_text(ours)
+    assert text["written_by"].startswith("lilicorr bench ") and text["checkpoint"] == "runs/a/last.ckpt"
+    assert text["seed"] == "3"
+    assert png_written_by_lilicorr(ours) and png_written_by_lilicorr(ours, "bench")
+    assert not png_written_by_lilicorr(ours, "demo")  # another command's plot
+    assert png_text(theirs) is not None and not png_written_by_lilicorr(theirs)
+    (tmp_path / "notes.png").write_text("not a PNG at all")
+    assert png_text(tmp_path / "notes.png") is None and not png_written_by_lilicorr(tmp_path / "notes.png")
+    assert not png_written_by_lilicorr(tmp_path / "missing.png")
+    (tmp_path / "empty.png").touch()
+    assert png_written_by_lilicorr(tmp_path / "empty.png")  # nothing to lose
+    check_plot_files([ours, tmp_path / "missing.png"])  # its own plot, or a new name: fine
+    with pytest.raises(ValueError, match=r"theirs\.png exists and is not a plot lilicorr wrote, so it is not "
+                                         r"overwritten; choose another plot directory"):
+        check_plot_files([ours, theirs])
+    with pytest.raises(ValueError, match=r"is a directory where a plot would be written"):
+        check_plot_files([tmp_path / "plots"])
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ours.png", "theirs.png"]  # no temp file left

@@ -641,10 +641,13 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("P(accept k | reached k)")
     fig.tight_layout()
-    path = directory / "acceptance_curves.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    paths.append(path)
+    from lilicorr_pl.files import save_figure
+
+    try:  # atomically, saying what drew it (the folder is keyed by the comparison's settings)
+        paths.append(save_figure(fig, directory / "acceptance_curves.png", "demo", {"comparison": directory.name},
+                                 dpi=130))
+    finally:
+        plt.close(fig)
     return paths
 
 
