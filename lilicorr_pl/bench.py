@@ -175,8 +175,8 @@ def run_bench(
             "reference_selector": next(iter(arms)),
             "selectors": {},
         }
-        if out["target_weights"] and out["target_weights_trained"]:
-            out["same_target_as_training"] = out["target_weights"] == out["target_weights_trained"]
+        out["same_target_as_training"] = (out["target_weights"] == out["target_weights_trained"]
+                                          if out["target_weights"] and out["target_weights_trained"] else None)
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:
             r = results[name]
@@ -295,7 +295,8 @@ def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperatu
     checkpoint (its name and a hash of its resolved path: two runs' ``last.ckpt`` never share a plot), the benchmark
     and the temperature, so a rerun replaces its own plot and another checkpoint's is never taken for it."""
     ckpt = Path(ckpt)
-    key = hashlib.sha256(str(ckpt.resolve()).encode()).hexdigest()[:8]
+    # The absolute path, links not followed: a `last.ckpt` link moved to each newer checkpoint keeps its plot.
+    key = hashlib.sha256(os.path.abspath(ckpt).encode()).hexdigest()[:8]
     return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{Path(str(benchmark)).stem}_T{temperature}.png"
 
 
@@ -429,11 +430,12 @@ def bench(
 
             check_plot_files(plot_path(plot, path, benchmark, t) for t in temperatures)
         check_device(device)
-        from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
+        if compile or compile_mode != "default":
+            from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
 
-        check_compile_mode(compile_mode, compile, device)
-        if compile:
-            check_compile_available(device)
+            check_compile_mode(compile_mode, compile, device)
+            if compile:
+                check_compile_available(device)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         raise UserInputError(str(err)) from None
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):

@@ -131,7 +131,10 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def png_text(path: Path, limit: int = 1 << 20) -> dict[str, str] | None:
-    """The ``tEXt`` entries of a PNG file (read from its first ``limit`` bytes), or None if it is not a PNG."""
+    """The text entries of a PNG file (``tEXt``, and ``iTXt``, where a writer puts what latin-1 cannot hold), read
+    from its first ``limit`` bytes, or None if it is not a PNG."""
+    import zlib
+
     try:
         with open(path, "rb") as fh:
             data = fh.read(limit)
@@ -146,6 +149,14 @@ def png_text(path: Path, limit: int = 1 << 20) -> dict[str, str] | None:
         if kind == b"tEXt" and b"\0" in body:
             key, _, value = body.partition(b"\0")
             entries[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"iTXt" and b"\0" in body:  # key, compressed?, method, language, translated key, UTF-8 text
+            key, _, rest = body.partition(b"\0")
+            compressed, rest = rest[:1] == b"\1", rest[2:]
+            value = rest.split(b"\0", 2)[-1] if rest.count(b"\0") >= 2 else b""
+            try:
+                entries[key.decode("latin-1")] = (zlib.decompress(value) if compressed else value).decode("utf-8")
+            except (zlib.error, UnicodeDecodeError):  # a damaged entry: left out, as an unreadable file would be
+                pass
         if kind in (b"IDAT", b"IEND"):  # matplotlib writes its text before the image data
             break
         at += 12 + length

@@ -574,7 +574,8 @@ def round_timing(
             "target_layer_ids": list(drafter.target_layer_ids), "drafter_layers": drafter.num_layers,
             "block_size": drafter.block_size, "head_top_k": head.top_k, "context": context, "new_tokens": new_tokens,
             "prompts": prompts, "tau": tau, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "compiled_head": compile, "compile_mode": compile_mode if compile else None, "threads": torch.get_num_threads(), "weights": "random",
+            "compiled_head": compile, "compile_mode": compile_mode if compile else None,
+            "threads": torch.get_num_threads(), "weights": "random",
         },
         "plain_step_ms": step,
         "arms": {},
@@ -599,7 +600,7 @@ def format_round_timing(result: dict[str, Any]) -> str:
         f"one speculative round, measured ({st['device']}, {st['dtype']}, {st['threads']} threads, random weights): "
         f"target {st['target']}, layers {st['target_layer_ids']} read by a {st['drafter_layers']}-layer DFlash "
         f"drafter, block {st['block_size']}; context {st['context']}, {st['prompts']} prompts x {st['new_tokens']} "
-        f"tokens; head {'compiled (' + str(st.get('compile_mode') or 'default') + ')' if st.get('compiled_head') else 'eager'}",
+        f"tokens; head " + (f"compiled ({st.get('compile_mode') or 'default'})" if st.get("compiled_head") else "eager"),
         f"plain decoding step: {result['plain_step_ms']:.2f} ms",
         f"{'selector':<10} {'draft':>7} {'head':>7} {'verify':>7} {'other':>7} {'round ms':>9} "
         f"{'verify/step':>11} {'round/step':>10} {'speedup at tau ' + format(st['tau'], 'g'):>18}",
@@ -826,6 +827,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options = cli.config
     if options.cost_model and options.round_timing:
         raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
+    if (options.compile or options.compile_mode != "default") and not options.round_timing:
+        raise UserInputError("--compile and --compile_mode set how --round_timing runs the head; add --round_timing "
+                             "true or drop them")
     if options.cost_model or options.round_timing:
         from lilicorr_pl.system import plain_data
 

@@ -187,6 +187,19 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
                 assert c["selectors"][name]["point_mass"]["histogram"] == e["selectors"][name]["point_mass"]["histogram"]
 
 
+def test_bench_compiles_the_heads_in_the_mode_asked_for(tiny_run, tmp_path, monkeypatch):
+    import lilicorr_pl.decoding.compiled as compiled
+
+    _, ckpt = tiny_run
+    modes = []
+    monkeypatch.setattr(compiled, "compile_selectors", lambda arms, mode=None: modes.append(mode) or arms)
+    prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    (run,) = cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "1", "--max-new-tokens",
+                       "4", "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "no",
+                       "--compile", "true", "--compile-mode", "max-autotune-no-cudagraphs"])
+    assert modes == ["max-autotune-no-cudagraphs"] and run["compile_mode"] == "max-autotune-no-cudagraphs"
+
+
 def test_bench_lattice_k_1_serves_the_head_as_top1_and_records_the_lattice(tiny_run, tmp_path):
     """--lattice_k: the trained head served with a narrower lattice. At k = 1 the lattice holds only the drafter's
     top-1 at every slot, so the head's drafts are top-1's, round for round; the JSON records what was served."""

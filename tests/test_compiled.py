@@ -11,6 +11,7 @@ from lilicorr_pl.decoding.compiled import (
     check_compile_available,
     check_compile_mode,
     compile_selectors,
+    left_cuda_graphs,
     owned,
     uses_cuda_graphs,
 )
@@ -183,3 +184,13 @@ def test_owned_copies_every_tensor_of_a_selection_out_of_shared_memory():
     selection.tokens.zero_()  # the next replay writing over the pool leaves the copy as it was
     assert not torch.equal(copy.tokens, selection.tokens)
     assert owned({"a": [torch.ones(1), (2, None)]})["a"][1] == (2, None)
+
+
+def test_a_head_that_leaves_its_cuda_graphs_while_running_names_the_fix():
+    """Inductor's cudagraph_or_error raises outside compilation too (re-recording past its limit, a mutated input):
+    that error becomes one line naming the mode to use; any other error is left as it is."""
+    error = RuntimeError("skipping cudagraphs due to mutated inputs (1 instances)\nFound from: ...")
+    message = str(left_cuda_graphs("lilicorr", error))
+    assert message == ("the 'lilicorr' head left its CUDA graphs (skipping cudagraphs due to mutated inputs (1 "
+                       "instances)); run with --compile_mode default (no CUDA graphs)")
+    assert left_cuda_graphs("lilicorr", RuntimeError("CUDA out of memory")) is None

@@ -207,13 +207,14 @@ def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path)
 
     fig, ax = plt.subplots()
     ax.plot([1, 2], [0.5, 0.7])
-    ours = save_figure(fig, tmp_path / "plots" / "ours.png", "bench", {"checkpoint": "runs/a/last.ckpt", "seed": 3})
+    ours = save_figure(fig, tmp_path / "plots" / "ours.png", "bench", {"checkpoint": "runs/a/last.ckpt", "seed": 3,
+                                                                       "benchmark": "données/中文.jsonl"})
     theirs = tmp_path / "plots" / "theirs.png"
     fig.savefig(theirs)  # matplotlib's own PNG: a user's figure
     plt.close(fig)
     text = png_text(ours)
     assert text["written_by"].startswith("lilicorr bench ") and text["checkpoint"] == "runs/a/last.ckpt"
-    assert text["seed"] == "3"
+    assert text["seed"] == "3" and text["benchmark"] == "données/中文.jsonl"  # beyond latin-1: an iTXt entry
     assert png_written_by_lilicorr(ours) and png_written_by_lilicorr(ours, "bench")
     assert not png_written_by_lilicorr(ours, "demo")  # another command's plot
     assert png_text(theirs) is not None and not png_written_by_lilicorr(theirs)

@@ -284,6 +284,17 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     assert ("--compile_mode reduce-overhead captures the heads in CUDA graphs, which need a CUDA device (--device "
             "cuda); on cpu use --compile_mode default") in user_error(
         capsys, [*base, "--compile", "true", "--compile-mode", "reduce-overhead"])
+    assert "--compile and --compile_mode set how --round_timing runs the head; add --round_timing true" in user_error(
+        capsys, ["perf", "--cost-model", "-c", str(config), "--compile", "true"])
+    import lilicorr_pl.decoding.compiled as compiled
+
+    modes, real_compile = [], compiled.compile_selectors
+    compiled.compile_selectors = lambda selectors, mode=None: modes.append(mode) or selectors
+    try:  # the mode asked for reaches the head's compilation
+        result = cli_main([*base, "--compile", "true", "--compile-mode", "max-autotune-no-cudagraphs"])
+    finally:
+        compiled.compile_selectors = real_compile
+    assert modes == ["max-autotune-no-cudagraphs"] and result["settings"]["compile_mode"] == modes[0]
     assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
     # --json is written at the end of every mode: a directory there is refused before anything is built.
     assert f"--json {tmp_path} is a directory; pass a file name" in user_error(capsys, [*base, "--json", str(tmp_path)])

@@ -129,8 +129,23 @@ class CompiledSelector(nn.Module):
                 f"({limit}) allows, so it would silently run eagerly; benchmark fewer lattice widths or block sizes "
                 "in one process, or run without compiling (--compile false)"
             ) from error
+        except RuntimeError as error:  # a graph given up on while replaying (re-recording past the limit, a mutation)
+            left = left_cuda_graphs(self.name, error) if self.cuda_graphs else None
+            if left is None:
+                raise
+            raise left from error
         # A CUDA graph's outputs live in its memory pool, which the next round's replay overwrites.
         return owned(selection) if self.cuda_graphs else selection
+
+
+def left_cuda_graphs(name: str, error: BaseException) -> RuntimeError | None:
+    """The one-line error for a head whose CUDA graphs Inductor gave up on while it ran (``cudagraph_or_error``
+    raises ``skipping cudagraphs due to …`` there, outside compilation), or None for any other error."""
+    text = str(error).strip()
+    if not text.startswith("skipping cudagraph"):
+        return None
+    return RuntimeError(f"the {name!r} head left its CUDA graphs ({text.splitlines()[0]}); run with --compile_mode "
+                        "default (no CUDA graphs)")
 
 
 def owned(value: Any) -> Any:

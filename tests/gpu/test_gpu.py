@@ -346,8 +346,8 @@ def test_cuda_graph_head_drafts_as_eager_mode_and_keeps_every_rounds_selection(r
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs are a CUDA feature")
 def test_bench_with_heads_in_cuda_graphs_decodes_what_eager_mode_decodes(run, tmp_path):
-    args = ["bench", "--ckpt", str(run.ckpt), "--benchmark", run.prompts, "--num-prompts", "2", "--max-new-tokens", "16",
-            "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "no", "--device", DEVICE]
+    args = ["bench", "--ckpt", str(run.ckpt), "--benchmark", run.prompts, "--num-prompts", "2",
+            "--max-new-tokens", "16", "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "no", "--device", DEVICE]
     (eager,) = cli_main(args)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
