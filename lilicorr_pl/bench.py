@@ -232,10 +232,13 @@ def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
     Every selector gets ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target`` (its tokens/s against
     plain decoding of the same prompts); every selector but the reference (``run["reference_selector"]``, the
     first named) gets ``ratio_to_reference`` with ``ci_low``/``ci_high`` (pooled τ) and
-    ``tokens_per_s_ratio_to_reference`` with ``tps_ci_low``/``tps_ci_high``. Prompts are resampled in pairs
+    ``tokens_per_s_ratio_to_reference`` with ``tps_ci_low``/``tps_ci_high``, and the same ratio read so that a few
+    slow prompts do not move it (``tokens_per_s_ratio_to_reference_robust`` with ``tps_robust_ci_low``/``_high``: the
+    pooled τ ratio over ``round_time_ratio_to_reference_median``, the median over prompts of the per-round time
+    ratio; :func:`~lilicorr_pl.decoding.stats.bootstrap_tau_over_median_round_time`). Prompts are resampled in pairs
     because every arm decoded the same prompts, interleaved prompt by prompt.
     """
-    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums
+    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums, bootstrap_tau_over_median_round_time
 
     selectors = run["selectors"]
     ref = selectors[run["reference_selector"]]
@@ -255,6 +258,12 @@ def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
             ratio, low, high = bootstrap_ratio_of_sums(r["per_prompt_tokens"], r["per_prompt_seconds"],
                                                        ref["per_prompt_tokens"], ref["per_prompt_seconds"], seed=seed)
             r.update(tokens_per_s_ratio_to_reference=ratio, tps_ci_low=low, tps_ci_high=high)
+            if any(a > 0 and b > 0 for a, b in zip(r["per_prompt_rounds"], ref["per_prompt_rounds"])):
+                ratio, median, low, high = bootstrap_tau_over_median_round_time(
+                    r["per_prompt_tau"], r["per_prompt_rounds"], r["per_prompt_seconds"], ref["per_prompt_tau"],
+                    ref["per_prompt_rounds"], ref["per_prompt_seconds"], seed=seed)
+                r.update(round_time_ratio_to_reference_median=median, tokens_per_s_ratio_to_reference_robust=ratio,
+                         tps_robust_ci_low=low, tps_robust_ci_high=high)
 
 
 def format_table(run: dict[str, Any]) -> str:
@@ -285,6 +294,9 @@ def format_table(run: dict[str, Any]) -> str:
         if "tokens_per_s_ratio_to_reference" in r:
             parts.append(f"tok/s / {ref} {r['tokens_per_s_ratio_to_reference']:.3f} "
                          f"[{r['tps_ci_low']:.3f}, {r['tps_ci_high']:.3f}]")
+        if "tokens_per_s_ratio_to_reference_robust" in r:
+            parts.append(f"by the median round {r['tokens_per_s_ratio_to_reference_robust']:.3f} "
+                         f"[{r['tps_robust_ci_low']:.3f}, {r['tps_robust_ci_high']:.3f}]")
         if parts:
             lines.append(f"{name:<10} " + ", ".join(parts))
     return "\n".join(lines)

@@ -536,12 +536,17 @@ def test_bench_intervals_are_paired_over_prompts_on_a_hand_made_run():
     assert (double["tokens_per_s_ratio_to_reference"], double["tps_ci_low"], double["tps_ci_high"]) == pytest.approx(
         (2.0, 2.0, 2.0))
     assert double["speedup_vs_target"] == pytest.approx(6.0) and double["speedup_ci_low"] == pytest.approx(6.0)
+    # Its rounds take as long as top1's on every prompt: τ ratio 2 over a median round-time ratio of 1.
+    assert double["round_time_ratio_to_reference_median"] == pytest.approx(1.0)
+    assert (double["tokens_per_s_ratio_to_reference_robust"], double["tps_robust_ci_low"],
+            double["tps_robust_ci_high"]) == pytest.approx((2.0, 2.0, 2.0))
     # mixed: the same 39 tokens in 18 rounds against top1's 20; only prompt 2 differs, so the interval spans 1 to above.
     assert mixed["ratio_to_reference"] == pytest.approx(20 / 18)
     assert mixed["ci_low"] == pytest.approx(1.0) and mixed["ci_high"] > mixed["ratio_to_reference"] > 1.0
     run.update(benchmark="hand", temperature=0.0, max_new_tokens=4, num_prompts=3, chat_template=False,
                enable_thinking=False, target_tokens_per_s=39 / 10.5)
     assert "tau / top1 2.000 [2.000, 2.000]" in format_table(run)
+    assert "by the median round 2.000 [2.000, 2.000]" in format_table(run)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])

@@ -128,6 +128,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
                 assert (r["tps_ci_low"], r["tps_ci_high"]) == pytest.approx((1.0, 1.0))
             else:
                 assert r["tps_ci_low"] < r["tps_ci_high"]  # measured times differ: never a constant
+            if r["arm"] == "dflash":  # against itself: every prompt's round-time ratio is 1
+                assert (r["tokens_per_s_ratio_to_dflash_robust"], r["tps_robust_ci_low"], r["tps_robust_ci_high"],
+                        r["round_time_ratio_to_dflash_median"]) == pytest.approx((1.0, 1.0, 1.0, 1.0))
+            else:  # the pooled τ ratio over the median of the measured per-prompt round-time ratios
+                assert r["tokens_per_s_ratio_to_dflash_robust"] == pytest.approx(
+                    r["ratio_to_dflash"] / r["round_time_ratio_to_dflash_median"])
+                assert r["tps_robust_ci_low"] <= r["tps_robust_ci_high"]
     for bench in ("humaneval", "stdlib-heldout"):
         tau = {r["arm"]: r["tau"] for r in rows if r["benchmark"] == bench and r["temperature"] == 0.0}
         assert tau["oracle"] + 1e-9 >= tau["lilicorr"] or math.isclose(tau["oracle"], tau["lilicorr"])

@@ -6,7 +6,12 @@ import itertools
 import math
 
 import pytest
-from lilicorr_pl.decoding.stats import bootstrap_ratio, pooled_tau
+from lilicorr_pl.decoding.stats import (
+    bootstrap_ratio,
+    bootstrap_ratio_of_sums,
+    bootstrap_tau_over_median_round_time,
+    pooled_tau,
+)
 
 
 def test_pooled_tau_weighs_prompts_by_rounds():
@@ -69,3 +74,26 @@ def test_a_prompt_without_rounds_commits_nothing_instead_of_poisoning_the_pool()
     ratio, low, high = bootstrap_ratio([2.0, math.nan], [10, 0], [1.0, 1.0], [10, 10], num_resamples=500)
     assert ratio == pytest.approx(2.0)  # (20 / 10) / (20 / 20)
     assert (low, high) == pytest.approx((2.0, 2.0))  # 00, 01, 10 all give 2; 11 has no round in a
+
+
+def test_a_few_slow_prompts_move_the_pooled_tokens_per_s_ratio_and_not_the_median_round_reading():
+    """Arm a accepts 1.5x the tokens per round of arm b and its rounds take 1.1x as long, on every prompt but one,
+    on which the machine ran 5x slow during a's turn. The pooled tokens/s ratio follows that one prompt's seconds;
+    τ ratio / median round-time ratio = 1.5 / 1.1 does not, and neither does its interval (at most 4 of 10
+    resampled prompts are the slow one in 97.5 % of replicates)."""
+    n = 10
+    tau_a, tau_b, rounds = [3.0] * n, [2.0] * n, [10] * n
+    seconds_a, seconds_b = [11.0 * 5] + [11.0] * (n - 1), [10.0] * n
+    tokens_a, tokens_b = [30] * n, [20] * n
+    pooled, _, _ = bootstrap_ratio_of_sums(tokens_a, seconds_a, tokens_b, seconds_b)
+    assert pooled == pytest.approx((300 / 154) / 2.0)  # 0.97: the slow prompt's 44 extra seconds sink a
+    ratio, median, low, high = bootstrap_tau_over_median_round_time(tau_a, rounds, seconds_a, tau_b, rounds, seconds_b)
+    assert median == pytest.approx(1.1) and (ratio, low, high) == pytest.approx((1.5 / 1.1,) * 3)
+    # A prompt without a round in either arm is left out of the median, not counted as a ratio of zero.
+    _, median, _, _ = bootstrap_tau_over_median_round_time(
+        [3.0, 3.0, math.nan], [10, 10, 0], [11.0, 11.0, 0.2], [2.0, 2.0, 2.0], [10, 10, 3], [10.0, 10.0, 3.0])
+    assert median == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="same, non-empty prompt set"):
+        bootstrap_tau_over_median_round_time([2.0], [1], [1.0], [2.0, 2.0], [1, 1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="no prompt has rounds and time in both arms"):
+        bootstrap_tau_over_median_round_time([math.nan], [0], [0.0], [2.0], [1], [1.0])

@@ -72,3 +72,49 @@ def bootstrap_ratio_of_sums(
     # A replicate whose denominator is 0 (only prompts without a round) has no ratio: it is left out.
     low, high = torch.nanquantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return float(ratio), float(low), float(high)
+
+
+def bootstrap_tau_over_median_round_time(
+    tau_a: Sequence[float],
+    rounds_a: Sequence[int],
+    seconds_a: Sequence[float],
+    tau_b: Sequence[float],
+    rounds_b: Sequence[int],
+    seconds_b: Sequence[float],
+    num_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float, float]:
+    """A tokens/s ratio of arm a to arm b that a few slow prompts do not move, with its paired bootstrap interval.
+
+    Tokens/s is τ per round over time per round. The pooled τ ratio (:func:`bootstrap_ratio`) is divided by the
+    **median over prompts** of a's time per round over b's on the same prompt (a prompt's seconds, its prefill
+    included, over its rounds; prompts where either arm had no round are left out of the median). The pooled
+    tokens/s ratio (:func:`bootstrap_ratio_of_sums`) weighs every second alike, so a spell in which the machine ran
+    slow during one arm's prompts moves it; the median does not follow a minority of such prompts.
+
+    Returns ``(ratio, median_round_time_ratio, low, high)``; each replicate resamples the prompts once for both parts.
+    """
+    n = len(tau_a)
+    if not (n == len(rounds_a) == len(seconds_a) == len(tau_b) == len(rounds_b) == len(seconds_b)) or not n:
+        raise ValueError("a paired bootstrap needs both arms' per-prompt values on the same, non-empty prompt set")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    ca, cb = _committed(tau_a, rounds_a), _committed(tau_b, rounds_b)
+    ra, rb = (torch.as_tensor(x, dtype=torch.float64) for x in (rounds_a, rounds_b))
+    sa, sb = (torch.as_tensor(x, dtype=torch.float64) for x in (seconds_a, seconds_b))
+    valid = (ra > 0) & (rb > 0) & (sa > 0) & (sb > 0)
+    if not bool(valid.any()):
+        raise ValueError("no prompt has rounds and time in both arms: no round-time ratio to take a median of")
+    per_prompt = torch.where(valid, (sa / ra.clamp_min(1)) / (sb / rb.clamp_min(1)).clamp_min(1e-300),
+                             torch.full_like(sa, float("nan")))  # [n] a's time per round over b's; NaN: left out
+    half = torch.tensor(0.5, dtype=torch.float64)
+    median = torch.nanquantile(per_prompt, half)
+    ratio = (ca.sum() / ra.sum()) / (cb.sum() / rb.sum()) / median
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (num_resamples, n), generator=g)  # [R, n] prompt indices
+    tau_ratio = (ca[idx].sum(1) / ra[idx].sum(1)) / (cb[idx].sum(1) / rb[idx].sum(1))  # [R]
+    samples = tau_ratio / torch.nanquantile(per_prompt[idx], half, dim=1)  # [R]; NaN where a resample has none
+    alpha = (1 - confidence) / 2
+    low, high = torch.nanquantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
+    return float(ratio), float(median), float(low), float(high)

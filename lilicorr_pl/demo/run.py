@@ -948,12 +948,14 @@ def add_ratio_intervals(rows: list[dict[str, Any]], plain: dict[tuple[str, float
 
     - τ: ``ratio_to_dflash`` with ``ci_low``/``ci_high`` (pooled τ against the dflash row of the same benchmark
       and temperature);
-    - tokens/s (rows with per-prompt times): ``tokens_per_s_ratio_to_dflash`` with ``tps_ci_low``/``tps_ci_high``,
-      and, given ``plain`` (``{(benchmark, temperature): {"tokens": [...], "seconds": [...]}}``, plain decoding of
+    - tokens/s (rows with per-prompt times): ``tokens_per_s_ratio_to_dflash`` with ``tps_ci_low``/``tps_ci_high``;
+      the same ratio as the pooled τ ratio over the median per-prompt round-time ratio, which a few prompts the
+      machine ran slow on do not move: ``tokens_per_s_ratio_to_dflash_robust`` with ``tps_robust_ci_low``/
+      ``tps_robust_ci_high`` (and ``round_time_ratio_to_dflash_median``); and, given ``plain`` (``{(benchmark, temperature): {"tokens": [...], "seconds": [...]}}``, plain decoding of
       the same prompts), ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target``. The arms were
       timed interleaved (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`), so the pairs share the moment.
     """
-    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums
+    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums, bootstrap_tau_over_median_round_time
 
     reference = {(r["benchmark"], r["temperature"]): r for r in rows if r["arm"] == "dflash"}
     for r in rows:
@@ -969,6 +971,13 @@ def add_ratio_intervals(rows: list[dict[str, Any]], plain: dict[tuple[str, float
                 r["per_prompt_tokens"], r["per_prompt_seconds"], ref["per_prompt_tokens"], ref["per_prompt_seconds"],
                 num_resamples=RESAMPLES, seed=seed)
             r.update(tokens_per_s_ratio_to_dflash=ratio, tps_ci_low=low, tps_ci_high=high)
+            if r.get("per_prompt_rounds") and any(a > 0 and b > 0 for a, b in zip(r["per_prompt_rounds"],
+                                                                                 ref["per_prompt_rounds"])):
+                ratio, median, low, high = bootstrap_tau_over_median_round_time(
+                    r["per_prompt_tau"], r["per_prompt_rounds"], r["per_prompt_seconds"], ref["per_prompt_tau"],
+                    ref["per_prompt_rounds"], ref["per_prompt_seconds"], num_resamples=RESAMPLES, seed=seed)
+                r.update(round_time_ratio_to_dflash_median=median, tokens_per_s_ratio_to_dflash_robust=ratio,
+                         tps_robust_ci_low=low, tps_robust_ci_high=high)
         if plain is not None and key in plain and timed:
             _, low, high = bootstrap_ratio_of_sums(
                 r["per_prompt_tokens"], r["per_prompt_seconds"], plain[key]["tokens"], plain[key]["seconds"],
