@@ -227,43 +227,20 @@ def run_bench(
 
 
 def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
-    """Paired bootstrap 95 % intervals over the run's prompts (the demo's, :mod:`lilicorr_pl.decoding.stats`).
+    """Paired bootstrap 95 % intervals over the run's prompts (:func:`~lilicorr_pl.decoding.stats.paired_intervals`).
 
-    Every selector gets ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target`` (its tokens/s against
-    plain decoding of the same prompts); every selector but the reference (``run["reference_selector"]``, the
-    first named) gets ``ratio_to_reference`` with ``ci_low``/``ci_high`` (pooled τ) and
-    ``tokens_per_s_ratio_to_reference`` with ``tps_ci_low``/``tps_ci_high``, and the same ratio read so that a few
-    slow prompts do not move it (``tokens_per_s_ratio_to_reference_robust`` with ``tps_robust_ci_low``/``_high``: the
-    pooled τ ratio over ``round_time_ratio_to_reference_median``, the median over prompts of the per-round time
-    ratio; :func:`~lilicorr_pl.decoding.stats.bootstrap_tau_over_median_round_time`). Prompts are resampled in pairs
-    because every arm decoded the same prompts, interleaved prompt by prompt.
+    Every selector gets ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target``; every selector but the
+    reference (``run["reference_selector"]``, the first named) gets its τ and tokens/s ratios to it, named
+    ``…_to_reference`` (``ratio_to_reference``, ``tokens_per_s_ratio_to_reference`` and its ``_robust`` reading).
+    Prompts are resampled in pairs because every arm decoded the same prompts, interleaved prompt by prompt.
     """
-    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums, bootstrap_tau_over_median_round_time
+    from lilicorr_pl.decoding.stats import paired_intervals
 
-    selectors = run["selectors"]
-    ref = selectors[run["reference_selector"]]
+    selectors, reference = run["selectors"], run["reference_selector"]
+    plain = (run["plain_per_prompt_tokens"], run["plain_per_prompt_seconds"])
     for name, r in selectors.items():
-        if sum(r["per_prompt_seconds"]) > 0 and sum(run["plain_per_prompt_seconds"]) > 0:
-            _, low, high = bootstrap_ratio_of_sums(r["per_prompt_tokens"], r["per_prompt_seconds"],
-                                                   run["plain_per_prompt_tokens"], run["plain_per_prompt_seconds"],
-                                                   seed=seed)
-            r.update(speedup_ci_low=low, speedup_ci_high=high)
-        if name == run["reference_selector"]:
-            continue
-        if sum(r["per_prompt_rounds"]) > 0 and sum(ref["per_prompt_rounds"]) > 0:
-            ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
-                                               ref["per_prompt_rounds"], seed=seed)
-            r.update(ratio_to_reference=ratio, ci_low=low, ci_high=high)
-        if sum(r["per_prompt_seconds"]) > 0 and sum(ref["per_prompt_seconds"]) > 0:
-            ratio, low, high = bootstrap_ratio_of_sums(r["per_prompt_tokens"], r["per_prompt_seconds"],
-                                                       ref["per_prompt_tokens"], ref["per_prompt_seconds"], seed=seed)
-            r.update(tokens_per_s_ratio_to_reference=ratio, tps_ci_low=low, tps_ci_high=high)
-            if any(a > 0 and b > 0 for a, b in zip(r["per_prompt_rounds"], ref["per_prompt_rounds"])):
-                ratio, median, low, high = bootstrap_tau_over_median_round_time(
-                    r["per_prompt_tau"], r["per_prompt_rounds"], r["per_prompt_seconds"], ref["per_prompt_tau"],
-                    ref["per_prompt_rounds"], ref["per_prompt_seconds"], seed=seed)
-                r.update(round_time_ratio_to_reference_median=median, tokens_per_s_ratio_to_reference_robust=ratio,
-                         tps_robust_ci_low=low, tps_robust_ci_high=high)
+        r.update(paired_intervals(r, None if name == reference else selectors[reference], "reference", plain=plain,
+                                  seed=seed))
 
 
 def format_table(run: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from lilicorr_pl.decoding.stats import (
     bootstrap_ratio,
     bootstrap_ratio_of_sums,
     bootstrap_tau_over_median_round_time,
+    paired_intervals,
     pooled_tau,
 )
 
@@ -97,3 +98,26 @@ def test_a_few_slow_prompts_move_the_pooled_tokens_per_s_ratio_and_not_the_media
         bootstrap_tau_over_median_round_time([2.0], [1], [1.0], [2.0, 2.0], [1, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="no prompt has rounds and time in both arms"):
         bootstrap_tau_over_median_round_time([math.nan], [0], [0.0], [2.0], [1], [1.0])
+
+
+def test_paired_intervals_names_the_reference_and_leaves_out_what_the_data_cannot_give():
+    """bench and demo name the same intervals after their reference; an arm without rounds gets no τ ratio, one
+    without time no tokens/s ratio, and the reference itself (None) only its speedup over plain decoding."""
+    ref = {"per_prompt_tau": [2.0, 2.0], "per_prompt_rounds": [10, 10], "per_prompt_tokens": [20, 20],
+           "per_prompt_seconds": [1.0, 1.0]}
+    arm = {"per_prompt_tau": [3.0, 3.0], "per_prompt_rounds": [10, 10], "per_prompt_tokens": [30, 30],
+           "per_prompt_seconds": [1.0, 1.0]}
+    out = paired_intervals(arm, ref, "dflash", plain=([10, 10], [1.0, 1.0]), num_resamples=200)
+    assert set(out) == {"ratio_to_dflash", "ci_low", "ci_high", "tokens_per_s_ratio_to_dflash", "tps_ci_low",
+                        "tps_ci_high", "round_time_ratio_to_dflash_median", "tokens_per_s_ratio_to_dflash_robust",
+                        "tps_robust_ci_low", "tps_robust_ci_high", "speedup_ci_low", "speedup_ci_high"}
+    assert out["ratio_to_dflash"] == pytest.approx(1.5) and out["tokens_per_s_ratio_to_dflash"] == pytest.approx(1.5)
+    assert out["tokens_per_s_ratio_to_dflash_robust"] == pytest.approx(1.5)
+    assert (out["speedup_ci_low"], out["speedup_ci_high"]) == pytest.approx((3.0, 3.0))
+    assert set(paired_intervals(arm, None, "reference", plain=([10, 10], [1.0, 1.0]))) == {
+        "speedup_ci_low", "speedup_ci_high"}
+    untimed = dict(arm, per_prompt_seconds=[0.0, 0.0])
+    assert set(paired_intervals(untimed, ref, "reference")) == {"ratio_to_reference", "ci_low", "ci_high"}
+    no_rounds = dict(arm, per_prompt_tau=[math.nan, math.nan], per_prompt_rounds=[0, 0])
+    assert "ratio_to_reference" not in paired_intervals(no_rounds, ref, "reference")
+    assert "tokens_per_s_ratio_to_reference_robust" not in paired_intervals(no_rounds, ref, "reference")

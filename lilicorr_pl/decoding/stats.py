@@ -8,7 +8,8 @@ resample (paired): prompt difficulty, shared by both arms, cancels in the ratio.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -118,3 +119,53 @@ def bootstrap_tau_over_median_round_time(
     alpha = (1 - confidence) / 2
     low, high = torch.nanquantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return float(ratio), float(median), float(low), float(high)
+
+
+def paired_intervals(
+    arm: Mapping[str, Any],
+    reference: Mapping[str, Any] | None,
+    against: str,
+    plain: tuple[Sequence[float], Sequence[float]] | None = None,
+    num_resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Every paired interval of one arm, as the fields a results row carries (``bench`` and ``demo`` alike).
+
+    ``arm`` and ``reference`` hold per-prompt lists over the same prompts (``per_prompt_tau``,
+    ``per_prompt_rounds``, ``per_prompt_tokens``, ``per_prompt_seconds``); ``against`` names the reference in the
+    field names; ``plain`` is ``(tokens, seconds)`` of plain decoding of those prompts. Returns, where the data allow:
+
+    - ``ratio_to_<against>`` with ``ci_low``/``ci_high``: pooled τ;
+    - ``tokens_per_s_ratio_to_<against>`` with ``tps_ci_low``/``tps_ci_high``: pooled tokens/s;
+    - ``tokens_per_s_ratio_to_<against>_robust`` with ``tps_robust_ci_low``/``tps_robust_ci_high`` and
+      ``round_time_ratio_to_<against>_median`` (:func:`bootstrap_tau_over_median_round_time`);
+    - ``speedup_ci_low``/``speedup_ci_high``: tokens/s against plain decoding.
+
+    Nothing is compared where a side has no round (τ) or no time (tokens/s): no field rather than a ratio of zeros.
+    """
+    out: dict[str, float] = {}
+    rounds, seconds = sum(arm.get("per_prompt_rounds") or ()), sum(arm.get("per_prompt_seconds") or ())
+    if plain is not None and seconds > 0 and sum(plain[1]) > 0:
+        _, low, high = bootstrap_ratio_of_sums(arm["per_prompt_tokens"], arm["per_prompt_seconds"], plain[0], plain[1],
+                                               num_resamples=num_resamples, seed=seed)
+        out.update(speedup_ci_low=low, speedup_ci_high=high)
+    if reference is None:
+        return out
+    tau_a, rounds_a, tau_b = arm.get("per_prompt_tau"), arm.get("per_prompt_rounds"), reference.get("per_prompt_tau")
+    rounds_b = reference.get("per_prompt_rounds")
+    if rounds > 0 and sum(rounds_b or ()) > 0:
+        ratio, low, high = bootstrap_ratio(tau_a, rounds_a, tau_b, rounds_b, num_resamples=num_resamples, seed=seed)
+        out.update({f"ratio_to_{against}": ratio, "ci_low": low, "ci_high": high})
+    if seconds > 0 and sum(reference.get("per_prompt_seconds") or ()) > 0:
+        ratio, low, high = bootstrap_ratio_of_sums(arm["per_prompt_tokens"], arm["per_prompt_seconds"],
+                                                   reference["per_prompt_tokens"], reference["per_prompt_seconds"],
+                                                   num_resamples=num_resamples, seed=seed)
+        out.update({f"tokens_per_s_ratio_to_{against}": ratio, "tps_ci_low": low, "tps_ci_high": high})
+        if rounds_a and rounds_b and any(a > 0 and b > 0 for a, b in zip(rounds_a, rounds_b)):
+            ratio, median, low, high = bootstrap_tau_over_median_round_time(
+                tau_a, rounds_a, arm["per_prompt_seconds"], tau_b, rounds_b, reference["per_prompt_seconds"],
+                num_resamples=num_resamples, seed=seed)
+            out.update({f"round_time_ratio_to_{against}_median": median,
+                        f"tokens_per_s_ratio_to_{against}_robust": ratio, "tps_robust_ci_low": low,
+                        "tps_robust_ci_high": high})
+    return out

@@ -944,45 +944,22 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
 
 def add_ratio_intervals(rows: list[dict[str, Any]], plain: dict[tuple[str, float], dict[str, list[float]]] | None = None,
                         seed: int = 0) -> None:
-    """Paired bootstrap 95 % intervals over prompts, on every row with per-prompt data:
-
-    - τ: ``ratio_to_dflash`` with ``ci_low``/``ci_high`` (pooled τ against the dflash row of the same benchmark
-      and temperature);
-    - tokens/s (rows with per-prompt times): ``tokens_per_s_ratio_to_dflash`` with ``tps_ci_low``/``tps_ci_high``;
-      the same ratio as the pooled τ ratio over the median per-prompt round-time ratio, which a few prompts the
-      machine ran slow on do not move: ``tokens_per_s_ratio_to_dflash_robust`` with ``tps_robust_ci_low``/
-      ``tps_robust_ci_high`` (and ``round_time_ratio_to_dflash_median``); and, given ``plain`` (``{(benchmark, temperature): {"tokens": [...], "seconds": [...]}}``, plain decoding of
-      the same prompts), ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target``. The arms were
-      timed interleaved (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`), so the pairs share the moment.
+    """Paired bootstrap 95 % intervals over prompts (:func:`~lilicorr_pl.decoding.stats.paired_intervals`) on every
+    row with per-prompt data, against the dflash row of the same benchmark and temperature, named ``…_to_dflash``:
+    ``ratio_to_dflash`` (pooled τ), ``tokens_per_s_ratio_to_dflash`` and its ``_robust`` reading (the pooled τ ratio
+    over the median per-prompt round-time ratio, which a few prompts the machine ran slow on do not move); given
+    ``plain`` (``{(benchmark, temperature): {"tokens": [...], "seconds": [...]}}``, plain decoding of the same
+    prompts), ``speedup_ci_low``/``speedup_ci_high`` around ``speedup_vs_target``. The arms were timed interleaved
+    (:func:`~lilicorr_pl.decoding.evaluate.evaluate_arms`), so the pairs share the moment.
     """
-    from lilicorr_pl.decoding.stats import bootstrap_ratio, bootstrap_ratio_of_sums, bootstrap_tau_over_median_round_time
+    from lilicorr_pl.decoding.stats import paired_intervals
 
     reference = {(r["benchmark"], r["temperature"]): r for r in rows if r["arm"] == "dflash"}
     for r in rows:
         key = (r["benchmark"], r["temperature"])
-        ref = reference.get(key)
-        timed = bool(r.get("per_prompt_seconds"))
-        if ref is not None and r.get("per_prompt_rounds"):
-            ratio, low, high = bootstrap_ratio(r["per_prompt_tau"], r["per_prompt_rounds"], ref["per_prompt_tau"],
-                                               ref["per_prompt_rounds"], num_resamples=RESAMPLES, seed=seed)
-            r.update(ratio_to_dflash=ratio, ci_low=low, ci_high=high)
-        if ref is not None and timed and ref.get("per_prompt_seconds"):
-            ratio, low, high = bootstrap_ratio_of_sums(
-                r["per_prompt_tokens"], r["per_prompt_seconds"], ref["per_prompt_tokens"], ref["per_prompt_seconds"],
-                num_resamples=RESAMPLES, seed=seed)
-            r.update(tokens_per_s_ratio_to_dflash=ratio, tps_ci_low=low, tps_ci_high=high)
-            if r.get("per_prompt_rounds") and any(a > 0 and b > 0 for a, b in zip(r["per_prompt_rounds"],
-                                                                                 ref["per_prompt_rounds"])):
-                ratio, median, low, high = bootstrap_tau_over_median_round_time(
-                    r["per_prompt_tau"], r["per_prompt_rounds"], r["per_prompt_seconds"], ref["per_prompt_tau"],
-                    ref["per_prompt_rounds"], ref["per_prompt_seconds"], num_resamples=RESAMPLES, seed=seed)
-                r.update(round_time_ratio_to_dflash_median=median, tokens_per_s_ratio_to_dflash_robust=ratio,
-                         tps_robust_ci_low=low, tps_robust_ci_high=high)
-        if plain is not None and key in plain and timed:
-            _, low, high = bootstrap_ratio_of_sums(
-                r["per_prompt_tokens"], r["per_prompt_seconds"], plain[key]["tokens"], plain[key]["seconds"],
-                num_resamples=RESAMPLES, seed=seed)
-            r.update(speedup_ci_low=low, speedup_ci_high=high)
+        timed_plain = (plain[key]["tokens"], plain[key]["seconds"]) if plain is not None and key in plain else None
+        r.update(paired_intervals(r, reference.get(key), "dflash", plain=timed_plain, num_resamples=RESAMPLES,
+                                  seed=seed))
 
 
 def arm_selector(arm: str, system: Any) -> Any:
