@@ -165,6 +165,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "background process" not in log  # nothing to train: no process started
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
+    # The printed table carries the tokens/s ratio to DFlash both ways: pooled, and by the median round.
+    lili = next(r for r in again["results"] if r["arm"] == "lilicorr" and r["tokens_per_s"] is not None)
+    assert "by median round [95% CI]" in log
+    assert f"{lili['tokens_per_s_ratio_to_dflash_robust']:.3f} [{lili['tps_robust_ci_low']:.3f}, " in log
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
     third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_joint")
     log = capsys.readouterr().out
