@@ -281,7 +281,7 @@ def format_table(run: dict[str, Any]) -> str:
 
 def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperature: float) -> Path:
     """Where ``bench --plot`` draws one temperature of one checkpoint's benchmark: the file name is keyed by the
-    checkpoint (its name and a hash of its resolved path: two runs' ``last.ckpt`` never share a plot), the benchmark
+    checkpoint (its name and a hash of its absolute path, links not followed: two runs' ``last.ckpt`` never share a plot), the benchmark
     and the temperature, so a rerun replaces its own plot and another checkpoint's is never taken for it."""
     ckpt = Path(ckpt)
     # The absolute path, links not followed: a `last.ckpt` link moved to each newer checkpoint keeps its plot.
@@ -417,7 +417,7 @@ def bench(
         if plot:  # a file of a plot's name that this tool did not write (a user's) is never replaced
             from lilicorr_pl.files import check_plot_files
 
-            check_plot_files(plot_path(plot, path, benchmark, t) for t in temperatures)
+            check_plot_files((plot_path(plot, path, benchmark, t) for t in temperatures), "bench")
         check_device(device)
         if compile or compile_mode != "default":
             from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode

@@ -175,16 +175,16 @@ def png_written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     return writer.startswith("lilicorr ") and (command is None or writer.split(" ")[1:2] == [command])
 
 
-def check_plot_files(paths: Iterable[Path], flag: str = "--plot") -> None:
-    """Raise ``ValueError`` for a plot path that holds something this tool did not write (a user's file of that
-    name), before any work starts: a rerun replaces its own plots, nothing else."""
+def check_plot_files(paths: Iterable[Path], command: str, flag: str = "--plot") -> None:
+    """Raise ``ValueError`` for a plot path that holds something ``lilicorr <command>`` did not write (a user's file
+    of that name, or another command's plot), before any work starts: a rerun replaces its own plots, nothing else."""
     for path in paths:
         if path.is_dir():
             raise ValueError(f"{flag}: {path} is a directory where a plot would be written; move it or choose "
                              "another plot directory")
-        if path.exists() and not png_written_by_lilicorr(path):
-            raise ValueError(f"{flag}: {path} exists and is not a plot lilicorr wrote, so it is not overwritten; "
-                             "choose another plot directory")
+        if path.exists() and not png_written_by_lilicorr(path, command):
+            raise ValueError(f"{flag}: {path} exists and is not a plot `lilicorr {command}` wrote, so it is not "
+                             "overwritten; choose another plot directory")
 
 
 def save_figure(fig: Any, path: Path, command: str, about: dict[str, str] | None = None, dpi: int = 120) -> Path:

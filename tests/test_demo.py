@@ -22,14 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("dflash", "lilicorr", "lilicorr_no_distractor", "domino", "dspark")
 
 
+def demo_argv(tmp_path, *extra: str, output: Path | None = None) -> list[str]:
+    """The test-size demo's command line."""
+    return ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),
+            *(["--output", str(output)] if output else []),
+            "--prompts", "12", "--docstring-prompts", "4", "--regen-tokens", "12", "--prefix-tokens", "16",
+            "--base-steps", "2", "--steps", "2", "--head-steps", "2",
+            "--bench-prompts", "2", "--bench-new-tokens", "8", *extra]
+
+
 def demo(tmp_path, *extra: str, output: bool = True) -> dict:
     """The test-size demo; its results from ``--output`` (or, with ``output=False``, from --quick's default file)."""
     out = tmp_path / "results.json" if output else tmp_path / "demo" / "results-quick.json"
-    main(["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),
-          *(["--output", str(out)] if output else []),
-          "--prompts", "12", "--docstring-prompts", "4", "--regen-tokens", "12", "--prefix-tokens", "16",
-          "--base-steps", "2", "--steps", "2", "--head-steps", "2",
-          "--bench-prompts", "2", "--bench-new-tokens", "8", *extra])
+    main(demo_argv(tmp_path, *extra, output=out if output else None))
     return json.loads(out.read_text())
 
 
@@ -165,10 +170,22 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "background process" not in log  # nothing to train: no process started
     assert "reusing the measured comparison" in log
     assert again["stages"] == result["stages"]
-    # The printed table carries the tokens/s ratio to DFlash both ways: pooled, and by the median round.
+    # The printed table carries the tokens/s ratio to DFlash both ways: pooled, then by the median round.
     lili = next(r for r in again["results"] if r["arm"] == "lilicorr" and r["tokens_per_s"] is not None)
-    assert "by median round [95% CI]" in log
-    assert f"{lili['tokens_per_s_ratio_to_dflash_robust']:.3f} [{lili['tps_robust_ci_low']:.3f}, " in log
+    line = next(x for x in log.splitlines() if x.startswith(f"{lili['benchmark']:<15} {lili['temperature']:>3g} lilicorr "))
+    pooled = f"{lili['tokens_per_s_ratio_to_dflash']:.3f} [{lili['tps_ci_low']:.3f}, {lili['tps_ci_high']:.3f}]"
+    robust = (f"{lili['tokens_per_s_ratio_to_dflash_robust']:.3f} [{lili['tps_robust_ci_low']:.3f}, "
+              f"{lili['tps_robust_ci_high']:.3f}]")
+    assert "by median round [95% CI]" in log and robust in line[line.index(pooled) + len(pooled):]
+    # A file the demo did not draw under its plot's name: the rerun is refused in one line before the benchmark and
+    # the file stays; put back, the rerun goes on.
+    plot_file = Path(again["plots"][0])
+    drawn = plot_file.read_bytes()
+    plot_file.write_bytes(b"a user's figure")
+    err = user_error(capsys, demo_argv(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true"))
+    assert f"{plot_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
+    assert plot_file.read_bytes() == b"a user's figure"
+    plot_file.write_bytes(drawn)
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
     third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_joint")
     log = capsys.readouterr().out

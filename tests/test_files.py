@@ -223,10 +223,12 @@ def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path)
     assert not png_written_by_lilicorr(tmp_path / "missing.png")
     (tmp_path / "empty.png").touch()
     assert png_written_by_lilicorr(tmp_path / "empty.png")  # nothing to lose
-    check_plot_files([ours, tmp_path / "missing.png"])  # its own plot, or a new name: fine
-    with pytest.raises(ValueError, match=r"theirs\.png exists and is not a plot lilicorr wrote, so it is not "
+    check_plot_files([ours, tmp_path / "missing.png"], "bench")  # its own plot, or a new name: fine
+    with pytest.raises(ValueError, match=r"theirs\.png exists and is not a plot `lilicorr bench` wrote, so it is not "
                                          r"overwritten; choose another plot directory"):
-        check_plot_files([ours, theirs])
+        check_plot_files([ours, theirs], "bench")
+    with pytest.raises(ValueError, match=r"ours\.png exists and is not a plot `lilicorr demo` wrote"):
+        check_plot_files([ours], "demo")  # another command's plot is not taken either
     with pytest.raises(ValueError, match=r"is a directory where a plot would be written"):
-        check_plot_files([tmp_path / "plots"])
+        check_plot_files([tmp_path / "plots"], "bench")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ours.png", "theirs.png"]  # no temp file left

@@ -90,10 +90,14 @@ def test_a_few_slow_prompts_move_the_pooled_tokens_per_s_ratio_and_not_the_media
     assert pooled == pytest.approx((300 / 154) / 2.0)  # 0.97: the slow prompt's 44 extra seconds sink a
     ratio, median, low, high = bootstrap_tau_over_median_round_time(tau_a, rounds, seconds_a, tau_b, rounds, seconds_b)
     assert median == pytest.approx(1.1) and (ratio, low, high) == pytest.approx((1.5 / 1.1,) * 3)
-    # A prompt without a round in either arm is left out of the median, not counted as a ratio of zero.
-    _, median, _, _ = bootstrap_tau_over_median_round_time(
-        [3.0, 3.0, math.nan], [10, 10, 0], [11.0, 11.0, 0.2], [2.0, 2.0, 2.0], [10, 10, 3], [10.0, 10.0, 3.0])
-    assert median == pytest.approx(1.1)
+    # A prompt without a round, or without time, in either arm is left out of the median: the two others' round-time
+    # ratios are 1.1 and 1.3, so the median stays 1.2 only if the third (which would give 0.2, 0 or 10) is left out.
+    for third_a, third_b in [((math.nan, 0, 0.2), (2.0, 3, 3.0)), ((2.0, 3, 3.0), (math.nan, 0, 0.3)),
+                             ((2.0, 3, 0.0), (2.0, 3, 3.0))]:
+        (ta, ra, sa), (tb, rb, sb) = third_a, third_b
+        _, median, _, _ = bootstrap_tau_over_median_round_time(
+            [3.0, 3.0, ta], [10, 10, ra], [11.0, 13.0, sa], [2.0, 2.0, tb], [10, 10, rb], [10.0, 10.0, sb])
+        assert median == pytest.approx(1.2), (third_a, third_b)
     with pytest.raises(ValueError, match="same, non-empty prompt set"):
         bootstrap_tau_over_median_round_time([2.0], [1], [1.0], [2.0, 2.0], [1, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="no prompt has rounds and time in both arms"):
@@ -118,6 +122,11 @@ def test_paired_intervals_names_the_reference_and_leaves_out_what_the_data_canno
         "speedup_ci_low", "speedup_ci_high"}
     untimed = dict(arm, per_prompt_seconds=[0.0, 0.0])
     assert set(paired_intervals(untimed, ref, "reference")) == {"ratio_to_reference", "ci_low", "ci_high"}
+    # No prompt with rounds and time in both arms (each arm's timed prompt is the other's untimed one): the median
+    # reading is left out rather than raised after a benchmark's decoding.
+    crossed = paired_intervals(dict(arm, per_prompt_seconds=[1.0, 0.0]), dict(ref, per_prompt_seconds=[0.0, 1.0]),
+                               "reference")
+    assert "tokens_per_s_ratio_to_reference" in crossed and "tokens_per_s_ratio_to_reference_robust" not in crossed
     no_rounds = dict(arm, per_prompt_tau=[math.nan, math.nan], per_prompt_rounds=[0, 0])
     assert "ratio_to_reference" not in paired_intervals(no_rounds, ref, "reference")
     assert "tokens_per_s_ratio_to_reference_robust" not in paired_intervals(no_rounds, ref, "reference")

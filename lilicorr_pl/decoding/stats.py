@@ -92,7 +92,9 @@ def bootstrap_tau_over_median_round_time(
     **median over prompts** of a's time per round over b's on the same prompt (a prompt's seconds, its prefill
     included, over its rounds; prompts where either arm had no round are left out of the median). The pooled
     tokens/s ratio (:func:`bootstrap_ratio_of_sums`) weighs every second alike, so a spell in which the machine ran
-    slow during one arm's prompts moves it; the median does not follow a minority of such prompts.
+    slow during one arm's prompts moves it; the median does not follow a minority of such prompts. The two readings
+    differ a little even with no slow prompt: a prompt's tokens also count the prefill's first token and a last round
+    cut at the token budget, which τ per round leaves out.
 
     Returns ``(ratio, median_round_time_ratio, low, high)``; each replicate resamples the prompts once for both parts.
     """
@@ -161,7 +163,8 @@ def paired_intervals(
                                                    reference["per_prompt_tokens"], reference["per_prompt_seconds"],
                                                    num_resamples=num_resamples, seed=seed)
         out.update({f"tokens_per_s_ratio_to_{against}": ratio, "tps_ci_low": low, "tps_ci_high": high})
-        if rounds_a and rounds_b and any(a > 0 and b > 0 for a, b in zip(rounds_a, rounds_b)):
+        timed_rounds = zip(rounds_a or (), rounds_b or (), arm["per_prompt_seconds"], reference["per_prompt_seconds"])
+        if any(a > 0 and b > 0 and x > 0 and y > 0 for a, b, x, y in timed_rounds):  # a prompt the median can use
             ratio, median, low, high = bootstrap_tau_over_median_round_time(
                 tau_a, rounds_a, arm["per_prompt_seconds"], tau_b, rounds_b, reference["per_prompt_seconds"],
                 num_resamples=num_resamples, seed=seed)

@@ -50,7 +50,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, stop_on_sigterm
 from lilicorr_pl.command import shipped_configs
-from lilicorr_pl.files import InUseError, atomic_file, hold_alone
+from lilicorr_pl.files import InUseError, atomic_file, check_plot_files, hold_alone
 from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
@@ -616,6 +616,9 @@ def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tok
             "per_prompt_tau": per_prompt_tau, "per_prompt_rounds": per_prompt_rounds}
 
 
+PLOT_NAME = "acceptance_curves.png"  # in <workdir>/plots/<comparison key>/
+
+
 def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
     import matplotlib
 
@@ -644,7 +647,7 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
     from lilicorr_pl.files import save_figure
 
     try:  # atomically, saying what drew it (the folder is keyed by the comparison's settings)
-        paths.append(save_figure(fig, directory / "acceptance_curves.png", "demo", {"comparison": directory.name},
+        paths.append(save_figure(fig, directory / PLOT_NAME, "demo", {"comparison": directory.name},
                                  dpi=130))
     finally:
         plt.close(fig)
@@ -850,6 +853,10 @@ def demo(
                               compile=compile, point_mass=cfg["point_mass"])
         bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
         bench_file = workdir / "bench" / f"{bench_key}.json"
+        try:  # before the benchmark: a file the demo did not draw under its plot's name is never replaced
+            check_plot_files([workdir / "plots" / bench_key / PLOT_NAME], "demo", flag="the demo's plot")
+        except ValueError as err:
+            raise UserInputError(str(err)) from None
         cached = _stage_done(bench_file, bench_key)
         if cached is not None:
             log(f"   reusing the measured comparison {bench_file} (key {bench_key})")
