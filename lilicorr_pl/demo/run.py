@@ -50,7 +50,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, stop_on_sigterm
 from lilicorr_pl.command import shipped_configs
-from lilicorr_pl.files import InUseError, atomic_file, check_plot_files, hold_alone
+from lilicorr_pl.files import InUseError, atomic_file, check_plot_files, hold_alone, save_figure
 from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
@@ -644,8 +644,6 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("P(accept k | reached k)")
     fig.tight_layout()
-    from lilicorr_pl.files import save_figure
-
     try:  # atomically, saying what drew it (the folder is keyed by the comparison's settings)
         paths.append(save_figure(fig, directory / PLOT_NAME, "demo", {"comparison": directory.name},
                                  dpi=130))
