@@ -18,7 +18,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file
 from lilicorr_pl.files import check_output_paths, write_results_json
-from lilicorr_pl.target import DeviceName, check_device
+from lilicorr_pl.target import CompileModeName, DeviceName, check_device
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
 DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
@@ -353,7 +353,7 @@ def bench(
     output: str | None = None,
     plot: str | None = None,
     compile: bool = False,
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default",
+    compile_mode: CompileModeName = "default",
     lattice_k: PositiveInt | None = None,
     walk: Literal["greedy", "viterbi", "top1_start"] | None = None,
     target: str | None = None,

@@ -31,7 +31,7 @@ from lilicorr_pl.files import write_results_json
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning, wire_logit_cache
 from lilicorr_pl.models.dflash import DFlashDrafter
-from lilicorr_pl.target import DeviceName
+from lilicorr_pl.target import CompileModeName, DeviceName
 
 
 def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
@@ -729,7 +729,7 @@ def perf_options(
     prompts: PositiveInt = 12,
     device: DeviceName = "cpu",
     compile: bool = False,
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default",
+    compile_mode: CompileModeName = "default",
     allow_module: Sequence[str] = (),
 ) -> None:
     """Where the time goes: the options ``lilicorr perf`` adds to ``fit``'s parser.

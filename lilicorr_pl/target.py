@@ -33,6 +33,8 @@ DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 """The weight dtypes a user may name (checked when a config or command line is parsed)."""
 DeviceName = restricted_string_type("DeviceName", r"^(cpu|cuda|mps)(:\d+)?$")
 """``cpu``, ``cuda``, ``cuda:1`` or ``mps``, checked when parsed (whether this machine has it: before any work)."""
+CompileModeName = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+"""``torch.compile``'s modes, as ``--compile_mode`` takes them (:mod:`lilicorr_pl.decoding.compiled` checks the rest)."""
 
 
 def check_device(device: str) -> None:

@@ -15,17 +15,18 @@ is an error there, not a silent eager fallback, and every selection is copied ou
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
 from lilicorr_pl.heads.base import SelectContext, Selection
+from lilicorr_pl.target import CompileModeName
 
 __all__ = ["COMPILE_MODES", "CompiledSelector", "check_compile_available", "check_compile_mode", "compile_selectors",
            "uses_cuda_graphs"]
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES: tuple[str, ...] = get_args(CompileModeName)
 """``torch.compile``'s modes, as ``--compile_mode`` takes them."""
 
 
