@@ -63,7 +63,8 @@ def selector_for(name: str, system: Any) -> Any:
         return cls()
     raise ValueError(
         f"selector {name!r} is not available in this checkpoint (its head is {type(head).__name__}, "
-        f"registered as {head.name!r}); use --selectors top1 or {head.name or 'the trained head'}"
+        f"registered as {head.name!r}); use --selectors "
+        + (f"top1 or top1,{head.name}" if head.name and head.name != "top1" else "top1 (it has no trained head)")
     )
 
 
@@ -203,6 +204,7 @@ def run_bench(
                 "round_cost_ratio": r.round_cost_ratio,
                 "rounds": r.rounds,
                 "num_tokens": r.num_tokens,
+                "emitted_per_round": r.emitted_per_round,  # ≤ τ: the last round's tokens past the budget not emitted
                 # Per prompt, in the benchmark's order: any subset's pooled τ and tokens/s (the bootstrap below).
                 "per_prompt_tau": r.per_prompt_tau,
                 "per_prompt_rounds": r.per_prompt_rounds,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.resources
 import inspect
 import json
+import os
 import re
 import types
 import typing
@@ -132,12 +133,25 @@ def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
     return parser
 
 
+PATH_PARAMETERS = frozenset({"ckpt", "output", "plot", "workdir", "input", "benchmark", "target", "target_config"})
+"""The tools' parameters that name files or folders: a value starting with ``~`` is the user's home there, as in a
+shell (a quoted ``'~/x'`` or a ``-c`` file's ``output: ~/x`` would otherwise make a folder named ``~``)."""
+
+
+def expand_home(name: str, value: Any) -> Any:
+    """``value`` with a leading ``~`` expanded when ``name`` is a path parameter; anything else as it is."""
+    if name in PATH_PARAMETERS and isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    return value
+
+
 def run_function(function: Callable[..., Any], argv: Sequence[str], prog: str) -> Any:
     """Parse ``argv`` for ``function`` (exit status 2 on a bad value) and call it with the parsed values."""
     parser = function_parser(function, prog)
     config = parser.parse_args(argparse_spellings(argv, type_hints(function)))
     values = parser.instantiate_classes(config)
-    return function(**{name: values[name] for name in inspect.signature(function).parameters if name in values})
+    return function(**{name: expand_home(name, values[name])
+                       for name in inspect.signature(function).parameters if name in values})
 
 
 def shipped_configs() -> Path:

@@ -71,16 +71,6 @@ def check_writable_dir(directory: Path, what: str) -> None:
 
 WRITTEN_BY = "written_by"
 """The key of a results file that names the command and version that wrote it (:func:`write_results_json`)."""
-# What every results file of an earlier version (before WRITTEN_BY) holds: bench and demo say whether τ includes the
-# bonus token; perf's step timing, penalty check, round timing and cost model their own totals.
-_LEGACY_RESULTS_KEYS = ({"tau_includes_bonus_token"}, {"step_total"}, {"penalty_exact", "penalty_cache"},
-                        {"plain_step_ms", "arms"}, {"ops", "device", "settings"})
-
-
-# Which of those each command wrote (bench's and demo's cannot be told apart).
-_LEGACY_KEYS_OF = {"bench": _LEGACY_RESULTS_KEYS[:1], "demo": _LEGACY_RESULTS_KEYS[:1], "perf": _LEGACY_RESULTS_KEYS[1:]}
-
-
 def _read_results(path: Path) -> dict[str, Any] | None:
     """A results file's JSON object, or None (unreadable, not JSON, not an object, over 1 GiB)."""
     try:
@@ -94,15 +84,16 @@ def _read_results(path: Path) -> dict[str, Any] | None:
 
 
 def _writer(path: Path) -> str:
-    """What wrote a results file, for a message: its ``written_by``, or an earlier version's."""
+    """What wrote a results file, for a message: its ``written_by``."""
     payload = _read_results(path) or {}
-    return str(payload.get(WRITTEN_BY) or "written by an earlier version")
+    return str(payload.get(WRITTEN_BY))
 
 
 def written_by_lilicorr(path: Path, command: str | None = None) -> bool:
-    """Whether ``path`` may be replaced as this tool's results: an empty file, a JSON results file naming ``lilicorr``
-    under :data:`WRITTEN_BY`, or a bench, demo or perf results file of an earlier version. Given ``command``
-    (``bench``, ``demo``, ``perf``), only that command's: a benchmark's results are not replaced by a timing run."""
+    """Whether ``path`` may be replaced as this tool's results: an empty file, or a JSON results file naming
+    ``lilicorr`` under :data:`WRITTEN_BY`. Given ``command`` (``bench``, ``demo``, ``perf``), only that command's: a
+    benchmark's results are not replaced by a timing run. A file without that key is never guessed to be one (the
+    keys results of versions before it held are keys a user's own JSON may hold too)."""
     try:
         if path.stat().st_size == 0:  # nothing to lose (``mktemp``)
             return True
@@ -112,11 +103,7 @@ def written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     if payload is None:
         return False
     writer = str(payload.get(WRITTEN_BY, ""))
-    if writer.startswith("lilicorr "):
-        return command is None or writer.split(" ")[1:2] == [command]
-    legacy = _LEGACY_KEYS_OF.get(command, ()) if command else _LEGACY_RESULTS_KEYS
-    runs = payload.get("runs") if isinstance(payload.get("runs"), list) else [payload]
-    return bool(runs) and all(isinstance(run, dict) and any(keys <= run.keys() for keys in legacy) for run in runs)
+    return writer.startswith("lilicorr ") and (command is None or writer.split(" ")[1:2] == [command])
 
 
 def write_results_json(path: Path, payload: dict[str, Any], command: str) -> None:

@@ -37,9 +37,10 @@ from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputE
                                     config_modules, read_checkpoint)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
+from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
-from lilicorr_pl.system import DraftSystem, _short, check_resume_settings, plain_data
+from lilicorr_pl.system import DraftSystem, StateMismatchError, _short, check_resume_settings, plain_data
 
 # Lightning's ckpt_path keywords (not files).
 CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
@@ -475,6 +476,12 @@ class LilicorrCLI(LightningCLI):
         previous = self._stop_fit_on_ctrl_c(ctrl_c) if subcommand == "fit" else None
         try:
             super()._run_subcommand(subcommand)
+        except (CacheError, StateMismatchError) as err:
+            # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message
+            # names the file and the fix, so it is one line, as fit's own checks before the run are.
+            message = str(err).strip().splitlines()[0]
+            ckpt = self.config.get(subcommand, {}).get("ckpt_path") if isinstance(err, StateMismatchError) else None
+            raise UserInputError(f"--ckpt_path {ckpt}: {message}" if ckpt else message) from None
         except SIGTERMException:
             # Lightning stops its loops at the next batch after a SIGTERM by raising a SystemExit with no status,
             # which exits 0: a cancelled or preempted run would read as a finished one.

@@ -483,6 +483,17 @@ def load_round_modules(
     return config, drafter, head
 
 
+def check_tau(tau: float | None, block_size: int) -> float:
+    """τ counts a round's committed tokens, the bonus included: between 1 and the block size (None: 6, or the block
+    size when that is smaller)."""
+    if tau is None:
+        return float(min(6, block_size))
+    if not 1.0 <= tau <= block_size:
+        raise ValueError(f"--tau {tau:g} is not a possible acceptance length for a block of {block_size}: a round "
+                         f"commits 1 to {block_size} tokens (the bonus token included); use 1 <= --tau <= {block_size}")
+    return float(tau)
+
+
 def round_timing(
     config: Sequence[str] | Mapping[str, Any],
     target_config: str | None = None,
@@ -490,7 +501,7 @@ def round_timing(
     context: int = 64,
     new_tokens: int = 32,
     prompts: int = 12,
-    tau: float = 6.0,
+    tau: float | None = None,
     device: str = "cpu",
     compile: bool = False,
     seed: int = 0,
@@ -536,6 +547,7 @@ def round_timing(
     # The shapes first, on the meta device (nothing allocated), so a context past the target's positions is refused
     # before anything is built.
     target_cfg, drafter, _ = load_round_modules(config, target_config, target_overrides)
+    tau = check_tau(tau, drafter.block_size)
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
     if limit and context + new_tokens + drafter.block_size > limit:
         raise ValueError(
@@ -621,8 +633,8 @@ def format_round_timing(result: dict[str, Any]) -> str:
 def cost_report(
     config: Sequence[str] | Mapping[str, Any],
     target_config: str | None = None,
-    context: int = 2048,
-    tau: float = 6.0,
+    context: int | None = None,
+    tau: float | None = None,
     batch: int = 1,
     gpu: str = "h100",
     peak_tflops: float | None = None,
@@ -637,8 +649,10 @@ def cost_report(
         config: ``lilicorr fit`` config file(s), later ones overriding earlier ones; the drafter and the head
             are built from ``model.drafter`` and ``model.head`` on the meta device (no weights, no memory).
         target_config: the target's ``config.json`` (file or directory); default ``model.target.name_or_path``.
-        context: tokens in the KV caches when the round starts (prompt + generated so far).
-        tau: tokens committed per round (the drafter appends their features next round).
+        context: tokens in the KV caches when the round starts (prompt + generated so far); default 2,048, or as
+            many as the target's positions leave room for beside a block.
+        tau: tokens committed per round, 1 to the block size (the drafter appends their features next round;
+            default 6, or the block size when that is smaller).
         batch: sequences decoded together.
         gpu: roofline preset, ``h100`` or ``h200``.
         peak_tflops: override the preset's dense bf16 TFLOP/s.
@@ -659,6 +673,13 @@ def cost_report(
         preset.bandwidth if bandwidth_tbs is None else bandwidth_tbs * 1e12,
     )
     target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides)
+    tau = check_tau(tau, drafter.block_size)
+    limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
+    if context is None:  # 2,048 tokens, or as many as the target's positions leave room for
+        context = min(2048, limit - drafter.block_size) if limit else 2048
+    if limit and context + drafter.block_size > limit:
+        raise ValueError(f"--context {context} + a block of {drafter.block_size} runs past the target's {limit} "
+                         "positions; lower --context")
     cost = round_cost(target_cfg, drafter, head, context, tau, batch, bytes_per_element)
     summary = cost.summary(device)
     s, k = drafter.block_size - 1, head.top_k
@@ -720,7 +741,7 @@ def perf_options(
     target_config: str | None = None,
     target_overrides: dict[str, Any] | None = None,
     context: PositiveInt | None = None,
-    tau: PositiveFloat = 6.0,
+    tau: PositiveFloat | None = None,
     batch: PositiveInt = 1,
     gpu: Literal["h100", "h200"] = "h100",
     peak_tflops: PositiveFloat | None = None,
@@ -748,8 +769,10 @@ def perf_options(
         target_config: cost model / round timing: the target's config.json (default: model.target.name_or_path).
         target_overrides: cost model / round timing: target config fields to change, e.g.
             '{"num_hidden_layers": 32, "hidden_size": 96, "intermediate_size": 288}' (a shape that does not exist yet).
-        context: cost model / round timing: tokens in the KV caches (default 2048 / 64).
-        tau: cost model: tokens committed per round; round timing: the τ its predicted speedup assumes.
+        context: cost model / round timing: tokens in the KV caches (default 2048, capped by the target's
+            positions / 64).
+        tau: cost model: tokens committed per round; round timing: the τ its predicted speedup assumes (1 to the
+            block size, the bonus token included; default 6, or the block size when that is smaller).
         batch: cost model: sequences decoded together.
         gpu: cost model: roofline preset.
         peak_tflops: cost model: override the preset's dense bf16 TFLOP/s.
@@ -825,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
                         save_config_callback=None)
     options = cli.config
+    if options.json:  # a leading ~ is the user's home, as in a shell
+        options.json = os.path.expanduser(options.json)
     if options.cost_model and options.round_timing:
         raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
     if (options.compile or options.compile_mode != "default") and not options.round_timing:
@@ -837,7 +862,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         overrides = dict(options.target_overrides or {})
         try:
             if options.cost_model:
-                return cost_report(configs, options.target_config, options.context or 2048, options.tau,
+                return cost_report(configs, options.target_config, options.context, options.tau,
                                    options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
                                    json_path=options.json, target_overrides=overrides)
             return round_timing(configs, options.target_config, overrides, options.context or 64, options.new_tokens,

@@ -19,6 +19,8 @@ import torch
 from jsonargparse.typing import restricted_string_type
 from torch import nn
 
+from lilicorr_pl.checkpoint import UserInputError
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -171,6 +173,38 @@ class TargetOutput:
     cache: Any = None  # the target KV cache when use_cache=True
 
 
+def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
+    """The target layers a drafter reads, as ints: each in ``0..n_layers-1``, strictly increasing; a bad list is the
+    user's to fix (one line, ``model.target.layer_ids``)."""
+    ids = [int(i) for i in layer_ids]
+    bad = [i for i in ids if not 0 <= i < n_layers]
+    if bad:
+        raise UserInputError(
+            f"target layer ids {bad} are out of range for a target with {n_layers} decoder layers "
+            f"(valid: 0..{n_layers - 1}); fix model.target.layer_ids"
+        )
+    if sorted(set(ids)) != ids:
+        raise UserInputError(
+            f"target layer ids must be strictly increasing without repeats, got {ids}; fix model.target.layer_ids"
+        )
+    return ids
+
+
+def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: dict[str, Any]) -> int | None:
+    """The decoder depth a model's ``config.json`` declares (None when it cannot be read or says none: the layer
+    check then runs on the loaded model)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                            revision=load_kwargs.get("revision"))
+    except Exception:  # noqa: BLE001 -- the model load that follows reports an unreadable model in its own words
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = getattr(config, "num_hidden_layers", None)
+    return n_layers if isinstance(n_layers, int) else None
+
+
 class FrozenTarget(nn.Module):
     """A frozen causal LM plus the pieces of it that a DFlash drafter reads.
 
@@ -205,19 +239,7 @@ class FrozenTarget(nn.Module):
         n_layers = len(decoder.layers)
         if layer_ids is None:
             layer_ids = default_layer_ids(n_layers, min(num_features, n_layers))
-        layer_ids = [int(i) for i in layer_ids]
-        bad = [i for i in layer_ids if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(
-                f"target layer ids {bad} are out of range for a target with {n_layers} decoder layers "
-                f"(valid: 0..{n_layers - 1}); fix model.target.layer_ids"
-            )
-        if sorted(set(layer_ids)) != layer_ids:
-            raise ValueError(
-                f"target layer ids must be strictly increasing without repeats, got {layer_ids}; "
-                "fix model.target.layer_ids"
-            )
-        self.layer_ids = layer_ids
+        self.layer_ids = layer_ids = check_layer_ids(layer_ids, n_layers)
         # Registered once: hooks and the cache keyword are decided here, not on every call (a decoding
         # round calls the target once; per-call Python overhead is a visible share of a small target's step).
         self._tap = _FeatureTap()
@@ -266,6 +288,10 @@ class FrozenTarget(nn.Module):
         if key in _SHARED:
             model, tokenizer = _SHARED[key]
         else:
+            if layer_ids is not None:  # from the config alone, before gigabytes of weights load
+                n_layers = _configured_layers(name_or_path, trust_remote_code, load_kwargs)
+                if n_layers is not None:
+                    check_layer_ids(layer_ids, n_layers)
             model, tokenizer = cls._load(name_or_path, dtype, trust_remote_code, load_tokenizer, load_kwargs)
             if key is not None:
                 _SHARED[key] = (model, tokenizer)

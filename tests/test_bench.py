@@ -71,6 +71,11 @@ def check_run(run: dict, selectors: list[str], temperature: float) -> None:
         committed = sum(t * k for t, k in zip(r["per_prompt_tau"], r["per_prompt_rounds"]) if k)
         assert committed / sum(r["per_prompt_rounds"]) == pytest.approx(r["tau"]), name
         assert sum(r["per_prompt_tokens"]) == r["num_tokens"], name
+        # What the rounds emitted, per round (the prefill's token is no round's): τ counts the last round's tokens
+        # past the budget too, which are not emitted, so this is at most τ.
+        emitted = sum(k - 1 for k, n in zip(r["per_prompt_tokens"], r["per_prompt_rounds"]) if n)
+        assert r["emitted_per_round"] == pytest.approx(emitted / sum(r["per_prompt_rounds"])), name
+        assert 1.0 <= r["emitted_per_round"] <= r["tau"] + 1e-9, name
         assert r["tokens_per_s"] == pytest.approx(r["num_tokens"] / sum(r["per_prompt_seconds"])), name
         assert r["speedup_ci_low"] <= r["speedup_vs_target"] <= r["speedup_ci_high"], name
         assert r["speedup_ci_low"] < r["speedup_ci_high"], name  # measured per-prompt times: never a constant

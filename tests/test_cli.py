@@ -328,6 +328,11 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert (saved.parent / "predict.json").read_text() == "my notes"
     # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
     assert saved.read_bytes() == trained_with
+    # A --ckpt_path trained with another head config: one line naming the checkpoint (it was a traceback).
+    err = user_error(capsys, ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                              "--model.head.init_args.num_layers=2", "--trainer.enable_progress_bar=false"])
+    assert f"--ckpt_path {ckpt}: checkpoint does not match the system: missing ['head.layers.1." in err
+    assert "Traceback" not in err and "was it trained with a different drafter/head config?" in err
     for stage in ("validate", "predict"):
         assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
 
@@ -711,3 +716,31 @@ def test_trainer_counts_stay_counts_whatever_order_typing_cached_the_union_in(mo
     assert cli.trainer.limit_val_batches == 1 and type(cli.trainer.limit_val_batches) is int
     assert cli.trainer.limit_train_batches == 0.5 and cli.trainer.val_check_interval == 2
     assert Trainer.__init__.__annotations__["limit_val_batches"] == int | float | None
+
+
+def test_a_leading_tilde_in_a_tools_path_is_the_home_folder(tmp_path, monkeypatch):
+    """`--output '~/x.json'` (quoted, or `output: ~/x.json` in a -c file) made a folder named `~` in the working
+    directory; path parameters now expand it as a shell would, and leave other values and names alone."""
+    from lilicorr_pl.command import run_function
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    seen = {}
+
+    def tool(output: str = "", plot: str | None = None, benchmark: str = "humaneval", note: str = "") -> None:
+        """A tool.
+
+        Args:
+            output: a file.
+            plot: a folder.
+            benchmark: a name or a file.
+            note: not a path.
+        """
+        seen.update(output=output, plot=plot, benchmark=benchmark, note=note)
+
+    run_function(tool, ["--output", "~/x.json", "--plot", "~/plots", "--note", "~/y"], prog="lilicorr tool")
+    assert seen == {"output": str(tmp_path / "home" / "x.json"), "plot": str(tmp_path / "home" / "plots"),
+                    "benchmark": "humaneval", "note": "~/y"}
+    config = tmp_path / "c.yaml"
+    config.write_text("output: ~/from-config.json\n")
+    run_function(tool, ["-c", str(config)], prog="lilicorr tool")
+    assert seen["output"] == str(tmp_path / "home" / "from-config.json")

@@ -116,6 +116,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         if r["arm"] == "dflash":
             assert r["ratio_to_dflash"] == pytest.approx(1.0) and r["ci_low"] == pytest.approx(1.0)
         if r["tokens_per_s"] is not None:
+            assert 1.0 <= r["emitted_per_round"] <= r["tau"] + 1e-9  # τ also counts tokens past the budget
             assert r["speedup_vs_target"] == pytest.approx(r["tokens_per_s"] / r["target_tokens_per_s"])
             # Timed interleaved with plain decoding: per-prompt times give intervals on the tokens/s ratios,
             # computed from those times (the pooled value, then a paired bootstrap around it).
@@ -266,6 +267,8 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     assert 'Parser key "steps"' in err and "does not conform to restriction v>0" in err  # refused when parsed
     assert "unknown_arm" in user_error(capsys, ["demo", "--quick", "--arms", "dflash,unknown_arm",
                                                 "--workdir", str(tmp_path / "demo")])
+    err = user_error(capsys, ["demo", "--quick", "--arms", "[]", "--workdir", str(tmp_path / "demo")])
+    assert "--arms is empty; name the arms to compare, e.g. --arms dflash,lilicorr" in err  # it ran all five
     err = user_error(capsys, ["demo", "--quick", "--prefix-tokens", "4", "--workdir", str(tmp_path / "demo")])
     assert err.strip().endswith("--prefix-tokens 4 is too short for a code prefix; use at least 8")
     assert not (tmp_path / "demo").exists()
@@ -274,6 +277,47 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     (taken / "plots").write_text("x")
     err = user_error(capsys, ["demo", "--quick", "--workdir", str(taken)])
     assert "the demo's plots folder" in err and err.strip().endswith("is a file; choose another --workdir")
+
+
+def test_prompts_longer_than_the_targets_context_are_refused_before_regeneration(tmp_path, capsys, monkeypatch):
+    """--quick's prompts (48 + 64 tokens) on the 64-position test target: one line naming the demo's own flags (it
+    was regenerate's ValueError traceback naming regenerate's --max-new-tokens)."""
+    import importlib
+
+    regenerate = importlib.import_module("lilicorr_pl.data.regenerate")  # the module (the package exports the function)
+    monkeypatch.setattr(regenerate, "regenerate", lambda *a, **k: pytest.fail("regeneration started"))
+    err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--compile", "false",
+                              "--workdir", str(tmp_path / "demo")])
+    assert err.strip().endswith("the demo's prompts of --prefix-tokens 48 plus --regen-tokens 64 (112 positions) do "
+                                "not fit the test target's context of 64; lower them")
+
+
+def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
+    """A stage counted as done when its files existed: a truncated arm checkpoint was reused (and the benchmark then
+    failed on it, or a cached comparison was published). Each stage records its files' checksums; a file that is
+    not the one it wrote is said so and its stage runs again, which restores it."""
+    from lilicorr_pl.checkpoint import read_checkpoint
+    from lilicorr_pl.demo.run import file_digest
+
+    argv = [*demo_argv(tmp_path), "--arms", "dflash,lilicorr", "--temperatures", "0", "--compile", "false"]
+    main(argv)
+    ckpt = next((tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
+    meta = json.loads(ckpt.with_suffix(".json").read_text())
+    assert meta["artifacts"][ckpt.name] == file_digest(ckpt)
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes(whole[: len(whole) // 2])  # damaged after the stage ended
+    drafter = next((tmp_path / "demo" / "stages").glob("base-*")) / "drafter" / "model.safetensors"
+    drafter.write_bytes(drafter.read_bytes()[:-8])
+    capsys.readouterr()
+    main(argv)
+    out = capsys.readouterr().out
+    assert f"{ckpt} is not the file its stage wrote (damaged or replaced): that stage runs again" in out
+    assert f"{drafter} is not the file its stage wrote" in out
+    assert ckpt.read_bytes() == whole  # the same stage again: the same weights (resumed from its last step)
+    read_checkpoint(ckpt)  # readable and its checksum holds
+    capsys.readouterr()
+    main(argv)  # intact now: every stage reused
+    assert "is not the file its stage wrote" not in capsys.readouterr().out
 
 
 def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -308,7 +352,7 @@ def test_the_demos_data_file_held_by_a_regenerate_run_is_one_line(tmp_path, caps
     monkeypatch.setattr(importlib.import_module("lilicorr_pl.data.regenerate"), "regenerate", held)
     err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--compile", "false", "--workdir",
                               str(tmp_path / "demo"), "--prompts", "4", "--docstring-prompts", "0",
-                              "--prefix-tokens", "16"])
+                              "--prefix-tokens", "16", "--regen-tokens", "12"])
     assert err.strip().endswith("error: the demo's training data: another run is writing regenerated.jsonl (a lilicorr "
                                 "regenerate or demo)")
 
@@ -316,7 +360,8 @@ def test_the_demos_data_file_held_by_a_regenerate_run_is_one_line(tmp_path, caps
 def test_demo_asking_more_prompts_than_the_corpus_has_is_one_line(tmp_path, capsys):
     """More regeneration prompts than the training split has cut points: one line naming the flags, no prompt file."""
     err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path / "demo"),
-                              "--prompts", "4", "--docstring-prompts", "1000000", "--prefix-tokens", "16"])
+                              "--prompts", "4", "--docstring-prompts", "1000000", "--prefix-tokens", "16",
+                              "--regen-tokens", "12"])
     assert "requested 1000000 train prefixes" in err and "cut after each docstring" in err
     assert err.strip().endswith("(the demo's --prompts 4, --docstring-prompts 1000000: lower them)")
     assert not list((tmp_path / "demo" / "data").rglob("prompts.jsonl"))

@@ -25,19 +25,24 @@ def test_a_rerun_may_replace_its_own_results_and_never_a_users_file(tmp_path):
         assert (tmp_path / name).read_text() == text
 
 
-def test_results_of_earlier_versions_count_as_the_tools_own(tmp_path):
-    """Every bench and demo results file written before the marker says whether τ includes the bonus token; perf's
-    have their own totals."""
-    (tmp_path / "demo.json").write_text(json.dumps({"mode": "full", "tau_includes_bonus_token": True, "results": []}))
-    (tmp_path / "bench.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}] * 2}))
-    (tmp_path / "half.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}, {"other": 1}]}))
-    (tmp_path / "none.json").write_text(json.dumps({"runs": []}))
-    (tmp_path / "perf.json").write_text(json.dumps({"step_total": 0.3, "target": 0.1}))
-    (tmp_path / "timing.json").write_text(json.dumps({"settings": {}, "plain_step_ms": 5.0, "arms": {}}))
+def test_a_json_without_written_by_is_never_guessed_to_be_the_tools(tmp_path):
+    """Files written before `written_by` existed were recognised by keys (`step_total`, `{ops, device, settings}`,
+    `tau_includes_bonus_token`, ...), which a user's own JSON may hold too: `perf --json plan.json` replaced a serving
+    plan. Now only a file that says `written_by: lilicorr ...` (or an empty one, mktemp's) is replaced."""
+    users = {"plan.json": {"device": "cuda:0", "settings": {}, "ops": [], "note": "my serving plan"},
+             "perf.json": {"step_total": 12.5, "note": "my measurement"},
+             "demo.json": {"mode": "full", "tau_includes_bonus_token": True, "results": []},
+             "timing.json": {"settings": {}, "plain_step_ms": 5.0, "arms": {}}}
+    for name, payload in users.items():
+        (tmp_path / name).write_text(json.dumps(payload))
+        assert not written_by_lilicorr(tmp_path / name), name
+        for command in ("bench", "demo", "perf"):
+            assert not written_by_lilicorr(tmp_path / name, command), (name, command)
+            with pytest.raises(ValueError, match=rf"{name} exists and is not a results file lilicorr wrote"):
+                check_output_paths(str(tmp_path / name), None, "--json", command=command)
+        assert json.loads((tmp_path / name).read_text()) == payload
     (tmp_path / "empty.json").write_text("")  # mktemp's: nothing to lose
-    for name in ("demo", "bench", "perf", "timing", "empty"):
-        assert written_by_lilicorr(tmp_path / f"{name}.json"), name
-    assert not written_by_lilicorr(tmp_path / "half.json") and not written_by_lilicorr(tmp_path / "none.json")
+    assert written_by_lilicorr(tmp_path / "empty.json") and written_by_lilicorr(tmp_path / "empty.json", "perf")
 
 
 def test_results_and_data_files_get_the_mode_any_new_file_gets(tmp_path, monkeypatch):
@@ -178,7 +183,7 @@ def test_hold_alone_refuses_a_held_file_and_goes_on_where_locks_do_not_exist(tmp
 
 def test_one_commands_results_are_not_replaced_by_another_command(tmp_path):
     """`perf --json` (or `demo --output`) onto a benchmark's results replaced them: any lilicorr results file counted
-    as replaceable. Only the command that wrote it may now (an earlier version's by what it holds)."""
+    as replaceable. Only the command that wrote it may now."""
     bench = tmp_path / "results.json"
     write_results_json(bench, {"runs": []}, "bench")
     check_output_paths(str(bench), None, command="bench")  # bench's rerun
@@ -187,14 +192,6 @@ def test_one_commands_results_are_not_replaced_by_another_command(tmp_path):
                                              rf"\(lilicorr bench .*\), which a `lilicorr {command}` run does not"):
             check_output_paths(str(bench), None, flag, command=command)
     assert json.loads(bench.read_text())["written_by"].startswith("lilicorr bench ")
-    (tmp_path / "old-perf.json").write_text(json.dumps({"step_total": 0.3}))
-    (tmp_path / "old-bench.json").write_text(json.dumps({"runs": [{"tau_includes_bonus_token": True}]}))
-    assert written_by_lilicorr(tmp_path / "old-perf.json", "perf")
-    assert not written_by_lilicorr(tmp_path / "old-perf.json", "bench")
-    assert written_by_lilicorr(tmp_path / "old-bench.json", "bench")
-    assert not written_by_lilicorr(tmp_path / "old-bench.json", "perf")
-    with pytest.raises(ValueError, match=r"earlier version"):
-        check_output_paths(str(tmp_path / "old-bench.json"), None, "--json", command="perf")
 
 
 def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path):

@@ -271,6 +271,17 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     with pytest.raises(ValueError, match=r"do not stay 2 distinct layers at 1 \(\[0\]\); set model.target.layer_ids"):
         load_round_modules([str(config)], None, {"num_hidden_layers": 1})
     assert "time at least 2" in user_error(capsys, [*base[:4], "--new-tokens", "1"])
+    # tau is an acceptance length: 1 to the block size (4 here), the bonus included; the default 6 becomes the block.
+    assert result["settings"]["tau"] == 4.0
+    for command in (base, ["perf", "--cost-model", "-c", str(config)]):
+        assert user_error(capsys, [*command, "--tau", "100"]).strip().endswith(
+            "--tau 100 is not a possible acceptance length for a block of 4: a round commits 1 to 4 tokens (the bonus "
+            "token included); use 1 <= --tau <= 4")
+        assert "--tau 0.5 is not a possible acceptance length" in user_error(capsys, [*command, "--tau", "0.5"])
+    assert "runs past the target's 512 positions; lower --context" in user_error(
+        capsys, ["perf", "--cost-model", "-c", str(config), "--context", "510"])
+    capsys.readouterr()
+    assert cli_main(["perf", "--cost-model", "-c", str(config)])["settings"]["context"] == 508  # 512 - a block of 4
     assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
     import lilicorr_pl.perf as perf
 

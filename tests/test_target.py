@@ -108,6 +108,25 @@ def test_kv_cache_and_crop_reproduce_full_pass(tiny_target):
     torch.testing.assert_close(rest.features, full.features[:, 6:], atol=1e-5, rtol=1e-5)
 
 
+def test_bad_layer_ids_are_the_users_one_line_from_the_config_before_the_weights_load(tmp_path, monkeypatch):
+    """A fit with model.target.layer_ids out of range or out of order raised a ValueError traceback after the target
+    had loaded; now a UserInputError (the CLI's one line) from the model's config.json, before any weight is read."""
+    from lilicorr_pl.checkpoint import UserInputError
+
+    path = save_tiny_target(tmp_path / "t")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the layer ids were checked")
+
+    monkeypatch.setattr(FrozenTarget, "_load", staticmethod(no_load))
+    for ids, match in (([1, 6], r"\[6\] are out of range for a target with 6 decoder layers \(valid: 0\.\.5\)"),
+                       ([-1, 2], r"\[-1\] are out of range"),
+                       ([3, 1], r"strictly increasing without repeats, got \[3, 1\]"),
+                       ([2, 2], r"strictly increasing without repeats, got \[2, 2\]")):
+        with pytest.raises(UserInputError, match=match + r".*fix model\.target\.layer_ids"):
+            FrozenTarget.from_pretrained(path, layer_ids=ids, load_tokenizer=False)
+
+
 def test_clear_errors_for_bad_layer_ids_mask_id_and_tokenizer(tmp_path):
     path = save_tiny_target(tmp_path / "t")
     with pytest.raises(ValueError, match=r"out of range.*6 decoder layers.*layer_ids"):

@@ -53,6 +53,11 @@ class ArmResult:
     per_prompt_tau: list[float] = field(default_factory=list)
     per_prompt_rounds: list[int] = field(default_factory=list)
     """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
+    emitted_per_round: float = math.nan
+    """Tokens the rounds emitted, per round: ``(Σ output tokens − prompts) / Σ rounds`` (the prefill's token is no
+    round's). τ counts every round's ``acc + 1`` as verified, the last round's tokens past the budget or a stop token
+    too, which are not emitted; so this is ≤ τ, and the ratio of two arms' values is the ratio of the rounds they
+    needed for the same output (at T = 0, where the outputs are equal)."""
     per_prompt_first_round: list[int] = field(default_factory=list)
     """Accepted drafts of each prompt's first verify round (-1: no round). The first round drafts right after the
     prompt, where a prompt unlike the training data hurts most."""
@@ -343,6 +348,8 @@ def _arm_result(
         draft_sampling=draft_sampling if temperature > 0 else None,
         per_prompt_tau=[r.tau if r.num_rounds else math.nan for r in results],
         per_prompt_rounds=[int(r.num_rounds) for r in results],
+        emitted_per_round=(sum(max(len(r.tokens) - 1, 0) for r in results if r.num_rounds) / rounds
+                           if rounds else math.nan),
         per_prompt_first_round=[int(r.accepted_lengths[0]) if r.accepted_lengths else -1 for r in results],
         slot1_first_round=sum(acc > 0 for acc in first) / len(first) if first else math.nan,
         slot1_later_rounds=sum(acc > 0 for acc in later) / len(later) if later else math.nan,

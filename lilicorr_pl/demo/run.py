@@ -159,14 +159,44 @@ def _write_json(path: Path, payload: Any) -> None:
 
 
 def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] | None:
-    """The stage's recorded metadata when its artifacts exist and were produced under ``key``; else None."""
-    if not meta_path.is_file() or not all(a.exists() for a in artifacts):
+    """The stage's recorded metadata when it was produced under ``key`` and its artifacts are the very files it
+    wrote (their checksums, recorded in the metadata by :func:`artifact_digests`); else None, and the stage runs
+    again. A damaged or replaced checkpoint is said so and never reused."""
+    if not meta_path.is_file() or not all(a.is_file() for a in artifacts):
         return None
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return meta if meta.get("key") == key else None
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return None
+    recorded = meta.get("artifacts")
+    if artifacts and not isinstance(recorded, dict):
+        return None
+    for artifact in artifacts:
+        if recorded.get(artifact.name) != file_digest(artifact):
+            log(f"   {artifact} is not the file its stage wrote (damaged or replaced): that stage runs again")
+            return None
+    return meta
+
+
+def artifact_digests(*artifacts: Path) -> dict[str, str]:
+    """What :func:`_stage_done` checks before a stage's files are reused: each file's checksum, by name."""
+    return {artifact.name: file_digest(artifact) for artifact in artifacts}
+
+
+def check_regeneration_fits(target_dir: str, cfg: Mapping[str, Any]) -> None:
+    """Refuse, before regeneration loads the target, a prompt prefix plus continuation longer than the target's
+    context (``--target_preset test`` has 64 positions), naming the demo's own flags."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(target_dir), "max_position_embeddings", None)
+    needed = cfg["prefix_tokens"] + cfg["new_tokens"]
+    if context is not None and needed > context:
+        raise UserInputError(
+            f"the demo's prompts of --prefix-tokens {cfg['prefix_tokens']} plus --regen-tokens {cfg['new_tokens']} "
+            f"({needed} positions) do not fit the {cfg['target']} target's context of {context}; lower them"
+        )
 
 
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int,
@@ -315,7 +345,8 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, s
     stage.mkdir(parents=True, exist_ok=True)
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     _write_json(meta_path, {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
-                            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli)})
+                            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
+                            "artifacts": artifact_digests(drafter_dir / "model.safetensors")})
     return drafter_dir, key
 
 
@@ -366,7 +397,7 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
     meta = {"key": key, "arm": arm, "init": init_key, "steps": steps, "seed": seed,
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
             "threads": torch.get_num_threads(), "resumed": cli.trainer.ckpt_path is not None,
-            "diagnostics": _diagnostics(cli)}
+            "diagnostics": _diagnostics(cli), "artifacts": artifact_digests(ckpt, drafter_dir / "model.safetensors")}
     _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
     return ckpt, meta, drafter_dir
 
@@ -679,7 +710,10 @@ def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str]
     """The mode's settings with the command line's overrides (those not None) applied; validated before any work."""
     cfg = dict(SETTINGS["quick" if quick else "full"])
     cfg.update({key: value for key, value in overrides.items() if value is not None})
-    arms = list(arms) if arms else list(DEFAULT_ARMS)
+    if arms is not None and not list(arms):  # `--arms []`: nothing to compare, not every arm (tens of minutes)
+        raise UserInputError(f"--arms is empty; name the arms to compare, e.g. --arms dflash,lilicorr (default: "
+                             f"{','.join(DEFAULT_ARMS)})")
+    arms = list(arms) if arms is not None else list(DEFAULT_ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise UserInputError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
@@ -809,6 +843,7 @@ def demo(
         timings["target"] = time.time() - t0
         report = load_build_report(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        check_regeneration_fits(target_dir, cfg)
 
         log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
         t0 = time.time()
@@ -938,6 +973,7 @@ def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dic
     """One row of the comparison JSON for a measured arm."""
     return {
         "benchmark": bench, "temperature": temp, "arm": arm, "tau": r.tau,
+        "emitted_per_round": r.emitted_per_round,  # ≤ τ: the last round's tokens past the budget are not emitted
         "tokens_per_s": r.tokens_per_s, "speedup_vs_target": r.tokens_per_s / max(target_tps, 1e-9),
         "per_position_acceptance": r.per_position_acceptance, "head_time_fraction": r.head_time_fraction,
         "lossless": r.lossless, "draft_sampling": r.draft_sampling, "target_tokens_per_s": target_tps,
