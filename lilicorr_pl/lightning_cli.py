@@ -479,8 +479,10 @@ class LilicorrCLI(LightningCLI):
         except (CacheError, StateMismatchError) as err:
             # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message
             # names the file and the fix, so it is one line, as fit's own checks before the run are.
-            message = str(err).strip().splitlines()[0]
-            ckpt = self.config.get(subcommand, {}).get("ckpt_path") if isinstance(err, StateMismatchError) else None
+            message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            ckpt = None
+            if isinstance(err, StateMismatchError):  # the file itself, also for --ckpt_path=last
+                ckpt = getattr(self.trainer, "ckpt_path", None) or self.config.get(subcommand, {}).get("ckpt_path")
             raise UserInputError(f"--ckpt_path {ckpt}: {message}" if ckpt else message) from None
         except SIGTERMException:
             # Lightning stops its loops at the next batch after a SIGTERM by raising a SystemExit with no status,

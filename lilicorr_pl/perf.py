@@ -675,6 +675,9 @@ def cost_report(
     target_cfg, drafter, head = load_round_modules(config, target_config, target_overrides)
     tau = check_tau(tau, drafter.block_size)
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
+    if limit and limit <= drafter.block_size:
+        raise ValueError(f"the target's {limit} positions do not hold a context and a block of {drafter.block_size}; "
+                         "lower model.drafter.init_args.block_size")
     if context is None:  # 2,048 tokens, or as many as the target's positions leave room for
         context = min(2048, limit - drafter.block_size) if limit else 2048
     if limit and context + drafter.block_size > limit:
@@ -806,6 +809,10 @@ class PerfCLI(LilicorrCLI):
         from lilicorr_pl.checkpoint import UserInputError
         from lilicorr_pl.files import check_output_paths
 
+        for name in ("json", "ckpt", "target_config"):  # a leading ~ is the user's home, as in a shell: expanded
+            value = self.config.get(name)  # before the output check, which must see the file that will be written
+            if isinstance(value, str) and value.startswith("~"):
+                self.config[name] = os.path.expanduser(value)
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
             check_output_paths(self.config.get("json"), None, "--json", command="perf")
         except ValueError as err:
@@ -848,8 +855,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli = run_lightning(args, description=__doc__ or "", cli_class=PerfCLI, prog="lilicorr perf", run=False,
                         save_config_callback=None)
     options = cli.config
-    if options.json:  # a leading ~ is the user's home, as in a shell
-        options.json = os.path.expanduser(options.json)
     if options.cost_model and options.round_timing:
         raise UserInputError("--cost_model and --round_timing are two reports; ask for one per run")
     if (options.compile or options.compile_mode != "default") and not options.round_timing:

@@ -196,8 +196,9 @@ def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: 
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                            revision=load_kwargs.get("revision"))
+        where = {k: load_kwargs[k] for k in ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+                 if k in load_kwargs}  # the same config.json the model load reads
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **where)
     except Exception:  # noqa: BLE001 -- the model load that follows reports an unreadable model in its own words
         return None
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

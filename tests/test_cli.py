@@ -333,6 +333,12 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
                               "--model.head.init_args.num_layers=2", "--trainer.enable_progress_bar=false"])
     assert f"--ckpt_path {ckpt}: checkpoint does not match the system: missing ['head.layers.1." in err
     assert "Traceback" not in err and "was it trained with a different drafter/head config?" in err
+    # A data store damaged after fit built it, found while the subcommand runs: one line naming it and the fix.
+    shard = sorted((tmp_path / "runs" / "tiny" / "cache").rglob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-16])
+    err = user_error(capsys, ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                              "--trainer.enable_progress_bar=false"])
+    assert "is invalid" in err and "delete" in err and "rerun prepare_data" in err and shard.name in err
     for stage in ("validate", "predict"):
         assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
 
@@ -744,3 +750,19 @@ def test_a_leading_tilde_in_a_tools_path_is_the_home_folder(tmp_path, monkeypatc
     config.write_text("output: ~/from-config.json\n")
     run_function(tool, ["-c", str(config)], prog="lilicorr tool")
     assert seen["output"] == str(tmp_path / "home" / "from-config.json")
+
+
+
+def test_perf_json_under_a_tilde_is_checked_where_it_will_be_written(tmp_path, monkeypatch, capsys):
+    """perf expanded `--json '~/plan.json'` only after its overwrite check had looked at `./~/plan.json`: a user's
+    file in the home folder was replaced. Expanded first now, so the check sees the file that would be written."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    plan = tmp_path / "home" / "plan.json"
+    plan.write_text('{"note": "my serving plan"}')
+    err = user_error(capsys, ["perf", "--cost-model", "true", "-c", str(ROOT / "configs" / "tiny.yaml"),
+                              "--json", "~/plan.json"])
+    assert f"--json {plan} exists and is not a results file lilicorr wrote" in err
+    assert plan.read_text() == '{"note": "my serving plan"}'
+    main(["perf", "--cost-model", "true", "-c", str(ROOT / "configs" / "tiny.yaml"), "--json", "~/cost.json"])
+    assert json.loads((tmp_path / "home" / "cost.json").read_text())["written_by"].startswith("lilicorr perf ")

@@ -301,9 +301,12 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
 
     argv = [*demo_argv(tmp_path), "--arms", "dflash,lilicorr", "--temperatures", "0", "--compile", "false"]
     main(argv)
+    bench_key = json.loads((tmp_path / "demo" / "results-quick.json").read_text())["stages"]["bench"]
     ckpt = next((tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     meta = json.loads(ckpt.with_suffix(".json").read_text())
     assert meta["artifacts"][ckpt.name] == file_digest(ckpt)
+    base_meta_path = next((tmp_path / "demo" / "stages").glob("base-*")) / "stage.json"
+    base_meta = json.loads(base_meta_path.read_text())
     whole = ckpt.read_bytes()
     ckpt.write_bytes(whole[: len(whole) // 2])  # damaged after the stage ended
     drafter = next((tmp_path / "demo" / "stages").glob("base-*")) / "drafter" / "model.safetensors"
@@ -315,9 +318,15 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
     assert f"{drafter} is not the file its stage wrote" in out
     assert ckpt.read_bytes() == whole  # the same stage again: the same weights (resumed from its last step)
     read_checkpoint(ckpt)  # readable and its checksum holds
+    for before, path in ((meta, ckpt.with_suffix(".json")), (base_meta, base_meta_path)):
+        after = json.loads(path.read_text())  # restored without a step: the training's own record is kept
+        assert after["diagnostics"] == before["diagnostics"] and after["seconds"] == before["seconds"], path
+        assert after["restored_in_seconds"] > 0 and after["artifacts"] == before["artifacts"], path
     capsys.readouterr()
-    main(argv)  # intact now: every stage reused
-    assert "is not the file its stage wrote" not in capsys.readouterr().out
+    main(argv)  # intact now: every stage reused, and the comparison too (its key holds the files' checksums)
+    out = capsys.readouterr().out
+    assert "is not the file its stage wrote" not in out and "reusing the measured comparison" in out
+    assert json.loads((tmp_path / "demo" / "results-quick.json").read_text())["stages"]["bench"] == bench_key
 
 
 def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):

@@ -162,13 +162,10 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
     """The stage's recorded metadata when it was produced under ``key`` and its artifacts are the very files it
     wrote (their checksums, recorded in the metadata by :func:`artifact_digests`); else None, and the stage runs
     again. A damaged or replaced checkpoint is said so and never reused."""
-    if not meta_path.is_file() or not all(a.is_file() for a in artifacts):
+    if not all(a.is_file() for a in artifacts):
         return None
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(meta, dict) or meta.get("key") != key:
+    meta = _previous_meta(meta_path, key)
+    if meta is None:
         return None
     recorded = meta.get("artifacts")
     if artifacts and not isinstance(recorded, dict):
@@ -178,6 +175,15 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
             log(f"   {artifact} is not the file its stage wrote (damaged or replaced): that stage runs again")
             return None
     return meta
+
+
+def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
+    """The recorded metadata of a stage with this key (one whose files were found damaged), or None."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("key") == key else None
 
 
 def artifact_digests(*artifacts: Path) -> dict[str, str]:
@@ -340,13 +346,18 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, s
     if _stage_done(meta_path, key, drafter_dir / "model.safetensors"):
         log(f"   shared DFlash stage: reusing {stage} (key {key})")
         return drafter_dir, key
+    previous = _previous_meta(meta_path, key)  # a finished stage whose drafter was damaged: its record, kept below
     started = time.time()
     cli = fit(f"base-{key}", [BASE_CONFIG], [], workdir, steps, seed, target_dir, data_file)
     stage.mkdir(parents=True, exist_ok=True)
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
-    _write_json(meta_path, {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
-                            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
-                            "artifacts": artifact_digests(drafter_dir / "model.safetensors")})
+    meta = {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
+            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
+            "artifacts": artifact_digests(drafter_dir / "model.safetensors")}
+    if previous is not None and not meta["diagnostics"]:  # restored without a step: the training's own record
+        meta.update(seconds=previous.get("seconds"), diagnostics=previous.get("diagnostics", {}),
+                    restored_in_seconds=round(time.time() - started, 1))
+    _write_json(meta_path, meta)
     return drafter_dir, key
 
 
@@ -385,11 +396,17 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
         log(f"   {arm}: reusing {done[0]} (key {key})")
         return done
     ckpt, meta_path, drafter_dir = arm_paths(workdir, arm, key)
+    previous = _previous_meta(meta_path, key)  # a finished stage whose files were damaged: its record, kept below
     started = time.time()
     args = [f"--model.init_drafter_from={init_dir}", "--model.init_drafter_layers_from_target=false"]
     cli = fit(f"{arm}-{key}", [BASE_CONFIG, *ARMS[arm].overlays], args, workdir, steps, seed, target_dir, data_file,
               reporting)
-    produced = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
+    # A stage resumed at its last step trains nothing and saves nothing: its checkpoint is the one it resumed from.
+    last = cli.trainer.checkpoint_callback.last_model_path or cli.trainer.ckpt_path
+    if not last or not Path(last).is_file():
+        raise UserInputError(f"the {arm} stage ended without a checkpoint to keep (its run folder "
+                             f"{workdir / 'runs' / f'{arm}-{key}'} holds none); delete that folder and rerun the demo")
+    produced = Path(last).resolve()
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(ckpt, "wb", sync=True) as fh, open(produced, "rb") as src:  # a half copy is never reused
         shutil.copyfileobj(src, fh)
@@ -398,6 +415,9 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
             "threads": torch.get_num_threads(), "resumed": cli.trainer.ckpt_path is not None,
             "diagnostics": _diagnostics(cli), "artifacts": artifact_digests(ckpt, drafter_dir / "model.safetensors")}
+    if previous is not None and not meta["diagnostics"]:  # restored without a step: the training's own record
+        meta.update(seconds=previous.get("seconds"), threads=previous.get("threads"),
+                    diagnostics=previous.get("diagnostics", {}), restored_in_seconds=round(time.time() - started, 1))
     _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
     return ckpt, meta, drafter_dir
 
@@ -884,7 +904,10 @@ def demo(
         bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
                               new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed,
                               compile=compile, point_mass=cfg["point_mass"])
-        bench_key = stage_key(stage="bench", arms={a: m["key"] for a, (_, m, _) in trained.items()}, **bench_settings)
+        # By each arm's stage key and the checksums of the files it measures: a stage trained again to other bytes
+        # (its run folder gone, another thread count) is measured again, never answered with the old comparison.
+        measured = {a: [m["key"], m.get("artifacts")] for a, (_, m, _) in trained.items()}
+        bench_key = stage_key(stage="bench", arms=measured, **bench_settings)
         bench_file = workdir / "bench" / f"{bench_key}.json"
         try:  # before the benchmark: a file the demo did not draw under its plot's name is never replaced
             check_plot_files([workdir / "plots" / bench_key / PLOT_NAME], "demo", flag="the demo's plot")
