@@ -133,10 +133,11 @@ def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
     return parser
 
 
-PATH_PARAMETERS = frozenset({"ckpt", "output", "plot", "workdir", "input", "benchmark", "target"})
-"""The tools' parameters that name files or folders: a value starting with ``~`` is the user's home there, as in a
-shell (a quoted ``'~/x'`` or a ``-c`` file's ``output: ~/x`` would otherwise make a folder named ``~``); ``perf``,
-which has its own parser, expands its ``--json``, ``--ckpt`` and ``--target_config`` the same way."""
+PATH_PARAMETERS = frozenset({"ckpt", "output", "plot", "workdir", "input", "benchmark", "target", "json",
+                             "target_config"})
+"""The commands' parameters that name files or folders: a value starting with ``~`` is the user's home there, as in a
+shell (a quoted ``'~/x'`` or a ``-c`` file's ``output: ~/x`` would otherwise make a folder named ``~``). The tools
+expand them in :func:`run_function`; ``perf``, which has its own parser, with :func:`expand_home` too."""
 
 
 def expand_home(name: str, value: Any) -> Any:

@@ -807,12 +807,11 @@ class PerfCLI(LilicorrCLI):
 
     def before_instantiate_classes(self) -> None:
         from lilicorr_pl.checkpoint import UserInputError
+        from lilicorr_pl.command import expand_home
         from lilicorr_pl.files import check_output_paths
 
         for name in ("json", "ckpt", "target_config"):  # a leading ~ is the user's home, as in a shell: expanded
-            value = self.config.get(name)  # before the output check, which must see the file that will be written
-            if isinstance(value, str) and value.startswith("~"):
-                self.config[name] = os.path.expanduser(value)
+            self.config[name] = expand_home(name, self.config.get(name))  # before the output check below
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
             check_output_paths(self.config.get("json"), None, "--json", command="perf")
         except ValueError as err:

@@ -55,9 +55,9 @@ class ArmResult:
     """Verify rounds of each prompt: with ``per_prompt_tau`` it gives pooled τ on any subset (bootstrap)."""
     emitted_per_round: float = math.nan
     """Tokens the rounds emitted, per round: over the prompts with a round, ``Σ (output tokens − 1) / Σ rounds`` (the
-    prefill's token is no round's). τ counts every round's ``acc + 1`` as verified, the last round's tokens past the budget or a stop token
-    too, which are not emitted; so this is ≤ τ, and the ratio of two arms' values is the ratio of the rounds they
-    needed for the same output (at T = 0, where the outputs are equal)."""
+    prefill's token is no round's). τ counts every round's ``acc + 1`` as verified, also the last round's tokens
+    past the budget or a stop token, which are not emitted; so this is ≤ τ, and the ratio of two arms' values is the
+    ratio of the rounds they needed for the same output (at T = 0, where the outputs are equal)."""
     per_prompt_first_round: list[int] = field(default_factory=list)
     """Accepted drafts of each prompt's first verify round (-1: no round). The first round drafts right after the
     prompt, where a prompt unlike the training data hurts most."""

@@ -186,6 +186,15 @@ def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and meta.get("key") == key else None
 
 
+def _kept_training_record(meta: dict[str, Any], previous: dict[str, Any] | None, started: float) -> dict[str, Any]:
+    """A stage's new metadata; when it was restored from its last checkpoint without a step to train (its files had
+    been damaged), the finished training's own record (seconds, threads, diagnostics) instead of the restore's."""
+    if previous is not None and not meta["diagnostics"]:
+        meta.update({k: previous.get(k) for k in ("seconds", "threads") if k in meta},
+                    diagnostics=previous.get("diagnostics", {}), restored_in_seconds=round(time.time() - started, 1))
+    return meta
+
+
 def artifact_digests(*artifacts: Path) -> dict[str, str]:
     """What :func:`_stage_done` checks before a stage's files are reused: each file's checksum, by name."""
     return {artifact.name: file_digest(artifact) for artifact in artifacts}
@@ -354,10 +363,7 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, s
     meta = {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
             "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
             "artifacts": artifact_digests(drafter_dir / "model.safetensors")}
-    if previous is not None and not meta["diagnostics"]:  # restored without a step: the training's own record
-        meta.update(seconds=previous.get("seconds"), diagnostics=previous.get("diagnostics", {}),
-                    restored_in_seconds=round(time.time() - started, 1))
-    _write_json(meta_path, meta)
+    _write_json(meta_path, _kept_training_record(meta, previous, started))
     return drafter_dir, key
 
 
@@ -415,9 +421,7 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
             "threads": torch.get_num_threads(), "resumed": cli.trainer.ckpt_path is not None,
             "diagnostics": _diagnostics(cli), "artifacts": artifact_digests(ckpt, drafter_dir / "model.safetensors")}
-    if previous is not None and not meta["diagnostics"]:  # restored without a step: the training's own record
-        meta.update(seconds=previous.get("seconds"), threads=previous.get("threads"),
-                    diagnostics=previous.get("diagnostics", {}), restored_in_seconds=round(time.time() - started, 1))
+    meta = _kept_training_record(meta, previous, started)
     _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
     return ckpt, meta, drafter_dir
 
