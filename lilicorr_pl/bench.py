@@ -162,7 +162,7 @@ def run_bench(
             # Which target weights were measured, against the ones the checkpoint trained with (a hash of the config
             # and weight files; None where unreadable): a false match says the drafter ran against another model.
             "target_weights": system.target_weights_fingerprint(),
-            "target_weights_trained": (getattr(system, "checkpoint_meta", None) or {}).get("target_weights"),
+            "target_weights_trained": None,
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
             "synchronized_timing": timing,
@@ -176,8 +176,10 @@ def run_bench(
             "reference_selector": next(iter(arms)),
             "selectors": {},
         }
-        out["same_target_as_training"] = (out["target_weights"] == out["target_weights_trained"]
-                                          if out["target_weights"] and out["target_weights_trained"] else None)
+        # Compared under the checkpoint's own digest rule (sampled windows for one written before whole-file digests).
+        trained, now = system.trained_target_weights(getattr(system, "checkpoint_meta", None))
+        out["target_weights_trained"] = trained
+        out["same_target_as_training"] = trained == now if trained and now else None
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:
             r = results[name]

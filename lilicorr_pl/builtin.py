@@ -17,19 +17,11 @@ import json
 import os
 from pathlib import Path
 
-from lilicorr_pl.files import atomic_file
+from lilicorr_pl.files import atomic_file, cache_root
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
 
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
 TARGET_PRESETS = {"tiny": "test", "quick": "quick", "full": "full"}
-
-
-def cache_root() -> Path:
-    """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``."""
-    if os.environ.get("LILICORR_CACHE"):
-        return Path(os.environ["LILICORR_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lilicorr_pl"
 
 
 def is_builtin(name: str) -> bool:

@@ -22,6 +22,16 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 
+def cache_root() -> Path:
+    """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``: built targets,
+    built-in data files, file digests."""
+    if os.environ.get("LILICORR_CACHE"):
+        return Path(os.environ["LILICORR_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lilicorr_pl"
+    return Path.home() / ".cache" / "lilicorr_pl"
+
+
 def jsonable(value: Any) -> Any:
     """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
     if isinstance(value, float) and not math.isfinite(value):

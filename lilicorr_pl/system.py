@@ -486,31 +486,44 @@ class DraftSystem(L.LightningModule):
             "stop_token_ids": self.target.stop_token_ids() if self.target is not None else None,
             "version": __import__("lilicorr_pl").__version__,
             "target_weights": self.target_weights_fingerprint(),  # which weights, wherever they are read from
+            "target_weights_hash": "content",  # whole-file digests (absent: the sampled digests of older versions)
             "total_steps": self._run_total_steps,  # the run length curricula anneal over
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
         # The global random streams travel with callbacks.RandomStateCheckpoint (in every shipped fit config).
 
-    def target_weights_fingerprint(self) -> str | None:
-        """A short hash of the target's config and weight files (sizes and sampled contents; not their names or
-        folder, so a moved copy matches), or None where no local file can be read (a hub name not cached here)."""
-        if not hasattr(self, "_target_weights"):
-            from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target
+    def target_weights_fingerprint(self, sampled: bool = False) -> str | None:
+        """A short hash of the target's config and weight files (sizes and whole-content digests, or with ``sampled``
+        the three-window digests older checkpoints recorded; not their names or folder, so a moved copy matches), or
+        None where no local file can be read (a hub name not cached here)."""
+        memo = self.__dict__.setdefault("_target_weights", {})
+        if sampled not in memo:
+            from lilicorr_pl.data.fingerprint import content_sha256, fingerprint, fingerprint_target, sampled_sha256
 
             parts = fingerprint_target({"name_or_path": str(self.target_path),
-                                        "load_kwargs": dict(self.target_spec.load_kwargs or {})}, include_layers=False)
+                                        "load_kwargs": dict(self.target_spec.load_kwargs or {})}, include_layers=False,
+                                       file_hash=sampled_sha256 if sampled else content_sha256)
             weights = parts.get("weights")
-            self._target_weights = fingerprint({"config": parts.get("config"), "weights": [
+            memo[sampled] = fingerprint({"config": parts.get("config"), "weights": [
                 [size, digest] for _, size, digest in weights]})[:16] if weights else None
-        return self._target_weights
+        return memo[sampled]
+
+    def trained_target_weights(self, meta: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+        """(the target the checkpoint with lilicorr record ``meta`` trained against, the target read now), both as
+        :meth:`target_weights_fingerprint` hashes them for that checkpoint (sampled for one written before whole-file
+        digests); either None where unknown."""
+        meta = meta or {}
+        recorded = meta.get("target_weights")
+        if not recorded:
+            return None, self.target_weights_fingerprint()
+        return recorded, self.target_weights_fingerprint(sampled=meta.get("target_weights_hash") != "content")
 
     def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> None:
         """Say so when the target read now is not the one ``checkpoint`` trained against (another model under the
         same name or path): ``what`` the checkpoint is used for. A warning, not a refusal: a re-saved copy of the
         same model (other shards) also reads as another."""
-        recorded = (checkpoint.get("lilicorr") or {}).get("target_weights")
-        now = self.target_weights_fingerprint()
+        recorded, now = self.trained_target_weights(checkpoint.get("lilicorr"))
         if recorded and now and recorded != now:
             warnings.warn(f"the target at {self.target_path} is not the one this checkpoint trained against (its "
                           f"config and weight files hash to {now}, the checkpoint's target to {recorded}); {what} this "

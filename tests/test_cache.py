@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers import make_tiny_target_dir
 
-from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target, store_path
+from lilicorr_pl.data.fingerprint import content_sha256, fingerprint, fingerprint_target, sampled_sha256, store_path
 from lilicorr_pl.data.precompute import (
     PrecomputeJob,
     SplitJob,
@@ -28,6 +29,8 @@ from lilicorr_pl.data.precompute import (
 )
 from lilicorr_pl.data.store import CacheError, StoreWriter, open_store, shard_name
 from lilicorr_pl.target import FrozenTarget, TargetSpec
+
+fingerprint_module = sys.modules["lilicorr_pl.data.fingerprint"]  # the package exports a function of its name
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +78,55 @@ def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path)
     assert f1 == f2
     assert fingerprint_target(TargetSpec(a, layer_ids=[1, 2])) != fingerprint_target(TargetSpec(a, layer_ids=[3, 4]))
     assert fingerprint_target(TargetSpec(a, dtype="bfloat16")) != fingerprint_target(TargetSpec(a))
+
+
+def test_target_fingerprint_sees_a_same_size_edit_anywhere_in_a_weight_file(tmp_path, monkeypatch):
+    """The three-window sampled hash kept the old identity (and so the old logit store) for a same-size edit
+    between its windows; the whole-content digest does not, and reads each version of the file once."""
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    target = Path(make_tiny_target_dir(tmp_path, seed=0, name="a"))
+    extra = target / "extra.bin"
+    extra.write_bytes(np.random.default_rng(0).bytes(8 << 20))
+    before_sampled, before = sampled_sha256(extra), fingerprint(fingerprint_target(TargetSpec(str(target))))
+    with open(extra, "r+b") as fh:  # 2 MiB in: between the sampled windows at 0, 3.5 and 7 MiB
+        fh.seek(2 << 20)
+        fh.write(b"\x00" if fh.read(1) != b"\x00" else b"\x01")
+    assert sampled_sha256(extra) == before_sampled  # what the old identity could not see
+    assert fingerprint(fingerprint_target(TargetSpec(str(target)))) != before
+
+    reads = []
+    real = fingerprint_module.file_sha256
+    monkeypatch.setattr(fingerprint_module, "file_sha256", lambda p, *a: reads.append(Path(p).name) or real(p, *a))
+    digest = content_sha256(extra)
+    assert reads == [] and digest == real(extra)  # remembered from the fingerprint above
+    memos = {json.loads(m.read_text())["version"]["path"]: m for m in (tmp_path / "cache" / "file-sha256").glob("*")}
+    assert set(memos) == {str(extra.resolve()), str((target / "model.safetensors").resolve())}
+    memo = memos[str(extra.resolve())]
+    recorded = json.loads(memo.read_text())
+    recorded["sha256"] = "0" * 64  # a memo is trusted only for the version it names ...
+    recorded["version"]["mtime_ns"] += 1
+    memo.write_text(json.dumps(recorded))
+    assert content_sha256(extra) == digest and reads == ["extra.bin"]
+    memo.write_text("{not json")  # ... and one that does not parse is read past
+    assert content_sha256(extra) == digest and reads == ["extra.bin"] * 2
+    assert content_sha256(extra) == digest and reads == ["extra.bin"] * 2  # and written again
+    extra.write_bytes(b"other")  # replaced: a new version, read again
+    assert content_sha256(extra) == real(extra) and reads == ["extra.bin"] * 3
+
+
+def test_memos_of_files_that_are_gone_are_pruned_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr(fingerprint_module, "MEMO_PRUNE_ABOVE", 3)
+    memo_dir = tmp_path / "memo"
+    files = [tmp_path / f"f{i}" for i in range(4)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]))
+    for f in files[:3]:
+        content_sha256(f, memo_dir)
+    files[0].unlink()
+    (memo_dir / "users-note.json").write_text('{"mine": true}')  # not a memo: never removed
+    content_sha256(files[3], memo_dir)  # past the limit: the gone file's memo goes
+    kept = {json.loads(m.read_text()).get("version", {}).get("path") for m in memo_dir.glob("*.json")}
+    assert kept == {str(f.resolve()) for f in files[1:]} | {None}
 
 
 # ---------------------------------------------------------------------- writer / reader

@@ -696,6 +696,44 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)
 
 
+def test_a_checkpoint_from_before_whole_file_digests_still_matches_its_target(tmp_path):
+    """Checkpoints written before whole-file digests recorded the sampled ones: they are compared as they were
+    written (no false 'another model' warning), and a new checkpoint says which rule it used."""
+    import warnings
+
+    from helpers import make_tiny_target_dir
+
+    from lilicorr_pl.checkpoint import CHECKSUM_KEY
+    from lilicorr_pl.system import DraftSystem
+
+    target = Path(make_tiny_target_dir(tmp_path, seed=0, name="target"))
+    fit_tiny(tmp_path, f"--model.target.name_or_path={target}", steps=1)
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert state["lilicorr"]["target_weights_hash"] == "content"
+    system = DraftSystem.load_from_checkpoint(ckpt, map_location="cpu")
+    sampled = system.target_weights_fingerprint(sampled=True)
+    assert sampled != system.target_weights_fingerprint() == state["lilicorr"]["target_weights"]
+    old = tmp_path / "old.ckpt"
+    del state["lilicorr"]["target_weights_hash"]
+    state["lilicorr"]["target_weights"] = sampled
+    assert CHECKSUM_KEY in state["lilicorr"]  # the checksum covers the weights, not this record
+    torch.save(state, old)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    bench = ["bench", "--benchmark", str(prompts), "--num_prompts", "1", "--max_new_tokens", "2", "--selectors", "top1",
+             "--chat_template", "no"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        (run,) = main([*bench, "--ckpt", str(old)])
+    assert run["target_weights_trained"] == sampled and run["same_target_as_training"] is True
+    state["lilicorr"]["target_weights_hash"] = "content"  # the same record read by the new rule: another target
+    torch.save(state, old)
+    with pytest.warns(UserWarning, match="is not the one this checkpoint trained against"):
+        (run,) = main([*bench, "--ckpt", str(old)])
+    assert run["same_target_as_training"] is False
+
+
 def test_chat_records_with_the_template_turned_off_are_refused_before_the_checkpoint_is_opened(tmp_path, capsys):
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

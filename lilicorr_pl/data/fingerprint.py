@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -68,8 +69,8 @@ def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 22) -> str:
 def sampled_sha256(path: str | os.PathLike, window: int = 1 << 20) -> str:
     """sha256 of a file's size and three 1 MiB windows (start, middle, end).
 
-    Cheap even for 16 GB of weights, and any retrained or re-initialised checkpoint differs in those
-    bytes, so a changed target is not mistaken for the old one even when names and sizes match.
+    The target identity of checkpoints written before :func:`content_sha256` replaced it; kept to read their
+    record. It misses an in-place edit outside those windows, so nothing new is keyed by it.
     """
     size = os.path.getsize(path)
     h = hashlib.sha256(str(size).encode())
@@ -78,6 +79,75 @@ def sampled_sha256(path: str | os.PathLike, window: int = 1 << 20) -> str:
             f.seek(start)
             h.update(f.read(window))
     return h.hexdigest()
+
+
+def _file_version(path: Path) -> dict[str, Any]:
+    """What changes whenever a file's bytes may have: where it is, which inode, its size, modification and
+    status-change times (``ctime`` moves on every write and cannot be set back by the writer)."""
+    st = path.stat()
+    return {"path": str(path.resolve()), "dev": st.st_dev, "ino": st.st_ino, "bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def content_sha256(path: str | os.PathLike, memo_dir: str | os.PathLike | None = None) -> str:
+    """sha256 of a file's whole content, read once per version of the file.
+
+    Weights run to tens of GB, so the digest is remembered in ``memo_dir`` (default
+    ``<cache_root>/file-sha256``, one small JSON per file path) with the file's version (:func:`_file_version`:
+    path, inode, size, mtime and ctime): any write to the file, in place or by replacement, gives a new version and
+    a new read. A memo that does not parse or names another version is read past, and an unwritable memo folder
+    only costs the reread.
+    """
+    path = Path(path)
+    if memo_dir is None:
+        from lilicorr_pl.files import cache_root
+
+        memo_dir = cache_root() / "file-sha256"
+    memo_dir = Path(memo_dir)
+    version = _file_version(path)
+    memo = memo_dir / f"{text_sha256(version['path'])[:32]}.json"
+    recorded = _read_memo(memo)
+    if recorded is not None and recorded["version"] == version:
+        return recorded["sha256"]
+    digest = file_sha256(path)
+    if _file_version(path) != version:  # written to while it was read: a digest of no version, matched by no key
+        return digest
+    try:
+        from lilicorr_pl.files import write_json_atomic
+
+        write_json_atomic(memo, {"version": version, "sha256": digest})
+        _prune_memos(memo_dir)
+    except OSError:
+        pass
+    return digest
+
+
+MEMO_PRUNE_ABOVE = 256  # memos kept before those of files that no longer exist are removed
+
+
+def _read_memo(memo: Path) -> dict[str, Any] | None:
+    """A :func:`content_sha256` memo, or None where ``memo`` is missing or is not one."""
+    try:
+        recorded = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(recorded, dict) and isinstance(recorded.get("version"), dict)
+            and isinstance(recorded["version"].get("path"), str)
+            and re.fullmatch("[0-9a-f]{64}", str(recorded.get("sha256")))):
+        return recorded
+    return None
+
+
+def _prune_memos(memo_dir: Path) -> None:
+    """Past :data:`MEMO_PRUNE_ABOVE` memos, remove those whose file is gone (test runs and temporary copies
+    leave one per path); only files that read as memos."""
+    memos = list(memo_dir.glob("*.json"))
+    if len(memos) <= MEMO_PRUNE_ABOVE:
+        return
+    for memo in memos:
+        recorded = _read_memo(memo)
+        if recorded is not None and not os.path.exists(recorded["version"]["path"]):
+            memo.unlink(missing_ok=True)
 
 
 def fingerprint_files(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
@@ -121,10 +191,10 @@ def local_model_dir(name_or_path: str, revision: str | None = None) -> Path | No
     return None
 
 
-def fingerprint_target(spec: Any, include_layers: bool = True) -> dict[str, Any]:
+def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = content_sha256) -> dict[str, Any]:
     """Target identity from a ``TargetSpec`` (or dict): config.json content, weight file names, sizes and
-    sampled content hashes (``sampled_sha256``), the name or path, dtype and (if ``include_layers``) the
-    feature layer ids.
+    content hashes (``file_hash``: :func:`content_sha256`, or :func:`sampled_sha256` to read an old
+    checkpoint's record), the name or path, dtype and (if ``include_layers``) the feature layer ids.
 
     The logit cache does not depend on which layers feed the drafter, so it passes
     ``include_layers=False`` and survives a change of ``layer_ids``.
@@ -145,7 +215,7 @@ def fingerprint_target(spec: Any, include_layers: bool = True) -> dict[str, Any]
         cfg = local / "config.json"
         parts["config"] = json.loads(cfg.read_text()) if cfg.is_file() else None
         parts["weights"] = sorted(
-            (p.name, p.stat().st_size, sampled_sha256(p))
+            (p.name, p.stat().st_size, file_hash(p))
             for p in local.iterdir()
             if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
         )

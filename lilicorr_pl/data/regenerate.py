@@ -418,8 +418,8 @@ def regenerate(
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
-        # A local model's weights as well as its config (sampled hashes of the weight files), and the precision
-        # and device kind they run in: each changes the greedy answers. A hub name is keyed by its name and the
+        # A local model's weights as well as its config (whole-content digests of the weight files, read once per
+        # file version), and the precision and device kind they run in: each changes the greedy answers. A hub name is keyed by its name and the
         # commit it resolves to (target_revision, below): its cached files change as they download, so hashing them
         # would refuse its own resume.
         "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},

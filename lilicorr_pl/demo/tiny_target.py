@@ -230,12 +230,10 @@ class TinyTargetConfig:
 
 
 def default_cache_root() -> Path:
-    """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``."""
-    if os.environ.get("LILICORR_CACHE"):
-        return Path(os.environ["LILICORR_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lilicorr_pl"
-    return Path.home() / ".cache" / "lilicorr_pl"
+    """The project's cache folder (:func:`lilicorr_pl.files.cache_root`)."""
+    from lilicorr_pl.files import cache_root
+
+    return cache_root()
 
 
 def build_fingerprint(config: TinyTargetConfig) -> str:
