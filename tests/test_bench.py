@@ -570,3 +570,18 @@ def test_balanced_orders_put_each_variant_after_each_other_equally_often(n):
     rotated = [[(v + r) % n for v in range(n)] for r in range(n)]
     if n > 2:
         assert Counter((a, b) for o in rotated for a, b in zip(o, o[1:]))[(1, 0)] == 0
+
+
+def test_keep_within_context_cuts_only_what_does_not_fit_and_keeps_the_end():
+    from lilicorr_pl.decoding.benchmarks import PromptSet, keep_within_context
+
+    prompts = PromptSet("humaneval", [list(range(10)), [7, 8], list(range(20, 26))], ["a", "b", "c"], False, False)
+    same, cut = keep_within_context(prompts, None, 4)
+    assert same is prompts and cut == 0
+    same, cut = keep_within_context(prompts, 14, 4)  # room for 10: nothing cut
+    assert same is prompts and cut == 0
+    kept, cut = keep_within_context(prompts, 10, 4)  # room for 6: the first prompt's last 6 tokens
+    assert cut == 1 and kept.input_ids == [[4, 5, 6, 7, 8, 9], [7, 8], list(range(20, 26))]
+    assert kept.meta == {"cut_to_tokens": 6, "prompts_cut": 1} and prompts.input_ids[0] == list(range(10))
+    with pytest.raises(ValueError, match="4 new tokens leave no room for a prompt in the target's context of 4"):
+        keep_within_context(prompts, 4, 4)

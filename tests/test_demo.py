@@ -92,6 +92,12 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert all(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[12:])
     assert not any(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[:12])
     rows = result["results"]
+    # The test target's 64 positions hold no HumanEval prompt (75 tokens and more) with 8 new tokens: each is cut to
+    # its last 56 tokens, and every row says how many were (it decoded past the trained positions, unsaid).
+    assert {r["prompts_cut_to_context"] for r in rows if r["benchmark"] == "humaneval"} == {2}
+    assert {r["prompts_cut_to_context"] for r in rows if r["benchmark"] == "stdlib-heldout"} == {0}
+    scratch = tmp_path / "demo" / "bench" / result["stages"]["bench"]
+    assert "humaneval: 2 of 2 prompts cut to their last 56 tokens" in (scratch / "humaneval.log").read_text()
     seen = {(r["benchmark"], r["temperature"], r["arm"]) for r in rows}
     for bench in ("humaneval", "stdlib-heldout"):
         for arm in ARMS:
@@ -290,6 +296,10 @@ def test_prompts_longer_than_the_targets_context_are_refused_before_regeneration
                               "--workdir", str(tmp_path / "demo")])
     assert err.strip().endswith("the demo's prompts of --prefix-tokens 48 plus --regen-tokens 64 (112 positions) do "
                                 "not fit the test target's context of 64; lower them")
+    err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--compile", "false", "--prefix-tokens",
+                              "16", "--regen-tokens", "12", "--bench-new-tokens", "60", "--workdir", str(tmp_path / "demo")])
+    assert err.strip().endswith("the demo's prompts of --prefix-tokens 16 plus --bench-new-tokens 60 (76 positions) "
+                                "do not fit the test target's context of 64; lower them")
 
 
 def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):

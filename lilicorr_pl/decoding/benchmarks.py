@@ -10,7 +10,7 @@ benchmarks load through the ``datasets`` library when it and the hub are availab
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,26 @@ class PromptSet:
     chat_template: bool
     enable_thinking: bool
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def keep_within_context(prompts: PromptSet, context: int | None, max_new_tokens: int) -> tuple[PromptSet, int]:
+    """``prompts`` with each one longer than ``context - max_new_tokens`` tokens cut to its last that many (the
+    code right before the continuation stays), and how many were cut; ``context`` None: unchanged.
+
+    For a target whose context cannot hold a benchmark's prompts (the demo's seconds-long test target and
+    HumanEval): decoding past the positions a target was trained on measures nothing. ``lilicorr bench`` refuses
+    such prompts instead (:func:`lilicorr_pl.bench.check_context`), so a user's own benchmark is never changed.
+    """
+    if context is None:
+        return prompts, 0
+    keep = context - max_new_tokens
+    if keep < 1:
+        raise ValueError(f"{max_new_tokens} new tokens leave no room for a prompt in the target's context of {context}")
+    cut = sum(len(ids) > keep for ids in prompts.input_ids)
+    if not cut:
+        return prompts, 0
+    return replace(prompts, input_ids=[ids[-keep:] for ids in prompts.input_ids],
+                   meta={**prompts.meta, "cut_to_tokens": keep, "prompts_cut": cut}), cut
 
 
 def available_benchmarks() -> list[str]:

@@ -202,16 +202,19 @@ def artifact_digests(*artifacts: Path) -> dict[str, str]:
 
 def check_regeneration_fits(target_dir: str, cfg: Mapping[str, Any]) -> None:
     """Refuse, before regeneration loads the target, a prompt prefix plus continuation longer than the target's
-    context (``--target_preset test`` has 64 positions), naming the demo's own flags."""
+    context (``--target_preset test`` has 64 positions), naming the demo's own flags: the regeneration's, and the
+    held-out benchmark's (prefixes as long; a HumanEval prompt longer than its share is cut to its last tokens by
+    :func:`measure`)."""
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(target_dir), "max_position_embeddings", None)
-    needed = cfg["prefix_tokens"] + cfg["new_tokens"]
-    if context is not None and needed > context:
-        raise UserInputError(
-            f"the demo's prompts of --prefix-tokens {cfg['prefix_tokens']} plus --regen-tokens {cfg['new_tokens']} "
-            f"({needed} positions) do not fit the {cfg['target']} target's context of {context}; lower them"
-        )
+    for flag, new in (("--regen-tokens", "new_tokens"), ("--bench-new-tokens", "bench_new_tokens")):
+        needed = cfg["prefix_tokens"] + cfg[new]
+        if context is not None and needed > context:
+            raise UserInputError(
+                f"the demo's prompts of --prefix-tokens {cfg['prefix_tokens']} plus {flag} {cfg[new]} "
+                f"({needed} positions) do not fit the {cfg['target']} target's context of {context}; lower them"
+            )
 
 
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int,
@@ -1109,7 +1112,7 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
     """The rows of :func:`run_comparison` for ``benchmarks``, without intervals, and plain decoding's per-prompt
     tokens and seconds for each (benchmark, temperature). ``on_prompt`` is called after each prompt of each
     measurement (progress)."""
-    from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.decoding.benchmarks import keep_within_context, load_prompts
     from lilicorr_pl.decoding.compiled import CompiledSelector, compile_selectors
     from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms
     from lilicorr_pl.heads.top1 import Top1Selector
@@ -1136,6 +1139,13 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
     for bench in benchmarks:
         # The target is a code LM, not a chat model: prompts stay raw code.
         prompts = load_prompts(bench, tokenizer, num_prompts, chat_template=False, seed=seed + 1, prefix_tokens=prefix_tokens)
+        # A target whose context cannot hold a prompt and its continuation (the test preset and HumanEval): the
+        # prompt's last tokens, not positions the target never trained on (none is cut at the demo's settings).
+        prompts, cut = keep_within_context(prompts, getattr(shared.config, "max_position_embeddings", None),
+                                           max_new_tokens)
+        if cut:
+            log(f"   {bench}: {cut} of {len(prompts.input_ids)} prompts cut to their last "
+                f"{prompts.meta['cut_to_tokens']} tokens to fit the target's context with {max_new_tokens} new tokens")
         for temp in temperatures:
             specs = {arm: ArmSpec(system.drafter, selectors[arm]) for arm, system in systems.items()}
             if temp > 0 and point_mass:  # τ both ways: sampled drafts with min(1, p/q) (the row) and the point-mass rule
@@ -1156,6 +1166,7 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
                 if name.endswith("@point_mass"):
                     continue
                 row = arm_row(bench, temp, name, r, target_tps)
+                row["prompts_cut_to_context"] = cut
                 # Whether this row's drafts came from a compiled graph: heads with weights, deterministic drafts.
                 row["compiled_head"] = isinstance(specs[name].selector, CompiledSelector) and temp == 0
                 note = ""
@@ -1171,7 +1182,7 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
                 lil = systems[oracle_arm]
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k), on_prompt=on_prompt)
                 rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
-                             "tokens_per_s": None, "speedup_vs_target": None,
+                             "prompts_cut_to_context": cut, "tokens_per_s": None, "speedup_vs_target": None,
                              "per_position_acceptance": o["per_position_acceptance"],
                              "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
                 log(f"   {bench} T=0 oracle (top-{lil.head.top_k} lattice bound, {oracle_arm} drafter): tau {o['tau']:.2f}")
