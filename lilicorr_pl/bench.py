@@ -444,7 +444,7 @@ def bench(
         target = resolve_target_option(target)
     system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
                                          allow_modules=list(allow_module),  # CheckpointError: one line
-                                         target_path=target)
+                                         target_path=target, load_target=False)  # after the checks below
     meta = system.checkpoint_meta
     try:
         chosen = [selector_for(name, system) for name in names]
@@ -459,7 +459,7 @@ def bench(
         template = resolve_chat_template(meta.get("chat_template"), option="the checkpoint's data.chat_template")
     except (ValueError, FileNotFoundError) as err:
         raise UserInputError(str(err)) from None
-    system.configure_model()
+    system.load_target()
     system.to(device)
     chat = {"auto": None, "yes": True, "no": False}[chat_template]
 

@@ -16,6 +16,7 @@ goes through :func:`read_checkpoint`:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import pickle
 import signal
@@ -131,10 +132,29 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return checkpoint
 
 
+# The recorded checksum of the checkpoint a command verified when it first opened the file (before anything was
+# built: Lightning loads the target in configure_model before on_load_checkpoint sees the checkpoint), so that second
+# look does not hash the weights again.
+_verified_first: contextvars.ContextVar[str | None] = contextvars.ContextVar("lilicorr_verified_first", default=None)
+
+
+@contextlib.contextmanager
+def verified_first(recorded: str | None) -> Iterator[None]:
+    """Within the block, a checkpoint recording the checksum ``recorded`` (of one just verified with
+    :func:`read_checkpoint`) is not hashed again by :func:`verify_checksum`."""
+    token = _verified_first.set(recorded)
+    try:
+        yield
+    finally:
+        _verified_first.reset(token)
+
+
 def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
     """Raise when the state dict differs from the checksum recorded at save time."""
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
     expected = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
+    if expected is not None and expected == _verified_first.get():
+        return
     if expected is None:
         warnings.warn(f"{where} records no checksum (written by an older lilicorr_pl); its integrity is not verified",
                       stacklevel=3)

@@ -62,7 +62,7 @@ def export(
         target = resolve_target_option(target)
     system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
                                          allow_modules=list(allow_module),  # CheckpointError: one line
-                                         target_path=target)
+                                         target_path=target, load_target=False)  # the drafter and head only
     head = system.head if isinstance(system.head, LiLiCorrHead) else None
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "

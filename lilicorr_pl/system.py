@@ -7,11 +7,12 @@ The system computes nothing of its own: the drafter, head and losses are plain m
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ from lilicorr_pl.checkpoint import (
     check_remote_code,
     read_checkpoint,
     state_checksum,
+    verified_first,
     verify_checksum,
 )
 from lilicorr_pl.heads.base import HeadOutput, Selector, TeacherForcing
@@ -126,6 +128,26 @@ _EXTRA_STATE_SUFFIX = "_extra_state"  # nn.Module's key for a module's get_extra
 class StateMismatchError(RuntimeError):
     """A state dict whose keys or tensor shapes are not this system's (another drafter/head config, or another
     target's sizes); a ``RuntimeError``, as ``nn.Module.load_state_dict`` raises for the same problems."""
+
+
+# Set by DraftSystem.from_checkpoint(load_target=False): Lightning's load_from_checkpoint calls configure_model, which
+# then leaves the target for DraftSystem.load_target.
+_target_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("lilicorr_target_deferred", default=False)
+
+
+@contextlib.contextmanager
+def _rebuild_errors(path: Path, named: str) -> Iterator[None]:
+    """A target that cannot be loaded, or does not fit the checkpoint's weights: one line naming both."""
+    try:
+        yield
+    except (ValueError, RuntimeError, OSError) as err:
+        if isinstance(err, UserInputError):  # already one line, naming its fix
+            raise
+        if isinstance(err, RuntimeError) and not isinstance(err, StateMismatchError):
+            raise  # not about the target (out of memory, a bug): as it is
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
+                              "model it was trained with (--target)") from err
 
 
 def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -419,7 +441,7 @@ class DraftSystem(L.LightningModule):
     # ------------------------------------------------------------------ target lifecycle
     def configure_model(self) -> None:
         """Load the frozen target once (idempotent); the strategy has set the device by now."""
-        if self.target is not None:
+        if self.target is not None or _target_deferred.get():
             return
         spec = self.target_spec
         target = FrozenTarget.from_pretrained(
@@ -546,6 +568,7 @@ class DraftSystem(L.LightningModule):
         trust_remote_code: bool = False,
         allow_modules: Sequence[str] = (),
         target_path: str | None = None,
+        load_target: bool = True,
     ) -> DraftSystem:
         """Rebuild a trained system from a ``lilicorr fit`` checkpoint that may come from anyone.
 
@@ -554,8 +577,12 @@ class DraftSystem(L.LightningModule):
         caller: a checkpoint trained with it is refused unless ``trust_remote_code=True`` is passed here.
         ``target_path``: the same target model from another place (a checkpoint trained elsewhere records that
         machine's directory); a recorded local directory missing here is refused with one line naming it.
+        ``load_target=False``: the drafter and head only (what an export needs); :meth:`load_target` loads the target
+        later, so a caller can check its options against the trained head before the target's weights are read.
         """
-        checkpoint = read_checkpoint(path, verify=False)  # the checksum is verified once, in on_load_checkpoint
+        # Verified now: Lightning loads the target (configure_model) before on_load_checkpoint sees the weights.
+        checkpoint = read_checkpoint(path)
+        verified = verified_first((checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY))
         hparams = checkpoint.get("hyper_parameters") or {}
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
@@ -603,21 +630,25 @@ class DraftSystem(L.LightningModule):
         # Lightning rebuilds the system with jsonargparse from the recorded configs; this context makes the rebuilt
         # system record those configs again (as LightningCLI does), not the module objects it was given.
         given = {k: v for k, v in {**hparams, **overrides}.items() if k != "_instantiator"}
+        token = _target_deferred.set(not load_target)
         try:
-            with _given_hyperparameters_context(hparams=given, instantiator=instantiator):
+            with _rebuild_errors(path, named), verified, _given_hyperparameters_context(hparams=given,
+                                                                                         instantiator=instantiator):
                 system = cls.load_from_checkpoint(str(path), map_location=map_location, weights_only=True,
                                                   **overrides)
-        except (ValueError, RuntimeError, OSError) as err:  # the target cannot be loaded, or does not fit the weights
-            if isinstance(err, UserInputError):  # already one line, naming its fix
-                raise
-            if isinstance(err, RuntimeError) and not isinstance(err, StateMismatchError):
-                raise  # not about the target (out of memory, a bug): as it is
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
-                                  "model it was trained with (--target)") from err
+        finally:
+            _target_deferred.reset(token)
+        system._checkpoint_origin = (path, named)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
         system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
         return system
+
+    def load_target(self) -> None:
+        """Load the target of a system rebuilt with ``from_checkpoint(load_target=False)``; a target that cannot be
+        loaded is one line naming the checkpoint, as it is when ``from_checkpoint`` loads it."""
+        path, named = getattr(self, "_checkpoint_origin", (None, None))
+        with _rebuild_errors(path, named) if path is not None else contextlib.nullcontext():
+            self.configure_model()
 
     def _check_resume_settings(self, saved: Mapping[str, Any]) -> None:
         changed = check_resume_settings(saved, dict(self.hparams))

@@ -279,7 +279,7 @@ def write(path: Path, text: str) -> str:
                                    r"CUDA device \(--device cuda\); on cpu use --compile_mode default"),
     ],
 )
-def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, case, message):
+def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys, monkeypatch, case, message):
     _, ckpt = tiny_run
     args = {"--ckpt": str(ckpt), "--benchmark": "humaneval", "--selectors": "top1", "--temperature": "0"}
     if case == "missing_ckpt":
@@ -347,15 +347,20 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
     argv = ["bench", *(x for kv in args.items() for x in kv)]
     import lilicorr_pl.decoding.evaluate as evaluate
 
-    calls = []
+    from lilicorr_pl.target import FrozenTarget
+
+    calls, loads = [], []
     real = evaluate.evaluate_arms  # every decoding of `bench` goes through it
-    evaluate.evaluate_arms = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        err = user_error(capsys, argv)
-    finally:
-        evaluate.evaluate_arms = real
+    monkeypatch.setattr(evaluate, "evaluate_arms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_load = FrozenTarget.from_pretrained.__func__  # and every target load
+    monkeypatch.setattr(FrozenTarget, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(1) or real_load(cls, *a, **k)))
+    err = user_error(capsys, argv)
     assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
+    # ... and before the target's weights are read (--lattice_k and --selectors against the trained head were
+    # refused only after it loaded), but for the prompts' lengths, which are measured in the target's tokens.
+    assert bool(loads) is (case in ("past_the_context", "prompts_past_the_context")), loads
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
 
 

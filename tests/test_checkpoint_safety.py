@@ -300,6 +300,45 @@ def test_flipped_bytes_are_refused_by_bench_export_and_resume(tiny_run, tmp_path
     assert ("corrupted" in err or "truncated" in err) and "Traceback" not in err
 
 
+def test_changed_weights_are_refused_before_the_target_loads_and_good_ones_hashed_once(tiny_run, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """Lightning builds the model (configure_model: the target's weights) before on_load_checkpoint sees the
+    checkpoint, so changed weights were refused only after the target had loaded, with "nothing was loaded". Each
+    command now verifies the file when it first opens it, and the second look does not hash the weights again;
+    export, which writes the drafter and head, does not load the target at all."""
+    import lilicorr_pl.checkpoint as checkpoint_module
+    from lilicorr_pl.target import FrozenTarget
+
+    cli, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    key = next(k for k, v in state["state_dict"].items() if k.startswith("drafter.") and v.is_floating_point())
+    state["state_dict"][key] = state["state_dict"][key] + 1.0  # the recorded checksum kept: changed weights
+    bad = tmp_path / "changed.ckpt"
+    torch.save(state, bad)
+    loads = []
+    real_load = FrozenTarget.from_pretrained.__func__
+    monkeypatch.setattr(FrozenTarget, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or real_load(cls, *a, **k)))
+    corrupted = f"checkpoint {bad} is corrupted: its weights do not match the checksum recorded when it was saved"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    bench = ["bench", "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "2", "--selectors",
+             "top1", "--chat-template", "no"]
+    for argv in ([*bench, "--ckpt", str(bad)], ["export", "--ckpt", str(bad), "--output", str(tmp_path / "out")],
+                 _resume_argv(tmp_path, bad)):
+        assert corrupted in user_error(capsys, argv), argv[0]
+    assert loads == []
+    hashed = []
+    real_checksum = checkpoint_module.state_checksum
+    monkeypatch.setattr(checkpoint_module, "state_checksum", lambda sd: hashed.append(1) or real_checksum(sd))
+    cli_main([*bench, "--ckpt", str(good)])
+    assert len(loads) == 1 and len(hashed) == 1
+    cli_main(["export", "--ckpt", str(good), "--output", str(tmp_path / "exported")])  # the drafter and head only:
+    assert len(loads) == 1 and len(hashed) == 2  # the target's weights are not read
+    with pytest.raises(CheckpointError, match="corrupted"):  # outside a command's first look: verified as before
+        type(cli.model).load_from_checkpoint(bad, map_location="cpu")
+
+
 def test_truncated_and_empty_checkpoints_get_one_line(tiny_run, tmp_path):
     _, good = tiny_run
     empty = tmp_path / "empty.ckpt"
