@@ -127,7 +127,8 @@ def description(function: Callable[..., Any]) -> str:
 
 def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
     """``--help`` from the signature and docstring, ``-c/--config``, ``--print_config``, typed options."""
-    parser = ArgumentParser(prog=prog, description=description(function))
+    # Options are named in full (allow_abbrev off): `--max_new 2` was taken for --max_new_tokens.
+    parser = ArgumentParser(prog=prog, description=description(function), allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help=CONFIG_HELP)
     parser.add_function_arguments(function, as_group=False, fail_untyped=True, sub_configs=True)
     return parser

@@ -735,7 +735,10 @@ def run_lightning(args: Sequence[str] | None, description: str = "", cli_class: 
                   prog: str = "lilicorr", **kwargs: Any) -> LilicorrCLI:
     """``lilicorr fit|validate|test|predict ...``: parse, check, build and run; user errors raise ``UserInputError``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser_kwargs = {"parser_mode": "omegaconf", "prog": prog, "description": description or __doc__}
+    # allow_abbrev off: `--model.num_anchor=7` set num_anchors by prefix, and any prefix stops working (or means
+    # another option) the day a longer name is added; an option is named in full.
+    parser_kwargs = {"parser_mode": "omegaconf", "prog": prog, "description": description or __doc__,
+                     "allow_abbrev": False}
     try:
         return cli_class(DraftSystem, DraftDataModule, args=None if args is None else list(args),
                          parser_kwargs=parser_kwargs, **{**CLI_KWARGS, **kwargs})

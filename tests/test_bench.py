@@ -250,6 +250,7 @@ def write(path: Path, text: str) -> str:
         ("repeated_selector", "names a selector twice"),
         ("unknown_benchmark", "unknown benchmark"),
         ("malformed_jsonl", r"prompts.jsonl:2: malformed JSON"),
+        ("latin1_jsonl", r"prompts\.jsonl line 2: not UTF-8 text \(byte 0xe9 at column 16\); save the file as UTF-8"),
         ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
         ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
         ("negative_temperature", r"-0.5 does not conform to restriction v>=0"),  # refused when parsed
@@ -292,6 +293,9 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         args["--benchmark"] = "gsm9k"
     elif case == "malformed_jsonl":
         args["--benchmark"] = write(tmp_path / "prompts.jsonl", '{"prompt": "ok"}\n{"prompt": oops}\n')
+    elif case == "latin1_jsonl":  # the message had neither the file nor the line
+        args["--benchmark"] = str(tmp_path / "prompts.jsonl")
+        Path(args["--benchmark"]).write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     elif case == "jsonl_without_prompt":
         args["--benchmark"] = write(tmp_path / "prompts.jsonl", '{"question": "no prompt field"}\n')
     elif case == "selector_not_in_checkpoint":

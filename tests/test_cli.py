@@ -804,3 +804,18 @@ def test_perf_json_under_a_tilde_is_checked_where_it_will_be_written(tmp_path, m
     assert plan.read_text() == '{"note": "my serving plan"}'
     main(["perf", "--cost-model", "true", "-c", str(ROOT / "configs" / "tiny.yaml"), "--json", "~/cost.json"])
     assert json.loads((tmp_path / "home" / "cost.json").read_text())["written_by"].startswith("lilicorr perf ")
+
+
+@pytest.mark.parametrize("argv, unknown", [
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.num_anchor=7", "--print_config"],
+     "--model.num_anchor=7"),
+    (["bench", "--ckpt", "x.ckpt", "--max_new", "2"], "--max_new 2"),
+    (["demo", "--quick", "--bench-prompt", "2"], "--bench-prompt 2"),
+])
+def test_options_are_named_in_full_never_by_a_prefix(argv, unknown, capsys):
+    """argparse's prefix matching took `--model.num_anchor=7` for num_anchors (and `--max_new` for
+    --max_new_tokens): a typo applied silently, and a prefix that changes meaning when a longer option is added."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err

@@ -209,6 +209,10 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
     path.write_text('["a list"]\n')
     with pytest.raises(DataFormatError, match=r"broken\.jsonl line 1: expected a JSON object"):
         load_examples([str(path)], tok)
+    path.write_bytes('{"text": "fine"}\n\n{"text": "caf'.encode() + b"\xe9" + b'"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(DataFormatError, match=r"broken\.jsonl line 3: not UTF-8 text \(byte 0xe9 at column 14\); "
+                                              r"save the file as UTF-8"):  # it was a traceback
+        load_examples([str(path)], tok)
 
 
 def test_empty_conversation_and_unknown_format(tmp_path, tok):

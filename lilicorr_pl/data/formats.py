@@ -140,6 +140,22 @@ def json_error(err: json.JSONDecodeError) -> str:
     return f"{err.msg.removesuffix(' at')} at column {err.colno}"
 
 
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number from 1, line)`` for each non-blank line of a UTF-8 text file; a line that is not UTF-8 raises
+    ``DataFormatError`` naming the file, the line and the byte (it was a traceback, or a message with neither)."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(
+                    f"{path.name} line {i}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                    f"save the file as UTF-8 ({path})"
+                ) from None
+            if line.strip():
+                yield i, line
+
+
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_or_row_number, record)``; jsonl lines are numbered from 1, parquet rows from 1.
 
@@ -155,23 +171,20 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(
-                    f"{path.name} line {i}: malformed JSON ({json_error(err)}); "
-                    f"each line of a .jsonl file must be one JSON object ({path})"
-                ) from None
-            if not isinstance(record, dict):
-                raise DataFormatError(
-                    f"{path.name} line {i}: expected a JSON object, got {type(record).__name__}; "
-                    f"each line must look like one of {ACCEPTED_FORMATS_HELP}"
-                )
-            yield i, record
+    for i, line in text_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(
+                f"{path.name} line {i}: malformed JSON ({json_error(err)}); "
+                f"each line of a .jsonl file must be one JSON object ({path})"
+            ) from None
+        if not isinstance(record, dict):
+            raise DataFormatError(
+                f"{path.name} line {i}: expected a JSON object, got {type(record).__name__}; "
+                f"each line must look like one of {ACCEPTED_FORMATS_HELP}"
+            )
+        yield i, record
 
 
 def detect_format(record: dict[str, Any], where: str = "record") -> str:

@@ -78,7 +78,7 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
 
     Blank lines are skipped; a malformed line raises ``ValueError`` naming the file and line number.
     """
-    from lilicorr_pl.data.formats import record_messages
+    from lilicorr_pl.data.formats import record_messages, text_lines
 
     path = Path(path)
     if not path.is_file():
@@ -86,38 +86,35 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
             f"prompt file {path} does not exist; pass a .jsonl with a 'prompt' or 'text' field per line"
         )
     texts: list[str] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); one JSON object per line") from None
-            if not isinstance(rec, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}"
-                )
-            if "messages" in rec or "conversations" in rec:
-                turns = record_messages(rec, "messages" if "messages" in rec else "sharegpt", f"{path}:{lineno}")
-                first_answer = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), len(turns))
-                prompt = turns[:first_answer]
-                if not any(t["role"] == "user" and t["content"].strip() for t in prompt):
-                    raise ValueError(f"{path}:{lineno}: a chat record whose turns before the first assistant turn "
-                                     "hold no user message; nothing to prompt with")
-                texts.append(prompt)
-                if num and len(texts) >= num:
-                    break
-                continue
-            text = rec.get("prompt", rec.get("text"))
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(
-                    f"{path}:{lineno}: expected a non-empty string 'prompt' or 'text' field, or a chat record "
-                    f"('messages' / 'conversations'), got keys {sorted(rec)}"
-                )
-            texts.append(text)
+    for lineno, line in text_lines(path):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); one JSON object per line") from None
+        if not isinstance(rec, dict):
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object with a 'prompt' field, got {type(rec).__name__}"
+            )
+        if "messages" in rec or "conversations" in rec:
+            turns = record_messages(rec, "messages" if "messages" in rec else "sharegpt", f"{path}:{lineno}")
+            first_answer = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), len(turns))
+            prompt = turns[:first_answer]
+            if not any(t["role"] == "user" and t["content"].strip() for t in prompt):
+                raise ValueError(f"{path}:{lineno}: a chat record whose turns before the first assistant turn "
+                                 "hold no user message; nothing to prompt with")
+            texts.append(prompt)
             if num and len(texts) >= num:
                 break
+            continue
+        text = rec.get("prompt", rec.get("text"))
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(
+                f"{path}:{lineno}: expected a non-empty string 'prompt' or 'text' field, or a chat record "
+                f"('messages' / 'conversations'), got keys {sorted(rec)}"
+            )
+        texts.append(text)
+        if num and len(texts) >= num:
+            break
     return texts
 
 
