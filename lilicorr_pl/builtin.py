@@ -14,8 +14,6 @@ progress); the core (system, target, data module) refuses a ``builtin:`` name in
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 from lilicorr_pl.files import atomic_file, cache_root
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX

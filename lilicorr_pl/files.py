@@ -44,22 +44,24 @@ def jsonable(value: Any) -> Any:
 
 
 def check_output_paths(output: str | None, plot: str | None, output_flag: str = "--output", plot_flag: str = "--plot",
-                       plot_fix: str = "pass a directory for the PNGs", command: str | None = None) -> None:
+                       plot_fix: str = "pass a directory for the PNGs", command: str | None = None,
+                       output_fix: str = "choose another file name") -> None:
     """Raise ``ValueError`` when results could not be written, before any benchmark work starts, or would replace a
     file that is not a results file of this tool (:func:`written_by_lilicorr`): a rerun may replace its own results,
     never a user's file, nor (given ``command``) another command's results (``output_flag`` / ``plot_flag``: what
-    named ``output`` / ``plot``, and ``plot_fix`` the fix, for the messages)."""
+    named ``output`` / ``plot``, and ``output_fix`` / ``plot_fix`` the fixes, for the messages)."""
     if output:
         out = Path(output)
         if out.is_dir():
-            raise ValueError(f"{output_flag} {out} is a directory; pass a file name such as {out / 'results.json'}")
+            raise ValueError(f"{output_flag} {out} is a directory; " + (
+                f"pass a file name such as {out / 'results.json'}" if output_fix == "choose another file name"
+                else output_fix))
         if out.exists() and not written_by_lilicorr(out, command):  # its own results: read once; else say whose
             if not written_by_lilicorr(out):
                 raise ValueError(f"{output_flag} {out} exists and is not a results file lilicorr wrote, so it is not "
-                                 "overwritten; choose another file name")
+                                 f"overwritten; {output_fix}")
             raise ValueError(f"{output_flag} {out} holds the results of another lilicorr command "
-                             f"({_writer(out)}), which a `lilicorr {command}` run does not replace; choose another "
-                             "file name")
+                             f"({_writer(out)}), which a `lilicorr {command}` run does not replace; {output_fix}")
         check_writable_dir(out.parent, f"{output_flag} {out}")
     if plot:
         directory = Path(plot)

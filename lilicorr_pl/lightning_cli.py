@@ -309,7 +309,9 @@ class LilicorrCLI(LightningCLI):
             self._check_data(config, subcommand)
             self._refuse_an_untrained_evaluation(config, subcommand)
             if subcommand == "predict":  # written at its end: a file it may not replace is refused before anything
-                check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict")
+                check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
+                                   output_fix="it writes <trainer.default_root_dir>/predict.json: set "
+                                              "--trainer.default_root_dir to another folder, or move that file")
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None

@@ -325,6 +325,9 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     (saved.parent / "predict.json").write_text("my notes")
     err = user_error(capsys, ["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}"])
     assert "predict.json exists and is not a results file lilicorr wrote" in err
+    # The fix it names is one predict has: its file name is fixed (it said "choose another file name").
+    assert err.strip().endswith("so it is not overwritten; it writes <trainer.default_root_dir>/predict.json: set "
+                                "--trainer.default_root_dir to another folder, or move that file")
     assert (saved.parent / "predict.json").read_text() == "my notes"
     # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
     assert saved.read_bytes() == trained_with
