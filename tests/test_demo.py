@@ -336,7 +336,20 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
     main(argv)  # intact now: every stage reused, and the comparison too (its key holds the files' checksums)
     out = capsys.readouterr().out
     assert "is not the file its stage wrote" not in out and "reusing the measured comparison" in out
-    assert json.loads((tmp_path / "demo" / "results-quick.json").read_text())["stages"]["bench"] == bench_key
+    results = json.loads((tmp_path / "demo" / "results-quick.json").read_text())
+    assert results["stages"]["bench"] == bench_key
+    # The measured comparison edited by hand (a τ made up) was published as measured: its record is sealed.
+    bench_file = tmp_path / "demo" / "bench" / f"{bench_key}.json"
+    edited = json.loads(bench_file.read_text())
+    edited["rows"][0]["tau"] = 99.0
+    bench_file.write_text(json.dumps(edited))
+    capsys.readouterr()
+    main(argv)
+    out = capsys.readouterr().out
+    assert f"{bench_file} is not the record its stage wrote (edited or damaged): that stage runs again" in out
+    assert "reusing the measured comparison" not in out
+    again = json.loads((tmp_path / "demo" / "results-quick.json").read_text())
+    assert [r["tau"] for r in again["results"]] == [r["tau"] for r in results["results"]]  # measured again
 
 
 def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):

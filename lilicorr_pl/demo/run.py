@@ -35,6 +35,7 @@ if __name__ == "__main__":  # a background stage (``Background``): first of all,
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -129,7 +130,6 @@ def code_fingerprint() -> str:
     Demo stages are reused only when this matches: after an upgrade (or any edit of the code) every stage
     retrains instead of answering with an artifact an older version produced. The target build keeps its
     own key (its build settings and report). Computed once per process: one process runs one version."""
-    import hashlib
     import importlib.util
 
     digest = hashlib.sha256()
@@ -152,10 +152,25 @@ def file_digest(path: Path) -> str:
     return file_sha256(path)[:16]
 
 
-def _write_json(path: Path, payload: Any) -> None:
+SEAL_KEY = "sealed_sha256"
+
+
+def _seal_digest(record: Mapping[str, Any]) -> str:
+    from lilicorr_pl.data.fingerprint import canonical_json
+
+    body = {k: v for k, v in record.items() if k != SEAL_KEY}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def _write_json(path: Path, payload: dict[str, Any], nan_as_null: bool = True) -> None:
+    """A stage's record, sealed (:data:`SEAL_KEY`: a sha256 of the rest) so that one changed after the demo wrote it
+    is never taken for the stage's (:func:`_previous_meta`). ``nan_as_null=False`` keeps NaN (the measured
+    comparison, whose undefined statistics the tables and plots read as NaN)."""
     from lilicorr_pl.files import jsonable, write_json_atomic
 
-    write_json_atomic(path, jsonable(payload))
+    record = dict(jsonable(payload) if nan_as_null else payload)
+    record[SEAL_KEY] = _seal_digest(record)
+    write_json_atomic(path, record)
 
 
 def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] | None:
@@ -183,7 +198,12 @@ def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return meta if isinstance(meta, dict) and meta.get("key") == key else None
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return None
+    if meta.get(SEAL_KEY) != _seal_digest(meta):  # edited by hand or damaged: its numbers are not the stage's
+        log(f"   {meta_path} is not the record its stage wrote (edited or damaged): that stage runs again")
+        return None
+    return meta
 
 
 def _kept_training_record(meta: dict[str, Any], previous: dict[str, Any] | None, started: float) -> dict[str, Any]:
@@ -831,7 +851,7 @@ def demo(
     workdir = Path(workdir).resolve()
     # --quick's own default name: a toy run never replaces the full comparison's results in the same workdir.
     out = Path(output).resolve() if output else workdir / ("results-quick.json" if quick else "results.json")
-    from lilicorr_pl.files import check_output_paths, write_json_atomic, write_results_json
+    from lilicorr_pl.files import check_output_paths, write_results_json
 
     try:
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
@@ -933,7 +953,7 @@ def demo(
                       "threads": max(1, torch.get_num_threads() // bench_jobs)}
             # Kept with NaN for an undefined statistic (a prompt without a round), so a rerun that reuses it plots and
             # tabulates what this run does; results.json, for other tools, has null there.
-            write_json_atomic(bench_file, cached)
+            _write_json(bench_file, cached, nan_as_null=False)
         rows = cached["rows"]
         timings["benchmark"] = time.time() - t0
         result = {
