@@ -127,7 +127,12 @@ _EXTRA_STATE_SUFFIX = "_extra_state"  # nn.Module's key for a module's get_extra
 
 class StateMismatchError(RuntimeError):
     """A state dict whose keys or tensor shapes are not this system's (another drafter/head config, or another
-    target's sizes); a ``RuntimeError``, as ``nn.Module.load_state_dict`` raises for the same problems."""
+    target's sizes); a ``RuntimeError``, as ``nn.Module.load_state_dict`` raises for the same problems. ``keys``:
+    whether tensor names differ (a config's doing; a target changes only shapes)."""
+
+    def __init__(self, message: str, keys: bool = False) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 # Set by DraftSystem.from_checkpoint(load_target=False): Lightning's load_from_checkpoint calls configure_model, which
@@ -146,6 +151,12 @@ def _rebuild_errors(path: Path, named: str) -> Iterator[None]:
         if isinstance(err, RuntimeError) and not isinstance(err, StateMismatchError):
             raise  # not about the target (out of memory, a bug): as it is
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if isinstance(err, StateMismatchError) and err.keys:  # names, not sizes: no target makes them match
+            raise CheckpointError(
+                f"checkpoint {path} holds tensors that the drafter/head config it records does not build "
+                f"({first.removeprefix('checkpoint does not match the system: ').split('; was it')[0]}); it was "
+                "edited, or written by another version of lilicorr_pl: use a checkpoint `lilicorr fit` wrote with "
+                "this version") from err
         raise CheckpointError(f"checkpoint {path} cannot be rebuilt with {named} ({first}); pass the target "
                               "model it was trained with (--target)") from err
 
@@ -470,7 +481,7 @@ class DraftSystem(L.LightningModule):
             missing, unexpected = sorted(own - given), sorted(given - own)
             raise StateMismatchError(
                 f"checkpoint does not match the system: missing {missing[:8]}, unexpected {unexpected[:8]}; "
-                "was it trained with a different drafter/head config?"
+                "was it trained with a different drafter/head config?", keys=True
             )
         # Shapes too, here rather than in nn.Module's message (which callers would have to parse): a tensor built
         # from another target's sizes (vocabulary rows, hidden size) is named with both shapes.

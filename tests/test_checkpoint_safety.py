@@ -339,6 +339,23 @@ def test_changed_weights_are_refused_before_the_target_loads_and_good_ones_hashe
         type(cli.model).load_from_checkpoint(bad, map_location="cpu")
 
 
+def test_tensors_its_own_config_does_not_build_are_not_blamed_on_the_target(tiny_run, tmp_path, capsys):
+    """A checkpoint whose tensor names are not those of the config it records (edited, another version) was told to
+    pass its target with --target, which no target can fix (a target changes sizes, not names)."""
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    key = next(k for k in state["state_dict"] if k.startswith("drafter."))
+    state["state_dict"][key.replace("drafter.", "drafter.renamed_", 1)] = state["state_dict"].pop(key)
+    state["lilicorr"]["state_sha256"] = state_checksum(state["state_dict"])  # intact, as written
+    odd = tmp_path / "odd.ckpt"
+    torch.save(state, odd)
+    err = user_error(capsys, ["export", "--ckpt", str(odd), "--output", str(tmp_path / "out")])
+    assert f"checkpoint {odd} holds tensors that the drafter/head config it records does not build (missing " in err
+    assert err.strip().endswith("it was edited, or written by another version of lilicorr_pl: use a checkpoint "
+                                "`lilicorr fit` wrote with this version")
+    assert "--target" not in err
+
+
 def test_truncated_and_empty_checkpoints_get_one_line(tiny_run, tmp_path):
     _, good = tiny_run
     empty = tmp_path / "empty.ckpt"
