@@ -161,7 +161,7 @@ def run_bench(
             "target": system.target_spec.name_or_path,
             # Which target weights were measured, against the ones the checkpoint trained with (a hash of the config
             # and weight files; None where unreadable): a false match says the drafter ran against another model.
-            "target_weights": system.target_weights_fingerprint(),
+            "target_weights": None,
             "target_weights_trained": None,
             "block_size": system.drafter.block_size,
             "tau_includes_bonus_token": True,
@@ -177,8 +177,11 @@ def run_bench(
             "selectors": {},
         }
         # Compared under the checkpoint's own digest rule (sampled windows for one written before whole-file digests).
-        trained, now = system.trained_target_weights(getattr(system, "checkpoint_meta", None))
-        out["target_weights_trained"] = trained
+        meta = getattr(system, "checkpoint_meta", None) or {}
+        trained, now = system.trained_target_weights(meta)
+        out["target_weights"], out["target_weights_trained"] = now, trained  # both by the rule compared with
+        out["target_weights_hash"] = "content" if meta.get("target_weights_hash") == "content" or not trained \
+            else "sampled"
         out["same_target_as_training"] = trained == now if trained and now else None
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:

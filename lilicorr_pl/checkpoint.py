@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import os
 import pickle
 import signal
 import threading
@@ -132,29 +133,55 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return checkpoint
 
 
-# The recorded checksum of the checkpoint a command verified when it first opened the file (before anything was
-# built: Lightning loads the target in configure_model before on_load_checkpoint sees the checkpoint), so that second
-# look does not hash the weights again.
-_verified_first: contextvars.ContextVar[str | None] = contextvars.ContextVar("lilicorr_verified_first", default=None)
+# The checkpoint file a command verified when it first opened it (before anything was built: Lightning loads the
+# target in configure_model before on_load_checkpoint sees the checkpoint), so that second look at the same file,
+# unchanged since, does not hash the weights again: (recorded checksum, path, the file's stat at the first read).
+_verified_first: contextvars.ContextVar[tuple[Any, str, tuple[int, ...]] | None] = contextvars.ContextVar(
+    "lilicorr_verified_first", default=None)
+
+
+def _file_state(path: str | Path) -> tuple[int, ...]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_verified(path: str | Path) -> tuple[dict[str, Any], tuple[Any, str, tuple[int, ...]]]:
+    """:func:`read_checkpoint` with its checksum verified, and what :func:`verified_first` needs to spare the same
+    file, unchanged since it was stat'ed before this read, a second hash."""
+    check_checkpoint_file(Path(path))
+    state = _file_state(path)
+    checkpoint = read_checkpoint(path)
+    return checkpoint, ((checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY), str(path), state)
 
 
 @contextlib.contextmanager
-def verified_first(recorded: str | None) -> Iterator[None]:
-    """Within the block, a checkpoint recording the checksum ``recorded`` (of one just verified with
-    :func:`read_checkpoint`) is not hashed again by :func:`verify_checksum`."""
-    token = _verified_first.set(recorded)
+def verified_first(first: tuple[Any, str, tuple[int, ...]] | None) -> Iterator[None]:
+    """Within the block, a checkpoint recording the checksum of ``first`` (from :func:`read_verified`) is not hashed
+    again by :func:`verify_checksum` while that file is unchanged. None: the block changes nothing."""
+    token = _verified_first.set(first)
     try:
         yield
     finally:
         _verified_first.reset(token)
 
 
+def _verified_already(expected: Any) -> bool:
+    first = _verified_first.get()
+    if first is None or first[0] != expected:
+        return False
+    try:
+        return _file_state(first[1]) == first[2]
+    except OSError:
+        return False
+
+
 def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
-    """Raise when the state dict differs from the checksum recorded at save time."""
-    where = f"checkpoint {path}" if path is not None else "the checkpoint"
+    """Raise when the state dict differs from the checksum recorded at save time (unless it is the file a command
+    verified when it first opened it, unchanged since: :func:`verified_first`)."""
     expected = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
-    if expected is not None and expected == _verified_first.get():
+    if _verified_already(expected):
         return
+    where = f"checkpoint {path}" if path is not None else "the checkpoint"
     if expected is None:
         warnings.warn(f"{where} records no checksum (written by an older lilicorr_pl); its integrity is not verified",
                       stacklevel=3)

@@ -63,6 +63,9 @@ def export(
     system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
                                          allow_modules=list(allow_module),  # CheckpointError: one line
                                          target_path=target, load_target=False)  # the drafter and head only
+    # Not loaded, but its weight files are read (once per version: a memo) to say whether they are the ones the
+    # drafter trained against, as an engine will serve it with them.
+    system.warn_if_other_target({"lilicorr": system.checkpoint_meta}, "using it measures or serves")
     head = system.head if isinstance(system.head, LiLiCorrHead) else None
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "

@@ -33,8 +33,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from lilicorr_pl import builtin
-from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
-                                    config_modules, read_checkpoint, verified_first)
+from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
+                                    config_modules, read_verified, verified_first)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.data.store import CacheError
@@ -393,8 +393,7 @@ class LilicorrCLI(LightningCLI):
             return
         # Verified now, before anything is built (Lightning would see it only after loading the target), and not
         # hashed again when Lightning restores it (_run_subcommand).
-        checkpoint = read_checkpoint(ckpt)
-        self._verified_checksum = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
+        checkpoint, self._verified_first = read_verified(ckpt)
         saved = checkpoint.get("hyper_parameters") or {}
         current = plain_data(self.config[subcommand].get("model"))
         # The model is built from this run's config, whose components are the user's choice: their modules are trusted.
@@ -480,7 +479,7 @@ class LilicorrCLI(LightningCLI):
         ctrl_c: list[bool] = []
         previous = self._stop_fit_on_ctrl_c(ctrl_c) if subcommand == "fit" else None
         try:
-            with verified_first(getattr(self, "_verified_checksum", None)):
+            with verified_first(getattr(self, "_verified_first", None)):
                 super()._run_subcommand(subcommand)
         except (CacheError, StateMismatchError) as err:
             # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message

@@ -33,7 +33,7 @@ from lilicorr_pl.checkpoint import (
     UserInputError,
     check_class_paths,
     check_remote_code,
-    read_checkpoint,
+    read_verified,
     state_checksum,
     verified_first,
     verify_checksum,
@@ -592,8 +592,8 @@ class DraftSystem(L.LightningModule):
         later, so a caller can check its options against the trained head before the target's weights are read.
         """
         # Verified now: Lightning loads the target (configure_model) before on_load_checkpoint sees the weights.
-        checkpoint = read_checkpoint(path)
-        verified = verified_first((checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY))
+        checkpoint, first = read_verified(path)
+        verified = verified_first(first)
         hparams = checkpoint.get("hyper_parameters") or {}
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
@@ -651,13 +651,15 @@ class DraftSystem(L.LightningModule):
             _target_deferred.reset(token)
         system._checkpoint_origin = (path, named)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
-        system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
+        if load_target:  # else in load_target, or by the caller: the check reads the weight files
+            system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
         return system
 
     def load_target(self) -> None:
         """Load the target of a system rebuilt with ``from_checkpoint(load_target=False)``; a target that cannot be
         loaded is one line naming the checkpoint, as it is when ``from_checkpoint`` loads it."""
         path, named = getattr(self, "_checkpoint_origin", (None, None))
+        self.warn_if_other_target({"lilicorr": self.checkpoint_meta}, "using it measures or serves")
         with _rebuild_errors(path, named) if path is not None else contextlib.nullcontext():
             self.configure_model()
 

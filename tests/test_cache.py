@@ -80,7 +80,20 @@ def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path)
     assert fingerprint_target(TargetSpec(a, dtype="bfloat16")) != fingerprint_target(TargetSpec(a))
 
 
-def test_target_fingerprint_sees_a_same_size_edit_anywhere_in_a_weight_file(tmp_path, monkeypatch):
+@pytest.fixture
+def new_process(monkeypatch):
+    """Digests as a new process finds them: none kept in memory (call it again to forget them again); files written
+    by a test count as settled (a file changed within RACY_SECONDS of its read is otherwise not remembered)."""
+    monkeypatch.setattr(fingerprint_module, "RACY_SECONDS", 0.0)
+
+    def forget() -> None:
+        monkeypatch.setattr(fingerprint_module, "_digests", {})
+
+    forget()
+    return forget
+
+
+def test_target_fingerprint_sees_a_same_size_edit_anywhere_in_a_weight_file(tmp_path, monkeypatch, new_process):
     """The three-window sampled hash kept the old identity (and so the old logit store) for a same-size edit
     between its windows; the whole-content digest does not, and reads each version of the file once."""
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
@@ -97,8 +110,9 @@ def test_target_fingerprint_sees_a_same_size_edit_anywhere_in_a_weight_file(tmp_
     reads = []
     real = fingerprint_module.file_sha256
     monkeypatch.setattr(fingerprint_module, "file_sha256", lambda p, *a: reads.append(Path(p).name) or real(p, *a))
+    new_process()
     digest = content_sha256(extra)
-    assert reads == [] and digest == real(extra)  # remembered from the fingerprint above
+    assert reads == [] and digest == real(extra)  # remembered from the fingerprint above, on disk
     memos = {json.loads(m.read_text())["version"]["path"]: m for m in (tmp_path / "cache" / "file-sha256").glob("*")}
     assert set(memos) == {str(extra.resolve()), str((target / "model.safetensors").resolve())}
     memo = memos[str(extra.resolve())]
@@ -106,15 +120,45 @@ def test_target_fingerprint_sees_a_same_size_edit_anywhere_in_a_weight_file(tmp_
     recorded["sha256"] = "0" * 64  # a memo is trusted only for the version it names ...
     recorded["version"]["mtime_ns"] += 1
     memo.write_text(json.dumps(recorded))
+    new_process()
     assert content_sha256(extra) == digest and reads == ["extra.bin"]
     memo.write_text("{not json")  # ... and one that does not parse is read past
+    new_process()
     assert content_sha256(extra) == digest and reads == ["extra.bin"] * 2
+    new_process()
     assert content_sha256(extra) == digest and reads == ["extra.bin"] * 2  # and written again
     extra.write_bytes(b"other")  # replaced: a new version, read again
     assert content_sha256(extra) == real(extra) and reads == ["extra.bin"] * 3
 
 
-def test_memos_of_files_that_are_gone_are_pruned_and_nothing_else(tmp_path, monkeypatch):
+def test_a_file_changed_just_before_its_read_is_not_remembered(tmp_path, monkeypatch):
+    """Timestamps move in ticks: a same-size write in the tick of the read would keep the version the memo names."""
+    monkeypatch.setattr(fingerprint_module, "_digests", {})
+    fresh = tmp_path / "fresh.bin"
+    fresh.write_bytes(b"weights")
+    digest = content_sha256(fresh, tmp_path / "memo")
+    assert digest == fingerprint_module.file_sha256(fresh)
+    assert not list((tmp_path / "memo").glob("*.json")) and fingerprint_module._digests == {}
+
+
+def test_without_a_cache_folder_a_process_reads_each_file_once(tmp_path, monkeypatch, new_process):
+    """No home folder (no $HOME, no passwd entry) or an unwritable cache: the digest is kept in the process (one
+    fit fingerprints the target for its logit store, its feature store and its checkpoint)."""
+    import lilicorr_pl.files as files_module
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(files_module, "cache_root", no_home)
+    reads = []
+    real = fingerprint_module.file_sha256
+    monkeypatch.setattr(fingerprint_module, "file_sha256", lambda p, *a: reads.append(1) or real(p, *a))
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"weights")
+    assert content_sha256(weights) == content_sha256(weights) == real(weights) and reads == [1]
+
+
+def test_memos_of_files_that_are_gone_are_pruned_and_nothing_else(tmp_path, monkeypatch, new_process):
     monkeypatch.setattr(fingerprint_module, "MEMO_PRUNE_ABOVE", 3)
     memo_dir = tmp_path / "memo"
     files = [tmp_path / f"f{i}" for i in range(4)]

@@ -339,6 +339,40 @@ def test_changed_weights_are_refused_before_the_target_loads_and_good_ones_hashe
         type(cli.model).load_from_checkpoint(bad, map_location="cpu")
 
 
+def test_the_second_look_is_spared_only_for_the_file_verified_and_unchanged_since(tiny_run, tmp_path):
+    from lilicorr_pl.checkpoint import read_verified, verified_first, verify_checksum
+
+    _, good = tiny_run
+    copy = tmp_path / "copy.ckpt"
+    shutil.copy(good, copy)
+    checkpoint, first = read_verified(copy)
+    changed = {**checkpoint, "state_dict": {k: v + 1 if v.is_floating_point() else v
+                                            for k, v in checkpoint["state_dict"].items()}}
+    with pytest.raises(CheckpointError, match="corrupted"):
+        verify_checksum(changed)  # outside the block: hashed
+    with verified_first(first):
+        verify_checksum(changed)  # the file verified, unchanged: not hashed again (this dict stands in for its read)
+        os.utime(copy, ns=(0, 0))  # the file changed since it was verified: hashed again
+        with pytest.raises(CheckpointError, match="corrupted"):
+            verify_checksum(changed)
+
+
+def test_bench_refuses_options_before_reading_the_targets_weight_files(tiny_run, tmp_path, capsys, monkeypatch):
+    """The check that the target is the one the drafter trained against reads every weight file whole (tens of GB)
+    the first time: it ran before --selectors was checked, and for export, which does not load the target."""
+    import sys
+
+    fingerprint_module = sys.modules["lilicorr_pl.data.fingerprint"]
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(fingerprint_module, "_digests", {})
+    reads = []
+    real = fingerprint_module.file_sha256
+    monkeypatch.setattr(fingerprint_module, "file_sha256", lambda p, *a: reads.append(Path(p).name) or real(p, *a))
+    _, good = tiny_run
+    err = user_error(capsys, ["bench", "--ckpt", str(good), "--selectors", "top1,domino", "--num-prompts", "1"])
+    assert "selector 'domino' is not available in this checkpoint" in err and reads == []
+
+
 def test_tensors_its_own_config_does_not_build_are_not_blamed_on_the_target(tiny_run, tmp_path, capsys):
     """A checkpoint whose tensor names are not those of the config it records (edited, another version) was told to
     pass its target with --target, which no target can fix (a target changes sizes, not names)."""

@@ -730,6 +730,7 @@ def test_a_checkpoint_from_before_whole_file_digests_still_matches_its_target(tm
         warnings.simplefilter("error", UserWarning)
         (run,) = main([*bench, "--ckpt", str(old)])
     assert run["target_weights_trained"] == sampled and run["same_target_as_training"] is True
+    assert run["target_weights"] == sampled and run["target_weights_hash"] == "sampled"  # both by the rule compared
     state["lilicorr"]["target_weights_hash"] = "content"  # the same record read by the new rule: another target
     torch.save(state, old)
     with pytest.warns(UserWarning, match="is not the one this checkpoint trained against"):

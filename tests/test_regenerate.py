@@ -275,6 +275,32 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     assert foreign.read_text() == '{"mine": 1}\n'
 
 
+def test_an_output_recorded_before_whole_content_digests_resumes_on_its_own_target(target_dir, input_file, tmp_path):
+    """An output begun before the target's weights were keyed by whole-content digests records the sampled rule's
+    fingerprint: the same target resumes it (it was refused as "other settings", advising the original settings),
+    other weights still do not."""
+    import shutil
+
+    from lilicorr_pl.data.fingerprint import fingerprint, fingerprint_target, sampled_sha256
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    out = tmp_path / "out.jsonl"
+    run(str(target), input_file, out, limit=2)
+    record = json.loads(provenance_path(out).read_text())
+    assert record.pop("target_hash") == "content"
+    record["target_fingerprint"] = fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": "torch.float32"},
+                                                                  include_layers=False, file_hash=sampled_sha256))
+    provenance_path(out).write_text(json.dumps(record))  # as an earlier version wrote it
+    stats = run(str(target), input_file, out)
+    assert stats.skipped == 2 and stats.succeeded > 0
+    shutil.rmtree(target)
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=5, name="other"), target)
+    with pytest.raises(ValueError, match=r"other settings \(target_fingerprint: "):
+        run(str(target), input_file, out)
+
+
 def test_a_run_that_wrote_nothing_leaves_no_settings_behind_for_the_next(target_dir, input_file, tmp_path,
                                                                           monkeypatch):
     """A first run killed before its first line (here: every record failed) left its settings as the output's; a

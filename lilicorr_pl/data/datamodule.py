@@ -279,7 +279,7 @@ class DraftDataModule(L.LightningDataModule):
             }
         else:
             target_key = f"target/{kind}"
-            if target_key not in self._parts:  # reads a few MiB of each weight file: once per process
+            if target_key not in self._parts:  # each weight file read whole once per file version (a memo), then not
                 # The logits do not depend on which layers feed the drafter; the features do.
                 self._parts[target_key] = fingerprint_target(self._spec(), include_layers=kind == "features")
             parts = {"kind": kind, "schema": SCHEMA_VERSION, "tokens": fingerprint(self._parts_for(split, "tokens")),

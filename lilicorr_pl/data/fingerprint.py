@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -83,10 +84,15 @@ def sampled_sha256(path: str | os.PathLike, window: int = 1 << 20) -> str:
 
 def _file_version(path: Path) -> dict[str, Any]:
     """What changes whenever a file's bytes may have: where it is, which inode, its size, modification and
-    status-change times (``ctime`` moves on every write and cannot be set back by the writer)."""
+    status-change times (``ctime`` moves on every write and cannot be set back by the writer). Not the device
+    number, which each client of a network file system numbers its own way (a cache shared by nodes)."""
     st = path.stat()
-    return {"path": str(path.resolve()), "dev": st.st_dev, "ino": st.st_ino, "bytes": st.st_size,
-            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+    return {"path": str(path.resolve()), "ino": st.st_ino, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns}
+
+
+RACY_SECONDS = 2.0  # a file changed this close to its read may change again within one timestamp tick: not memoised
+_digests: dict[str, str] = {}  # this process's digests by file version, whether or not the memo could be written
 
 
 def content_sha256(path: str | os.PathLike, memo_dir: str | os.PathLike | None = None) -> str:
@@ -95,30 +101,44 @@ def content_sha256(path: str | os.PathLike, memo_dir: str | os.PathLike | None =
     Weights run to tens of GB, so the digest is remembered in ``memo_dir`` (default
     ``<cache_root>/file-sha256``, one small JSON per file path) with the file's version (:func:`_file_version`:
     path, inode, size, mtime and ctime): any write to the file, in place or by replacement, gives a new version and
-    a new read. A memo that does not parse or names another version is read past, and an unwritable memo folder
-    only costs the reread.
+    a new read. A memo that does not parse or names another version is read past; where none can be written (no
+    cache folder, a read-only one) the digest is kept for this process. A file changed within
+    :data:`RACY_SECONDS` of its read is not remembered (a same-size write in the same timestamp tick would leave
+    its version unchanged).
     """
     path = Path(path)
-    if memo_dir is None:
-        from lilicorr_pl.files import cache_root
-
-        memo_dir = cache_root() / "file-sha256"
-    memo_dir = Path(memo_dir)
     version = _file_version(path)
-    memo = memo_dir / f"{text_sha256(version['path'])[:32]}.json"
-    recorded = _read_memo(memo)
+    key = fingerprint(version)
+    if key in _digests:
+        return _digests[key]
+    memo: Path | None = None
+    try:
+        if memo_dir is None:
+            from lilicorr_pl.files import cache_root
+
+            memo_dir = cache_root() / "file-sha256"
+        memo = Path(memo_dir) / f"{text_sha256(version['path'])[:32]}.json"
+    except (OSError, RuntimeError, KeyError):  # no home folder to find a cache in: read, and keep it here
+        pass
+    recorded = _read_memo(memo) if memo is not None else None
     if recorded is not None and recorded["version"] == version:
+        _digests[key] = recorded["sha256"]
         return recorded["sha256"]
+    started = time.time()
     digest = file_sha256(path)
     if _file_version(path) != version:  # written to while it was read: a digest of no version, matched by no key
         return digest
-    try:
-        from lilicorr_pl.files import write_json_atomic
+    if started - version["ctime_ns"] / 1e9 < RACY_SECONDS:
+        return digest
+    _digests[key] = digest
+    if memo is not None:
+        try:
+            from lilicorr_pl.files import write_json_atomic
 
-        write_json_atomic(memo, {"version": version, "sha256": digest})
-        _prune_memos(memo_dir)
-    except OSError:
-        pass
+            write_json_atomic(memo, {"version": version, "sha256": digest})
+            _prune_memos(memo.parent)
+        except OSError:
+            pass
     return digest
 
 

@@ -32,7 +32,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -40,7 +40,7 @@ from typing import IO, Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, text_sha256
+from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, sampled_sha256, text_sha256
 from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
@@ -200,8 +200,9 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
                         folder.rmdir()
             raise
 
-def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
-    """Refuse to append to an output produced from another input, target or sampling settings."""
+def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: Callable[[], str] | None = None) -> None:
+    """Refuse to append to an output produced from another input, target or sampling settings. ``sampled_target``:
+    the target's fingerprint by the sampled-window rule, for an output recorded before whole-content digests."""
     if not output.exists() or output.stat().st_size == 0:
         return
     record = provenance_path(output)
@@ -211,6 +212,11 @@ def check_provenance(output: Path, provenance: dict[str, Any]) -> None:
             "mix sources: choose a new --output (or move the file away)"
         )
     saved = json.loads(record.read_text())
+    if "target_hash" in provenance and "target_hash" not in saved:
+        # Recorded before whole-content digests: its target compared by the sampled rule it was recorded with.
+        provenance = {k: v for k, v in provenance.items() if k != "target_hash"}
+        if sampled_target is not None and saved.get("target_fingerprint") is not None:
+            provenance["target_fingerprint"] = sampled_target()
     unrecorded = sorted(set(provenance) - set(saved))
     if unrecorded:
         raise ValueError(
@@ -419,9 +425,9 @@ def regenerate(
         "input_sha256": file_sha256(input_path),
         "target": str(target),
         # A local model's weights as well as its config (whole-content digests of the weight files, read once per
-        # file version), and the precision and device kind they run in: each changes the greedy answers. A hub name is keyed by its name and the
-        # commit it resolves to (target_revision, below): its cached files change as they download, so hashing them
-        # would refuse its own resume.
+        # file version), and the precision and device kind they run in: each changes the greedy answers. A hub name
+        # is keyed by its name and the commit it resolves to (target_revision, below): its cached files change as
+        # they download, so hashing them would refuse its own resume.
         "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
                                                              include_layers=False)) if where is not None else None,
         "dtype": str(torch_dtype).removeprefix("torch."),
@@ -435,8 +441,15 @@ def regenerate(
     }
     if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
         provenance["target_revision"] = hub_revision(str(target))
+    else:
+        provenance["target_hash"] = "content"  # whole-file digests (an output recorded before: sampled windows)
+
+    def sampled_target() -> str:
+        return fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
+                                              include_layers=False, file_hash=sampled_sha256))
+
     with _appending_alone(output_path) as out:  # locked before the model is loaded, and for the whole run
-        check_provenance(output_path, provenance)  # before the model is loaded
+        check_provenance(output_path, provenance, sampled_target)  # before the model is loaded
         from transformers import AutoConfig
 
         context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
