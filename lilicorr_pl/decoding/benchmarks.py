@@ -54,6 +54,9 @@ def keep_within_context(prompts: PromptSet, context: int | None, max_new_tokens:
     For a target whose context cannot hold a benchmark's prompts (the demo's seconds-long test target and
     HumanEval): decoding past the positions a target was trained on measures nothing. ``lilicorr bench`` refuses
     such prompts instead (:func:`lilicorr_pl.bench.check_context`), so a user's own benchmark is never changed.
+    Every emitted token is then predicted within the context; the last round's verify block may reach up to
+    ``block_size - 1`` positions past the budget, whose logits are discarded and, attention being causal, change
+    none of the kept ones.
     """
     if context is None:
         return prompts, 0
