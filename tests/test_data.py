@@ -213,6 +213,14 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
     with pytest.raises(DataFormatError, match=r"broken\.jsonl line 3: not UTF-8 text \(byte 0xe9 at column 14\); "
                                               r"save the file as UTF-8"):  # it was a traceback
         load_examples([str(path)], tok)
+    # Lines end at \n, \r\n or a lone \r, as a file read as text splits them; a raw U+2028 in a string is no end.
+    from lilicorr_pl.data.formats import text_lines
+
+    path.write_bytes(b'{"text": "a"}\r\r{"text": "b\xe2\x80\xa8c"}\r\n{"text": "d"}\n\r{oops\r')
+    assert [(i, line.strip()) for i, line in text_lines(path)] == [
+        (1, '{"text": "a"}'), (3, '{"text": "b\u2028c"}'), (4, '{"text": "d"}'), (6, "{oops")]
+    with pytest.raises(DataFormatError, match=r"broken\.jsonl line 6: malformed JSON"):
+        load_examples([str(path)], tok)
 
 
 def test_empty_conversation_and_unknown_format(tmp_path, tok):

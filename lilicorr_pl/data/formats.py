@@ -34,6 +34,7 @@ never supervised.
 from __future__ import annotations
 
 import json
+import re
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -143,17 +144,23 @@ def json_error(err: json.JSONDecodeError) -> str:
 def text_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number from 1, line)`` for each non-blank line of a UTF-8 text file; a line that is not UTF-8 raises
     ``DataFormatError`` naming the file, the line and the byte (it was a traceback, or a message with neither)."""
+    i = 0
     with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataFormatError(
-                    f"{path.name} line {i}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                    f"save the file as UTF-8 ({path})"
-                ) from None
-            if line.strip():
-                yield i, line
+        for raw in f:
+            # Lines end at \n, \r\n or a lone \r, as a file opened as text splits them (not at \u2028, which JSON
+            # strings may hold as is).
+            parts = re.split(rb"\r(?!\n)", raw)
+            for part in parts[:-1] if not parts[-1] else parts:  # nothing after a line's final lone \r
+                i += 1
+                try:
+                    line = part.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataFormatError(
+                        f"{path.name} line {i}: not UTF-8 text (byte 0x{part[err.start]:02x} at column "
+                        f"{err.start + 1}); save the file as UTF-8 ({path})"
+                    ) from None
+                if line.strip():
+                    yield i, line
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
