@@ -498,7 +498,7 @@ def round_timing(
     config: Sequence[str] | Mapping[str, Any],
     target_config: str | None = None,
     target_overrides: dict[str, Any] | None = None,
-    context: int = 64,
+    context: int | None = None,
     new_tokens: int = 32,
     prompts: int = 12,
     tau: float | None = None,
@@ -549,6 +549,8 @@ def round_timing(
     target_cfg, drafter, _ = load_round_modules(config, target_config, target_overrides)
     tau = check_tau(tau, drafter.block_size)
     limit = int(getattr(target_cfg, "max_position_embeddings", 0) or 0)
+    if context is None:  # 64 tokens, or as many as the target's positions leave room for (the tiny config's 64)
+        context = max(1, min(64, limit - new_tokens - drafter.block_size)) if limit else 64
     if limit and context + new_tokens + drafter.block_size > limit:
         raise ValueError(
             f"--context {context} + --new_tokens {new_tokens} + a block of {drafter.block_size} runs past the target's "
@@ -772,8 +774,8 @@ def perf_options(
         target_config: cost model / round timing: the target's config.json (default: model.target.name_or_path).
         target_overrides: cost model / round timing: target config fields to change, e.g.
             '{"num_hidden_layers": 32, "hidden_size": 96, "intermediate_size": 288}' (a shape that does not exist yet).
-        context: cost model / round timing: tokens in the KV caches (default 2048, capped by the target's
-            positions / 64).
+        context: cost model / round timing: tokens in the KV caches (default 2048 / 64, capped by what the
+            target's positions leave room for).
         tau: cost model: tokens committed per round; round timing: the τ its predicted speedup assumes (1 to the
             block size, the bonus token included; default 6, or the block size when that is smaller).
         batch: cost model: sequences decoded together.
@@ -869,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 return cost_report(configs, options.target_config, options.context, options.tau,
                                    options.batch, options.gpu, options.peak_tflops, options.bandwidth_tbs,
                                    json_path=options.json, target_overrides=overrides)
-            return round_timing(configs, options.target_config, overrides, options.context or 64, options.new_tokens,
+            return round_timing(configs, options.target_config, overrides, options.context, options.new_tokens,
                                 options.prompts, options.tau, options.device, options.compile, json_path=options.json,
                                 dtype=options.model.target.dtype, compile_mode=options.compile_mode)
         except (ValueError, OSError) as err:

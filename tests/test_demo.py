@@ -338,6 +338,14 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
     assert "is not the file its stage wrote" not in out and "reusing the measured comparison" in out
     results = json.loads((tmp_path / "demo" / "results-quick.json").read_text())
     assert results["stages"]["bench"] == bench_key
+    # A head-stage arm starts from the dflash arm's drafter by its stage key and its file's checksum: a dflash stage
+    # trained again to other weights under the same key (its data changed, its files gone) is never the start of a
+    # LiLiCorr arm trained before (it was reused, and the table compared heads on two drafters).
+    from lilicorr_pl.demo.run import file_digest as digest_of
+
+    lil_meta = json.loads(next((tmp_path / "demo" / "checkpoints").glob("lilicorr-*.json")).read_text())
+    dflash_drafter = next((tmp_path / "demo" / "stages").glob("dflash-*")) / "drafter" / "model.safetensors"
+    assert lil_meta["init"] == f"{meta['key']}-{digest_of(dflash_drafter)}"
     # The measured comparison edited by hand (a τ made up) was published as measured: its record is sealed.
     bench_file = tmp_path / "demo" / "bench" / f"{bench_key}.json"
     edited = json.loads(bench_file.read_text())
@@ -350,6 +358,27 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
     assert "reusing the measured comparison" not in out
     again = json.loads((tmp_path / "demo" / "results-quick.json").read_text())
     assert [r["tau"] for r in again["results"]] == [r["tau"] for r in results["results"]]  # measured again
+    # The regenerated data edited (regenerate resumes by record index, so it counted as "already done" and every
+    # stage trained on it): refused in one line before any training, naming the fix.
+    data_file = tmp_path / "demo" / "data" / results["stages"]["data"] / "regenerated.jsonl"
+    lines = data_file.read_text().splitlines()
+    data_file.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")
+    err = user_error(capsys, argv)
+    assert err.strip().endswith(f"the demo's training data {data_file} is not the file it regenerated (edited or "
+                                f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
+
+
+def test_more_benchmark_prompts_than_a_benchmark_holds_are_refused_before_training(tmp_path, capsys, monkeypatch):
+    """--bench-prompts past the held-out cuts was a traceback after every stage had trained (and HumanEval silently
+    ran its 164)."""
+    from lilicorr_pl.demo import run as demo_run
+
+    monkeypatch.setattr(demo_run, "train_base", lambda *a, **k: pytest.fail("training started"))
+    err = user_error(capsys, [*demo_argv(tmp_path), "--arms", "dflash", "--bench-prompts", "165"])
+    assert err.strip().endswith("the demo's humaneval benchmark has 164 prompts, fewer than --bench-prompts 165; "
+                                "lower it")
+    err = user_error(capsys, [*demo_argv(tmp_path), "--arms", "dflash", "--bench-prompts", "100000"])
+    assert "the demo's humaneval benchmark has 164 prompts" in err  # the first benchmark's limit is named first
 
 
 def test_a_second_demo_in_a_busy_workdir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -437,7 +466,8 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     message = str(err.value)
     assert "background process (exit code 1)" in message and "--jobs 1 runs every stage in this process" in message
     stage = "dflash" if message.startswith("the dflash stage") else "domino"
-    log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, 'k', 2, 0)}" / "train.log"
+    start = f"k-{run.file_digest(broken / 'model.safetensors')}"  # the start stage's key and its drafter's checksum
+    log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, start, 2, 0)}" / "train.log"
     assert f"its output is in {log_file}" in message and "SafetensorError" in log_file.read_text()
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     if children.exists():  # Linux: the other stage's process was stopped, not left training
@@ -602,7 +632,7 @@ def test_a_user_error_in_a_background_stage_is_raised_as_one_line_naming_the_sta
     with pytest.raises(run.UserInputError) as err:
         run.train_arms(["dflash"], tmp_path / "demo", target, missing, tmp_path, "k", steps=2, head_steps=2, seed=0,
                        jobs=2)
-    log_file = tmp_path / "demo" / "runs" / f"dflash-{run.arm_key('dflash', 'k', 2, 0)}" / "train.log"
+    log_file = tmp_path / "demo" / "runs" / f"dflash-{run.arm_key('dflash', 'k-none', 2, 0)}" / "train.log"
     assert str(err.value) == (f"data file '{missing}' does not exist (resolved to {missing}); fix data.train_files "
                               f"(the dflash stage; its output is in {log_file})")
 

@@ -282,6 +282,11 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
         capsys, ["perf", "--cost-model", "-c", str(config), "--context", "510"])
     capsys.readouterr()
     assert cli_main(["perf", "--cost-model", "-c", str(config)])["settings"]["context"] == 508  # 512 - a block of 4
+    # Round timing's default context (64) shrinks the same way: it refused the tiny config's 64-position target with
+    # its own defaults, naming a --context the user never set.
+    small = cli_main([*base[:4], "--new-tokens", "4", "--prompts", "1", "--target-overrides",
+                      '{"max_position_embeddings": 40}'])
+    assert small["settings"]["context"] == 40 - 4 - 4
     assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
     import lilicorr_pl.perf as perf
 

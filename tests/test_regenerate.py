@@ -547,3 +547,11 @@ def test_a_hub_target_is_keyed_by_the_commit_it_resolves_to(target_dir, input_fi
     local = tmp_path / "local.jsonl"
     run(target_dir, input_file, local, limit=1)
     assert "target_revision" not in json.loads(provenance_path(local).read_text())
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_that_cannot_be_created_is_one_line_not_a_loop_for_ever(target_dir, input_file):
+    """A folder that exists and takes no new file (/proc) made the open-and-retry loop spin at 100 % CPU for ever."""
+    with pytest.raises(ValueError, match=r"--output /proc/r\.jsonl cannot be created \(No such file or directory\); "
+                                         r"write to another file"):
+        run(target_dir, input_file, Path("/proc/r.jsonl"))

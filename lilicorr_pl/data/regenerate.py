@@ -28,6 +28,7 @@ left-padded batches.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -173,13 +174,16 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
     busy = (f"another run is writing {output} (a lilicorr regenerate or demo); wait for it to finish, or write to "
             "another file (regenerate's --output)")
     made_folders: list[Path] = []
-    while True:
+    for attempt in itertools.count():
         made_folders += _make_folders(output.parent)
         created = not output.exists()
         try:
             out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, once the lock's holder is known
-        except FileNotFoundError:  # its folder removed meanwhile by a run that failed: make it again
-            continue
+        except FileNotFoundError as err:  # its folder removed meanwhile by a run that failed: make it again, once
+            if attempt < 3:
+                continue
+            # A folder that exists and takes no new file (/proc, a mount that refuses it): it looped for ever.
+            raise ValueError(f"--output {output} cannot be created ({err.strerror}); write to another file") from None
         try:
             hold_alone(out, busy)
             if _names(output, out):

@@ -237,6 +237,24 @@ def check_regeneration_fits(target_dir: str, cfg: Mapping[str, Any]) -> None:
             )
 
 
+def check_benchmark_prompts(tokenizer: Any, cfg: Mapping[str, Any], seed: int) -> None:
+    """Refuse, before any training, a ``--bench-prompts`` that a benchmark cannot give (HumanEval has 164 prompts, the
+    held-out cuts as many as its modules hold): it was a traceback after every stage had trained, or silently fewer
+    prompts. The prompts are read as :func:`measure` reads them."""
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+
+    for bench in BENCHMARKS:
+        try:
+            got = len(load_prompts(bench, tokenizer, cfg["bench_prompts"], chat_template=False, seed=seed + 1,
+                                   prefix_tokens=cfg["prefix_tokens"]).input_ids)
+        except ValueError as err:
+            raise UserInputError(f"the demo's {bench} benchmark: {err} (its --bench-prompts {cfg['bench_prompts']}: "
+                                 "lower it)") from None
+        if got < cfg["bench_prompts"]:
+            raise UserInputError(f"the demo's {bench} benchmark has {got} prompts, fewer than --bench-prompts "
+                                 f"{cfg['bench_prompts']}; lower it")
+
+
 def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed: int,
                   docstring_num: int = 0) -> None:
     """The regeneration prompts: ``num`` training-split prefixes cut after a ``def``/``class`` header, then
@@ -367,12 +385,27 @@ def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int) -> str:
                      prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed)
 
 
+def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool) -> None:
+    """Refuse regenerated data changed since the demo wrote it (``regenerate`` resumes by record index, so an edited
+    file counted as "already done" and every stage trained on it, its results published as the target's): the
+    file's checksum is sealed in ``record`` after each regeneration that wrote to it, and checked on every rerun."""
+    digest = file_digest(data_file)
+    previous = _previous_meta(record, key)
+    if previous is not None and not regenerated_now and previous.get("data_file") != digest:
+        raise UserInputError(f"the demo's training data {data_file} is not the file it regenerated (edited or "
+                             f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
+    if previous is None or regenerated_now:
+        _write_json(record, {"key": key, "data_file": digest})
+
+
 def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, steps: int, seed: int) -> tuple[Path, str]:
     """Stage A, shared by every arm: DFlash from the target's top layers; exported for the arms' warm start."""
     from lilicorr_pl.interop import export_drafter
 
-    key = stage_key(stage="base", target=target_identity(target_dir), data=data_key, steps=steps, seed=seed,
-                    config=file_digest(CONFIG_DIR / BASE_CONFIG), overrides=target_overrides(target_dir))
+    # The data by its key and its content (what the stage trains on, whatever produced it).
+    key = stage_key(stage="base", target=target_identity(target_dir), data=data_key, data_file=file_digest(data_file),
+                    steps=steps, seed=seed, config=file_digest(CONFIG_DIR / BASE_CONFIG),
+                    overrides=target_overrides(target_dir))
     stage = workdir / "stages" / f"base-{key}"
     drafter_dir, meta_path = stage / "drafter", stage / "stage.json"
     if _stage_done(meta_path, key, drafter_dir / "model.safetensors"):
@@ -484,12 +517,14 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
     drawn here. Stages already finished are reused either way; a failed stage stops the others."""
     trained: dict[str, tuple[Path, dict[str, Any], Path]] = {}
 
-    def start_of(arm: str) -> tuple[Path, str, int]:  # the drafter an arm starts from, its key, the arm's steps
+    def start_of(arm: str) -> tuple[Path, str, int]:  # the drafter an arm starts from, its identity, the arm's steps
+        # The identity holds the drafter file's checksum as well as its stage's key: a stage trained again to other
+        # weights under the same key (its files gone, its data changed) is never the start of an arm trained before.
         source = ARMS[arm].head_stage_of
-        if source is None:
-            return base_dir, base_key, steps
-        _, source_meta, source_drafter = trained[source]
-        return source_drafter, source_meta["key"], head_steps
+        start_dir, start_key, n = (base_dir, base_key, steps) if source is None else (
+            trained[source][2], trained[source][1]["key"], head_steps)
+        drafter = start_dir / "model.safetensors"  # (missing: the stage says so when it starts from it)
+        return start_dir, f"{start_key}-{file_digest(drafter) if drafter.is_file() else 'none'}", n
 
     if jobs == 1:
         for arm in order:
@@ -891,6 +926,7 @@ def demo(
         report = load_build_report(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         check_regeneration_fits(target_dir, cfg)
+        check_benchmark_prompts(tokenizer, cfg, seed)
 
         log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
         t0 = time.time()
@@ -911,6 +947,7 @@ def demo(
         except InUseError as err:  # its data file held by a `lilicorr regenerate` run pointed into this workdir
             raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
+        check_regenerated(data_dir / "data.json", data_file, data_key, regenerated_now=stats.succeeded > 0)
         timings["regenerate"] = time.time() - t0
 
         log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
