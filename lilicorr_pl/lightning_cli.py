@@ -539,9 +539,15 @@ class LilicorrCLI(LightningCLI):
         ckpt_path = self.config["fit"].get("ckpt_path")
         # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
         nothing_to_resume = ckpt_path == "last" and not self._last_checkpoints()
-        if (ckpt_path and not nothing_to_resume) or callback is None or not callback.save_to_log_dir:
+        if callback is None or not callback.save_to_log_dir:
             return
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
+        # A resume of this folder's own run rewrites its own record; a checkpoint from elsewhere (another run's) does
+        # not make this folder's record its own: that one replaced the record and moved later --ckpt_path=last here.
+        from_elsewhere = bool(ckpt_path) and str(ckpt_path) not in CKPT_SHORTCUTS and not any(
+            _inside(str(ckpt_path), folder) for folder in {str(log_dir), str(self.trainer.default_root_dir)})
+        if ckpt_path and not nothing_to_resume and not from_elsewhere:
+            return
         record = os.path.join(log_dir, callback.fit_config_filename)
         if not os.path.isfile(record):
             return
@@ -562,6 +568,8 @@ class LilicorrCLI(LightningCLI):
             elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
         fix = ("--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record; "
                "write it elsewhere with" if nothing_to_resume else
+               f"--ckpt_path {ckpt_path} is another folder's checkpoint, so this would be another run over its "
+               "record; write it elsewhere with" if from_elsewhere else
                "resume that run with --ckpt_path=last, or write this one elsewhere with")
         raise UserInputError(
             f"{record} records another run (its {key}: {_short(saved.get(key), 80)}, this run's: "
@@ -656,6 +664,14 @@ class LilicorrCLI(LightningCLI):
                 wire_logit_cache(self.model, dm)
             except ValueError as err:  # model and data settings that contradict each other: one line
                 raise UserInputError(str(err)) from None
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` lies under ``folder`` (both resolved: links and ``..`` followed)."""
+    try:
+        return Path(path).expanduser().resolve().is_relative_to(Path(folder).expanduser().resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def _predict_output(config: Any) -> Path:

@@ -226,6 +226,27 @@ def test_resume_with_nothing_to_resume_is_a_new_run_and_guarded_like_one(tmp_pat
     assert cli.trainer.global_step == 1 and (root / "config.yaml").is_file()
 
 
+def test_a_fit_resumed_from_another_folders_checkpoint_is_guarded_like_a_new_run(tmp_path, capsys):
+    """Resuming another run's checkpoint into a folder holding a different run's record replaced that record, and
+    the folder's next --ckpt_path=last resumed the intruder's checkpoint, abandoning the folder's own run."""
+    fit_tiny(tmp_path / "a", steps=1)
+    other = tmp_path / "a" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    fit_tiny(tmp_path / "b", "--trainer.max_steps=3", steps=3)
+    root = tmp_path / "b" / "runs" / "tiny"
+    record = (root / "config.yaml").read_text()
+    argv = ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+            "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", f"--ckpt_path={other}"]
+    err = user_error(capsys, argv)
+    assert f"{root / 'config.yaml'} records another run (its trainer." in err
+    assert err.strip().endswith(
+        f"--ckpt_path {other} is another folder's checkpoint, so this would be another run over its record; write it "
+        "elsewhere with another --trainer.default_root_dir"), err
+    assert (root / "config.yaml").read_text() == record
+    fresh = tmp_path / "c" / "runs" / "tiny"  # into a folder of its own it runs, as before
+    cli = main([*argv[:3], f"--trainer.default_root_dir={fresh}", *argv[4:]])
+    assert cli.trainer.global_step == 2 and (fresh / "config.yaml").is_file()
+
+
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
 ONLINE_FEATURES = ["--data.feature_cache=false", "--data.logit_cache=false", "--model.target_logits=exact"]
 
