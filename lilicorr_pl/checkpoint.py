@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-import os
 import pickle
 import signal
 import threading
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lilicorr_pl.files import file_state
 
 CHECKSUM_KEY = "state_sha256"
 # Packages whose classes a checkpoint may name; anything else needs the user's explicit allowance.
@@ -140,16 +141,11 @@ _verified_first: contextvars.ContextVar[tuple[Any, str, tuple[int, ...]] | None]
     "lilicorr_verified_first", default=None)
 
 
-def _file_state(path: str | Path) -> tuple[int, ...]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
 def read_verified(path: str | Path) -> tuple[dict[str, Any], tuple[Any, str, tuple[int, ...]]]:
     """:func:`read_checkpoint` with its checksum verified, and what :func:`verified_first` needs to spare the same
     file, unchanged since it was stat'ed before this read, a second hash."""
     check_checkpoint_file(Path(path))
-    state = _file_state(path)
+    state = file_state(path)
     checkpoint = read_checkpoint(path)
     return checkpoint, ((checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY), str(path), state)
 
@@ -170,7 +166,7 @@ def _verified_already(expected: Any) -> bool:
     if first is None or first[0] != expected:
         return False
     try:
-        return _file_state(first[1]) == first[2]
+        return file_state(first[1]) == first[2]
     except OSError:
         return False
 

@@ -32,6 +32,14 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "lilicorr_pl"
 
 
+def file_state(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """What changes whenever a file's bytes may have: its inode, size, modification and status-change times
+    (``ctime`` moves on every write and cannot be set back by the writer). Not the device number, which each client
+    of a network file system numbers its own way."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def jsonable(value: Any) -> Any:
     """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -83,12 +83,11 @@ def sampled_sha256(path: str | os.PathLike, window: int = 1 << 20) -> str:
 
 
 def _file_version(path: Path) -> dict[str, Any]:
-    """What changes whenever a file's bytes may have: where it is, which inode, its size, modification and
-    status-change times (``ctime`` moves on every write and cannot be set back by the writer). Not the device
-    number, which each client of a network file system numbers its own way (a cache shared by nodes)."""
-    st = path.stat()
-    return {"path": str(path.resolve()), "ino": st.st_ino, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ctime_ns": st.st_ctime_ns}
+    """Where a file is and :func:`lilicorr_pl.files.file_state` (inode, size, mtime, ctime), as a memo records them."""
+    from lilicorr_pl.files import file_state
+
+    ino, size, mtime_ns, ctime_ns = file_state(path)
+    return {"path": str(path.resolve()), "ino": ino, "bytes": size, "mtime_ns": mtime_ns, "ctime_ns": ctime_ns}
 
 
 RACY_SECONDS = 2.0  # a file changed this close to its read may change again within one timestamp tick: not memoised

@@ -385,10 +385,11 @@ def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int) -> str:
                      prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed)
 
 
-def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool) -> None:
+def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool) -> str:
     """Refuse regenerated data changed since the demo wrote it (``regenerate`` resumes by record index, so an edited
     file counted as "already done" and every stage trained on it, its results published as the target's): the
-    file's checksum is sealed in ``record`` after each regeneration that wrote to it, and checked on every rerun."""
+    file's checksum is sealed in ``record`` after each regeneration that wrote to it, and checked on every rerun.
+    Returns that checksum (the shared stage's key holds it)."""
     digest = file_digest(data_file)
     previous = _previous_meta(record, key)
     if previous is not None and not regenerated_now and previous.get("data_file") != digest:
@@ -396,14 +397,17 @@ def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: 
                              f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
     if previous is None or regenerated_now:
         _write_json(record, {"key": key, "data_file": digest})
+    return digest
 
 
-def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, steps: int, seed: int) -> tuple[Path, str]:
-    """Stage A, shared by every arm: DFlash from the target's top layers; exported for the arms' warm start."""
+def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, data_digest: str, steps: int,
+               seed: int) -> tuple[Path, str]:
+    """Stage A, shared by every arm: DFlash from the target's top layers; exported for the arms' warm start.
+    ``data_digest``: ``data_file``'s checksum (:func:`check_regenerated`)."""
     from lilicorr_pl.interop import export_drafter
 
     # The data by its key and its content (what the stage trains on, whatever produced it).
-    key = stage_key(stage="base", target=target_identity(target_dir), data=data_key, data_file=file_digest(data_file),
+    key = stage_key(stage="base", target=target_identity(target_dir), data=data_key, data_file=data_digest,
                     steps=steps, seed=seed, config=file_digest(CONFIG_DIR / BASE_CONFIG),
                     overrides=target_overrides(target_dir))
     stage = workdir / "stages" / f"base-{key}"
@@ -517,14 +521,18 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
     drawn here. Stages already finished are reused either way; a failed stage stops the others."""
     trained: dict[str, tuple[Path, dict[str, Any], Path]] = {}
 
+    starts: dict[str, tuple[Path, str, int]] = {}  # each arm's start, hashed once (the waiting loop asks often)
+
     def start_of(arm: str) -> tuple[Path, str, int]:  # the drafter an arm starts from, its identity, the arm's steps
         # The identity holds the drafter file's checksum as well as its stage's key: a stage trained again to other
         # weights under the same key (its files gone, its data changed) is never the start of an arm trained before.
-        source = ARMS[arm].head_stage_of
-        start_dir, start_key, n = (base_dir, base_key, steps) if source is None else (
-            trained[source][2], trained[source][1]["key"], head_steps)
-        drafter = start_dir / "model.safetensors"  # (missing: the stage says so when it starts from it)
-        return start_dir, f"{start_key}-{file_digest(drafter) if drafter.is_file() else 'none'}", n
+        if arm not in starts:
+            source = ARMS[arm].head_stage_of
+            start_dir, start_key, n = (base_dir, base_key, steps) if source is None else (
+                trained[source][2], trained[source][1]["key"], head_steps)
+            drafter = start_dir / "model.safetensors"  # (missing: the stage says so when it starts from it)
+            starts[arm] = start_dir, f"{start_key}-{file_digest(drafter) if drafter.is_file() else 'none'}", n
+        return starts[arm]
 
     if jobs == 1:
         for arm in order:
@@ -533,7 +541,7 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
         return trained
 
     threads = max(1, torch.get_num_threads() // jobs)
-    pending, keys = list(order), {}
+    pending, keys, unfinished = list(order), {}, set()  # unfinished: looked for once, to be trained when a slot frees
     with Background(jobs) as background:
         while pending or background.running:
             ready = [a for a in pending if ARMS[a].head_stage_of in (None, *trained)]
@@ -542,12 +550,13 @@ def train_arms(order: Sequence[str], workdir: Path, target_dir: str, data_file: 
             for arm in sorted(ready, key=lambda a: -start_of(a)[2]):  # the longest stages first
                 init_dir, init_key, n = start_of(arm)
                 key = arm_key(arm, init_key, n, seed)
-                done = finished_arm(workdir, arm, key)
+                done = None if arm in unfinished else finished_arm(workdir, arm, key)  # its files hashed once
                 if done is not None:
                     log(f"   {arm}: reusing {done[0]} (key {key})")
                     trained[arm] = done
                     pending.remove(arm)
                     continue
+                unfinished.add(arm)
                 if background.full():
                     continue
                 run_dir = workdir / "runs" / f"{arm}-{key}"
@@ -947,14 +956,16 @@ def demo(
         except InUseError as err:  # its data file held by a `lilicorr regenerate` run pointed into this workdir
             raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
-        check_regenerated(data_dir / "data.json", data_file, data_key, regenerated_now=stats.succeeded > 0)
+        data_digest = check_regenerated(data_dir / "data.json", data_file, data_key,
+                                        regenerated_now=stats.succeeded > 0)
         timings["regenerate"] = time.time() - t0
 
         log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
             f"from it, or a head stage of {cfg['head_steps']} steps on the dflash arm's frozen drafter (same data, "
             "seed and drafter budget)")
         t0 = time.time()
-        base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, cfg["base_steps"], seed)
+        base_dir, base_key = train_base(workdir, target_dir, data_file, data_key, data_digest, cfg["base_steps"],
+                                        seed)
         timings["train_base"] = time.time() - t0
         trained = train_arms(training_order(cfg["arms"]), workdir, target_dir, data_file, base_dir, base_key,
                              cfg["steps"], cfg["head_steps"], seed, jobs=cfg["jobs"])
