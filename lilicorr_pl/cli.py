@@ -93,10 +93,13 @@ def check_config_files(argv: Sequence[str]) -> None:
         if text.lstrip().startswith(("{", "[")) or "\n" in text:
             continue  # an inline YAML/JSON config, not a file
         path = Path(text)
-        if not path.is_file():
+        if not path.exists():
             raise UserInputError(f"config file {path} does not exist (-c/--config)")
+        if not path.is_file():
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise UserInputError(f"config file {path} is {kind}; pass a YAML file (-c/--config)")
         try:
-            yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -104,6 +107,10 @@ def check_config_files(argv: Sequence[str]) -> None:
             raise UserInputError(f"config file {path} is not valid YAML: {problem}{where}") from None
         except UnicodeDecodeError as err:
             raise UserInputError(f"config file {path} is not UTF-8 text (byte {err.start})") from None
+        if not isinstance(loaded, dict):  # jsonargparse: "Unexpected config: " and the whole usage
+            what = "empty" if loaded is None else f"a YAML {type(loaded).__name__}, not a mapping of options"
+            raise UserInputError(f"config file {path} is {what}; write its options as \"name: value\" lines "
+                                 "(see the subcommand's --print_config), or drop -c/--config")
 
 
 def run(argv: Sequence[str]) -> Any:

@@ -46,7 +46,14 @@ from lilicorr_pl.losses.diagnostics import lattice_diagnostics, valid_block_mean
 from lilicorr_pl.metrics import LatticeMetrics
 from lilicorr_pl.models.dflash import ContextMemo, DFlashDrafter, DraftOutput, block_labels, sample_anchors
 from lilicorr_pl.optim import WarmupCosine
-from lilicorr_pl.target import FrozenTarget, TargetSpec, default_layer_ids, local_target_path, refuse_builtin_name
+from lilicorr_pl.target import (
+    FrozenTarget,
+    TargetSpec,
+    default_layer_ids,
+    local_target_path,
+    refuse_builtin_name,
+    refuse_drafter,
+)
 
 TARGET_PREFIX = "target."
 # Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
@@ -285,6 +292,7 @@ class DraftSystem(L.LightningModule):
                 f"model.target.name_or_path {target.name_or_path!r} is neither a local model directory nor a reachable "
                 f"hub model ({type(err).__name__}); pass a directory saved with save_pretrained or a hub name"
             ) from None
+        refuse_drafter(config, target.name_or_path, "model.target.name_or_path")
         if getattr(config, "model_type", None) not in SUPPORTED_TARGET_TYPES:
             raise ValueError(
                 f"model.target {target.name_or_path!r} is a {getattr(config, 'model_type', '?')!r} model; lilicorr_pl "

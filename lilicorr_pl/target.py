@@ -190,6 +190,49 @@ def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
     return ids
 
 
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "LiLiCorrDraftModel")
+"""``config.json`` architectures of drafters (``lilicorr export``, z-lab's, Model-Optimizer's): their ``model_type`` is
+``qwen3``, so ``AutoModelForCausalLM`` would load one as a Qwen3 model with random embeddings and LM head."""
+
+
+def refuse_drafter(config: Any, name_or_path: str, setting: str) -> None:
+    """Raise for a drafter's config given where a target model belongs (``setting`` names the option)."""
+    archs = [a for a in (getattr(config, "architectures", None) or []) if a in DRAFTER_ARCHITECTURES]
+    if archs or getattr(config, "dflash_config", None) is not None:
+        raise UserInputError(
+            f"{setting} {name_or_path} is a drafter ({(archs or ['dflash_config'])[0]}), not a target model: loaded "
+            "as one its embeddings and LM head would be random; pass the target model's directory or hub name"
+        )
+
+
+def refuse_missing_weights(loading_info: dict[str, Any] | None, name_or_path: str, setting: str) -> None:
+    """Raise when ``from_pretrained`` initialised some of the target's weights at random (its files lack them)."""
+    missing = sorted((loading_info or {}).get("missing_keys") or [])
+    if missing:
+        raise UserInputError(
+            f"{setting} {name_or_path} lacks {len(missing)} weight tensor(s) of its architecture ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}), which transformers would initialise at random; pass a complete "
+            "model directory (save_pretrained writes every tensor)"
+        )
+
+
+def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = False, required: bool = True) -> Any:
+    """``AutoTokenizer.from_pretrained``, refusing the empty tokenizer transformers builds from a model directory that
+    holds no tokenizer files (one token: every text tokenizes to nothing); ``required=False``: None instead, for a
+    caller that tokenizes nothing itself (what does tokenize asks for it with ``required=True``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if len(tokenizer) < 2:
+        if not required:
+            return None
+        raise UserInputError(
+            f"{setting} {name_or_path} holds no tokenizer (transformers made an empty one from its config); save the "
+            "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)"
+        )
+    return tokenizer
+
+
 def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: dict[str, Any]) -> int | None:
     """The decoder depth a model's ``config.json`` declares (None when it cannot be read or says none: the layer
     check then runs on the loaded model)."""
@@ -303,12 +346,13 @@ class FrozenTarget(nn.Module):
     @staticmethod
     def _load(name_or_path: str, dtype: str | torch.dtype, trust_remote_code: bool, load_tokenizer: bool,
               load_kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         torch_dtype = resolve_dtype(dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **load_kwargs
+            model, info = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+                **load_kwargs
             )
         except OSError as err:
             first = (str(err).strip().splitlines() or [""])[0]
@@ -317,9 +361,11 @@ class FrozenTarget(nn.Module):
                 "directory saved with save_pretrained, or a hub name on a machine with network access "
                 "(model.target.name_or_path; bench and export: --target)"
             ) from err
+        refuse_drafter(model.config, name_or_path, "the target")
+        refuse_missing_weights(info, name_or_path, "the target")
         tokenizer = None
         if load_tokenizer:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            tokenizer = tokenizer_of(name_or_path, "the target", trust_remote_code, required=False)
         return model, tokenizer
 
     # ------------------------------------------------------------------ structure

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -494,6 +495,12 @@ def test_a_yaml_error_names_the_file(tmp_path, capsys):
         assert f"config file {bad} is not valid YAML" in err and "line 3" in err, err
     err = user_error(capsys, ["fit", "-c", str(tmp_path / "missing.yaml")])
     assert f"config file {tmp_path / 'missing.yaml'} does not exist" in err
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    (tmp_path / "list.yaml").write_text("- trainer\n")
+    for path, said in ((tmp_path / "empty.yaml", "is empty"), (tmp_path / "list.yaml", "is a YAML list, not a mapping"),
+                       (tmp_path, "is a directory"), (Path(os.devnull), "is not a regular file")):
+        err = user_error(capsys, ["fit", "-c", str(path)])  # "does not exist", or jsonargparse's "Unexpected config"
+        assert f"config file {path} {said}" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

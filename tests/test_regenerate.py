@@ -555,3 +555,57 @@ def test_an_output_that_cannot_be_created_is_one_line_not_a_loop_for_ever(target
     with pytest.raises(ValueError, match=r"--output /proc/r\.jsonl cannot be created \(No such file or directory\); "
                                          r"write to another file"):
         run(target_dir, input_file, Path("/proc/r.jsonl"))
+
+
+def test_prompt_only_records_are_answered_as_prompt_and_completion(target_dir, tmp_path):
+    """``{"prompt": ...}`` is what bench reads and what a user would regenerate from; it was an unknown format."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 7, "prompt": "def add(a, b):\n"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    stats = run(target_dir, inp, out)
+    assert (stats.succeeded, stats.failed) == (1, 0)
+    (rec,) = read(out)
+    assert rec["id"] == 7 and rec["prompt"] == "def add(a, b):\n" and isinstance(rec["completion"], str)
+    assert load_examples([str(out)], AutoTokenizer.from_pretrained(target_dir), max_length=512)  # training data
+
+
+def test_an_input_none_of_whose_records_can_be_answered_is_one_line_before_the_model_loads(target_dir, tmp_path,
+                                                                                          monkeypatch):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"question": "a"}) + "\n" + "{not json\n")
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    out = tmp_path / "sub" / "out.jsonl"
+    with pytest.raises(ValueError, match=r"none of the 2 record\(s\) .* the first: in.jsonl line 1: unknown record "
+                                         r"format; keys seen: \['question'\]"):
+        run(target_dir, inp, out)
+    assert not out.exists() and not out.parent.exists()  # nothing left behind
+
+
+def test_an_output_that_is_not_jsonl_is_refused(target_dir, input_file, tmp_path):
+    with pytest.raises(ValueError, match=r"must be a \.jsonl file .* pass e\.g\. .*out\.jsonl"):
+        run(target_dir, input_file, tmp_path / "out.txt")
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_a_drafter_or_a_folder_without_a_model_as_target_is_one_line(target_dir, input_file, tmp_path):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlashDraftModel"],
+                                                     "dflash_config": {"mask_token_id": 0}}))
+    for target, message in ((drafter, r"is a drafter \(DFlashDraftModel\), not a target model"),
+                            (tmp_path / "in_empty", r"is not a model directory or reachable hub model")):
+        Path(target).mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match=message):
+            run(str(target), input_file, tmp_path / "out.jsonl")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(target_dir) / name, no_tokenizer / name)
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(transformers made an empty one"):
+        run(str(no_tokenizer), input_file, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()

@@ -8,7 +8,7 @@ from conftest import save_tiny_target, tiny_qwen3_config
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from tokenizers import Tokenizer, models
 
-from lilicorr_pl.target import FrozenTarget, default_layer_ids, is_local_path, local_target_path
+from lilicorr_pl.target import FrozenTarget, default_layer_ids, is_local_path, local_target_path, tokenizer_of
 
 
 def test_default_layer_ids_match_published_rule():
@@ -230,3 +230,46 @@ def test_fit_does_not_warn_about_the_frozen_targets_eval_mode_only(tmp_path, dra
         assert [m.split(" module(s)")[0] for m in eval_warnings] == [f"Found {in_eval}"]
     else:
         assert eval_warnings == []
+
+
+def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded_at_random(tmp_path, capsys):
+    """A drafter export declares ``model_type: qwen3``: transformers loaded it as a target with random embeddings and
+    LM head (and any model missing tensors with those at random), and built an empty tokenizer from a directory
+    that has none; each is one line naming the fix."""
+    import json
+
+    from conftest import ROOT, user_error
+    from safetensors.torch import load_file, save_file
+
+
+    path = tmp_path / "target"
+    save_tiny_target(path)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                     "architectures": ["DFlashDraftModel"]}))
+    save_file({k: v for k, v in load_file(path / "model.safetensors").items() if "embed_tokens" not in k},
+              drafter / "model.safetensors")
+    with pytest.raises(ValueError, match=r"the target .*drafter is a drafter \(DFlashDraftModel\), not a target "
+                                         r"model: loaded as one its embeddings and LM head would be random"):
+        FrozenTarget.from_pretrained(str(drafter), load_tokenizer=False)
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--model.target.name_or_path={drafter}",
+                              f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=1"])
+    assert f"model.target.name_or_path {drafter} is a drafter (DFlashDraftModel), not a target model" in err, err
+    assert not (tmp_path / "runs").exists()
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((path / "config.json").read_text())
+    save_file({k: v for k, v in load_file(path / "model.safetensors").items() if "layers.3.mlp.up_proj" not in k},
+              partial / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks 1 weight tensor\(s\) of its architecture "
+                                         r"\(model.layers.3.mlp.up_proj.weight\), which transformers would initialise"):
+        FrozenTarget.from_pretrained(str(partial), load_tokenizer=False)
+
+    # save_tiny_target saves no tokenizer: the target alone tokenizes nothing and holds none; whatever tokenizes
+    # (the data module, regenerate, bench) asks for one and is refused.
+    assert FrozenTarget.from_pretrained(str(path), num_features=2).tokenizer is None
+    with pytest.raises(ValueError, match=r"data.target.name_or_path .*target holds no tokenizer \(transformers made "
+                                         r"an empty one from its config\); save the target's tokenizer"):
+        tokenizer_of(str(path), "data.target.name_or_path")

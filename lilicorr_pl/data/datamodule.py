@@ -232,12 +232,10 @@ class DraftDataModule(L.LightningDataModule):
     def tokenizer(self) -> Any:
         """The target's tokenizer (loaded from ``target.name_or_path``)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from lilicorr_pl.target import tokenizer_of
 
             spec = self._spec()
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                spec.name_or_path, trust_remote_code=spec.trust_remote_code
-            )
+            self._tokenizer = tokenizer_of(spec.name_or_path, "data.target.name_or_path", spec.trust_remote_code)
         return self._tokenizer
 
     def _splits(self) -> dict[str, tuple[list[str], str]]:

@@ -41,10 +41,18 @@ from typing import IO, Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
+from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, sampled_sha256, text_sha256
 from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
-from lilicorr_pl.target import DeviceName, DTypeName, local_target_path
+from lilicorr_pl.target import (
+    DeviceName,
+    DTypeName,
+    local_target_path,
+    refuse_drafter,
+    refuse_missing_weights,
+    tokenizer_of,
+)
 from lilicorr_pl.data.formats import (
     SUPPORTED_SUFFIXES,
     DataFormatError,
@@ -286,7 +294,9 @@ def _make_job(
     where: str | None = None,
 ) -> _Job:
     where = where or f"record {index + 1}"
-    fmt = detect_format(record, where)
+    # A prompt with no completion yet is what regeneration answers (bench reads the same records).
+    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion"))
+    fmt = "prompt_completion" if prompt_only else detect_format(record, where)
     if fmt in ("messages", "sharegpt"):
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise DataFormatError(
@@ -390,7 +400,7 @@ def regenerate(
         dtype: target weights dtype; ``auto`` = bfloat16 on CUDA, float32 on CPU.
         device: where to run; None = CUDA when available.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lilicorr_pl.target import resolve_dtype
 
@@ -403,6 +413,9 @@ def regenerate(
     if output_path.is_dir():
         raise ValueError(f"--output {output_path} is a directory; pass a .jsonl file name such as "
                          f"{output_path / 'train.jsonl'}")
+    if output_path.suffix.lower() != ".jsonl":  # what it writes, and what fit and resume read back
+        raise ValueError(f"--output {output_path} must be a .jsonl file (regeneration writes JSON lines); "
+                         f"pass e.g. {output_path.with_suffix('.jsonl')}")
     if input_path.resolve() == output_path.resolve():
         raise ValueError(f"--output must differ from --input ({input_path}); regeneration appends to the output")
     if max_new_tokens < 1 or batch_size < 1:
@@ -424,7 +437,21 @@ def regenerate(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    try:  # the config and tokenizer first, each named in one line: not a transformers message after the lock
+        config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--target {target} is not a model directory or reachable hub model ({type(err).__name__}: "
+                         f"{(str(err).strip().splitlines() or [''])[0]}); pass the target model's directory "
+                         "(saved with save_pretrained) or hub name") from None
+    refuse_drafter(config, target, "--target")
+    try:
+        tokenizer = tokenizer_of(target, "--target")
+    except UserInputError:
+        raise
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--target {target}: its tokenizer does not load ({type(err).__name__}: "
+                         f"{(str(err).strip().splitlines() or [''])[0]}); save the target's tokenizer beside its "
+                         "weights (tokenizer.save_pretrained into that directory)") from None
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
@@ -454,13 +481,44 @@ def regenerate(
 
     with _appending_alone(output_path) as out:  # locked before the model is loaded, and for the whole run
         check_provenance(output_path, provenance, sampled_target)  # before the model is loaded
-        from transformers import AutoConfig
-
-        context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+        context = getattr(config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} "
                              "positions; lower --max-new-tokens")
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval()
+        stats = RegenerationStats()
+        done = _done_indices(output_path)
+        where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
+
+        def describe(index: int, err: BaseException) -> str:
+            where, text = where_of[index], str(err)
+            return text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
+
+        # Every record becomes a job (its prompt tokenized) before the model loads: a file none of whose records
+        # can be answered is one line now, not a failure per record after the load.
+        entries: list[tuple[int, _Job | BaseException | None]] = []  # None: already in the output
+        for index, where, record in _iter_input(input_path):
+            if limit is not None and index >= limit:
+                break
+            where_of[index] = where
+            if index in done:
+                entries.append((index, None))
+                continue
+            try:
+                if isinstance(record, Exception):
+                    raise record
+                entries.append((index, _make_job(index, record, tokenizer, enable_thinking=enable_thinking,
+                                                 chat_template=template, prefix_chars=prefix_chars, where=where)))
+            except Exception as err:  # noqa: BLE001 - a bad record fails alone
+                entries.append((index, err))
+        problems = [(i, e) for i, e in entries if isinstance(e, BaseException)]
+        if problems and not any(isinstance(e, _Job) for _, e in entries):
+            first = describe(*problems[0])
+            raise ValueError(f"none of the {len(problems)} record(s) of --input {input_path} left to answer can be "
+                             f"answered; the first: {first}")
+
+        model, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, output_loading_info=True)
+        refuse_missing_weights(info, target, "--target")
+        model = model.to(device).eval()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             pad_id = 0
@@ -474,29 +532,17 @@ def regenerate(
             "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
         }
 
-        stats = RegenerationStats()
-        done = _done_indices(output_path)
         if not done:  # nothing written yet: this run's settings are the output's, whatever an earlier run left
             write_json_atomic(provenance_path(output_path), provenance)
 
-        where_of: dict[int, str] = {}  # source_index -> "data.jsonl line 4": every message names records 1-based
-
         def fail(index: int, err: BaseException) -> None:
             stats.failed += 1
-            where, text = where_of[index], str(err)
-            msg = text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
+            msg = describe(index, err)
             if len(stats.errors) < 50:
                 stats.errors.append((index, msg))
             print(f"[lilicorr] regenerate: failed, retried by the next run: {msg}", file=sys.stderr)
 
-        records = []
-        for index, where, record in _iter_input(input_path):
-            if limit is not None and index >= limit:
-                break
-            where_of[index] = where
-            records.append((index, record))
-
-        bar = progress_bar(total=len(records), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=len(entries), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
 
         def write(job: _Job, new_ids: list[int], finish: str) -> None:
             text = tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -531,28 +577,16 @@ def regenerate(
                     fail(job.index, err)
 
         pending: list[_Job] = []
-        for index, record in records:
-            if index in done:
+        for index, entry in entries:
+            if entry is None:
                 stats.skipped += 1
                 bar.update(1)
                 continue
-            try:
-                if isinstance(record, Exception):
-                    raise record
-                pending.append(
-                    _make_job(
-                        index,
-                        record,
-                        tokenizer,
-                        enable_thinking=enable_thinking,
-                        chat_template=template,
-                        prefix_chars=prefix_chars,
-                        where=where_of[index],
-                    )
-                )
-            except Exception as err:  # noqa: BLE001
-                fail(index, err)
+            if isinstance(entry, BaseException):
+                fail(index, entry)
                 bar.update(1)
+                continue
+            pending.append(entry)
             if len(pending) >= batch_size:
                 run(pending)
                 bar.update(len(pending))
@@ -602,7 +636,7 @@ def regenerate_command(
         device: cuda, cuda:1 or cpu; default CUDA when available.
         progress: show a progress bar.
     """
-    from lilicorr_pl.checkpoint import UserInputError, stop_on_sigterm
+    from lilicorr_pl.checkpoint import stop_on_sigterm
 
     try:
         with stop_on_sigterm():  # a cancelled job: one line and exit status 143; every record written stays
