@@ -77,6 +77,28 @@ def test_greedy_walk_follows_the_rule(m, s, k):
         assert path[b].tolist() == expected
 
 
+@pytest.mark.parametrize("s", [2, 3, 8, 9, 15, 16, 17, 33])
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_vectorised_greedy_walk_picks_what_the_slot_by_slot_walk_picks(s, ties):
+    """The walk reads its path from the successor table by pointer jumping (log2 rounds of gathers); every pick,
+    ties included (the first maximum, as argmax), must be the slot-by-slot rule's, at every block length."""
+    from lilicorr_pl.heads.lattice import _walk
+
+    start, pair = _random_scores(4, s, 5, seed=s)
+    if ties:  # many equal scores in a row
+        start, pair = (start * 0.6).round(), (pair * 0.6).round()
+    path = greedy_walk(start, pair)
+    assert torch.equal(path, _walk(start, pair, lambda row: row.argmax(dim=-1)))
+    for b in range(4):
+        expected = [max(range(5), key=lambda j: start[b, j].item())]
+        for t in range(s - 1):
+            expected.append(max(range(5), key=lambda j: pair[b, t, expected[-1], j].item()))
+        assert path[b].tolist() == expected
+    first_top1 = greedy_walk(start, pair, first_top1=True)
+    assert first_top1[:, 0].eq(0).all() and torch.equal(first_top1, _walk(
+        torch.where(torch.arange(5) == 0, 1.0, 0.0).expand(4, 5), pair, lambda row: row.argmax(dim=-1)))
+
+
 @pytest.mark.parametrize("m,s,k", [(4, 1, 4), (5, 2, 3), (4, 3, 3), (3, 5, 2), (2, 4, 4)])
 def test_viterbi_equals_brute_force_and_path_score_agrees(m, s, k):
     start, pair = _random_scores(m, s, k, seed=7 + m + s + k)
