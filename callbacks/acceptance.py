@@ -11,9 +11,15 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lilicorr_pl.decoding.benchmarks import PromptSet, ThinkingFlagUnknown, load_prompts
+from lilicorr_pl.decoding.benchmarks import (
+    PromptSet,
+    ThinkingFlagUnknown,
+    check_benchmark,
+    keep_within_context,
+    load_prompts,
+)
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
 from lilicorr_pl.decoding.speculative import DRAFT_SAMPLING_RULES, DraftSamplingRule
 from lilicorr_pl.heads.top1 import Top1Selector
@@ -94,6 +100,9 @@ class AcceptanceEval(L.Callback):
             )
         if not every_n_train_steps and not on_validation_end:
             raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
+        # A misspelt name or a missing file: refused when the callback is built, not at its first evaluation, after
+        # hours of training and before the first checkpoint is saved.
+        check_benchmark(benchmark, "AcceptanceEval benchmark")
         self.every_n_train_steps = every_n_train_steps or 0
         self.run_on_validation_end = on_validation_end
         self.benchmark = benchmark
@@ -110,12 +119,26 @@ class AcceptanceEval(L.Callback):
         self._prompts: PromptSet | None = None
         self._tokenizer: Any = None
         self._stop_token_ids: list[int] | None = None
+        self.prompts_cut_to_context = 0
         self._last_step = -1
         self.last_results: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
         """``(global_step, logged scalars)`` of every evaluation, in order."""
 
     # ------------------------------------------------------------------ hooks
+    def check_run(self, pl_module: Any) -> None:
+        """Before the data are prepared (``lilicorr fit``/``validate`` call it): ``max_new_tokens`` must leave room for
+        a prompt in the target's context; longer prompts are cut to fit when they are loaded (:meth:`prompt_set`)."""
+        context = self._context(pl_module)
+        if context is not None and self.max_new_tokens >= context:
+            raise ValueError(f"AcceptanceEval max_new_tokens {self.max_new_tokens} leaves no room for a prompt in the "
+                             f"target's context of {context} positions; lower it below {context}")
+
+    @staticmethod
+    def _context(pl_module: Any) -> int | None:
+        config = getattr(getattr(pl_module, "drafter", None), "target_config", None)
+        return getattr(config, "max_position_embeddings", None)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
         step = trainer.global_step
         if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
@@ -164,7 +187,7 @@ class AcceptanceEval(L.Callback):
             thinking = self.thinking_flag(trainer if trainer is not None else pl_module._trainer, pl_module)
             self._tokenizer = tokenizer
             try:
-                self._prompts = load_prompts(
+                prompts = load_prompts(
                     self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
                     enable_thinking=thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
                 )
@@ -174,6 +197,17 @@ class AcceptanceEval(L.Callback):
                     "there is no data module with enable_thinking and the model was not loaded from a checkpoint "
                     "that records it; set AcceptanceEval(enable_thinking=...) to the flag the data was rendered with"
                 ) from None
+            # Decoding past the positions the target was trained on measures nothing: a prompt that leaves too few
+            # for max_new_tokens is cut to its last tokens (as the demo's benchmark does), said once, and counted.
+            context = self._context(pl_module)
+            self._prompts, self.prompts_cut_to_context = keep_within_context(prompts, context, self.max_new_tokens)
+            if self.prompts_cut_to_context:
+                rank_zero_warn(
+                    f"AcceptanceEval: {self.prompts_cut_to_context} of {len(prompts.input_ids)} {self.benchmark_key} "
+                    f"prompts leave fewer than max_new_tokens {self.max_new_tokens} of the target's {context} "
+                    f"positions; each is cut to its last {context - self.max_new_tokens} tokens "
+                    "(eval/prompts_cut_to_context)"
+                )
         return self._prompts
 
     def decode(self, pl_module: Any, rank: int = 0, world_size: int = 1, trainer: Any = None) -> dict[str, ArmResult]:
@@ -236,6 +270,8 @@ class AcceptanceEval(L.Callback):
                 if not math.isnan(p):  # positions no round reached have no conditional rate
                     scalars[f"eval/acceptance{suffix}/pos{k:02d}"] = p
         scalars["eval/rounds"] = float(sum(pooled["head"]["histogram"]))  # verify rounds behind eval/tau
+        if self.prompts_cut_to_context:
+            scalars["eval/prompts_cut_to_context"] = float(self.prompts_cut_to_context)
         scalars["eval/tokens_per_s"] = pooled["head"]["tokens_per_s"]
         return scalars
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -142,6 +143,9 @@ def run_bench(
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed, template=template)
     check_context(prompts, max_new_tokens, target)
+    if num_prompts is not None and len(prompts.input_ids) < num_prompts:  # said, and recorded beside the count
+        print(f"[lilicorr] bench: {benchmark} holds {len(prompts.input_ids)} prompts, fewer than --num_prompts "
+              f"{num_prompts}: every result is over those {len(prompts.input_ids)}", file=sys.stderr)
     runs = []
     for temp in temperatures:
         rules = [] if temp == 0 else ["proposal", "point_mass"] if draft_sampling == "both" else [draft_sampling]
@@ -158,6 +162,7 @@ def run_bench(
             "temperature": temp,
             "max_new_tokens": max_new_tokens,
             "num_prompts": len(prompts.input_ids),
+            "num_prompts_requested": num_prompts,
             "chat_template": prompts.chat_template,
             "enable_thinking": prompts.enable_thinking,
             "seed": seed,
@@ -406,7 +411,7 @@ def bench(
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
     """
-    from lilicorr_pl.decoding.benchmarks import available_benchmarks, read_prompt_file, refuse_chat_records
+    from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     temperatures = [float(t) for t in temperature]
@@ -415,14 +420,11 @@ def bench(
     check_checkpoint_file(path)
     try:
         names = parse_selectors(selectors)
+        check_benchmark(benchmark, "--benchmark")
         if benchmark.endswith(".jsonl"):
             prompts = read_prompt_file(benchmark, num_prompts)
             if chat_template == "no":
                 refuse_chat_records(benchmark, prompts)
-        elif benchmark not in available_benchmarks():
-            raise ValueError(
-                f"unknown benchmark {benchmark!r}; use one of {available_benchmarks()} or a prompts .jsonl"
-            )
         check_output_paths(output, plot, command="bench")
         if plot:  # a file of a plot's name that this tool did not write (a user's) is never replaced
             from lilicorr_pl.files import check_plot_files

@@ -527,7 +527,38 @@ class LilicorrCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._refuse_a_fresh_run_over_another()
+        self._check_callbacks()
+        self._start_online_wandb()
         self._wire_data()
+
+    def _start_online_wandb(self) -> None:
+        """An online W&B run is started before the data are prepared (Lightning starts it after: a machine without
+        credentials failed with wandb's traceback once the target's logits were computed, which can take hours)."""
+        if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+            return
+        for logger in self.trainer.loggers:
+            if isinstance(logger, WandbLogger) and not getattr(logger, "_offline", False):
+                try:
+                    logger.experiment  # noqa: B018 - starts the run (rank zero only; a stub on the others)
+                except Exception as err:  # noqa: BLE001 - wandb's own errors: credentials, a refused project
+                    if not type(err).__module__.startswith("wandb"):
+                        raise
+                    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    raise UserInputError(
+                        f"W&B could not start an online run ({first}); run `wandb login` or set WANDB_API_KEY, or "
+                        "log offline (trainer.logger.init_args.offline: true, or WANDB_MODE=offline) and `wandb sync` "
+                        "later") from None
+
+    def _check_callbacks(self) -> None:
+        """A callback's checks that need the built system (``check_run``: the in-loop acceptance evaluation's budget
+        against the target's context), before the data are prepared: one line, not a traceback at its first use."""
+        for callback in self.trainer.callbacks:
+            check = getattr(callback, "check_run", None)
+            if callable(check):
+                try:
+                    check(self.model)
+                except ValueError as err:
+                    raise UserInputError(str(err)) from None
 
     def _refuse_a_fresh_run_over_another(self) -> None:
         """A new fit (no ``ckpt_path``) whose ``config.yaml`` would replace another run's record is refused before the
@@ -618,7 +649,16 @@ class LilicorrCLI(LightningCLI):
         )
 
     def before_validate(self) -> None:
+        self._check_callbacks()
         self._wire_data()
+
+    def after_validate(self) -> None:
+        """The in-loop acceptance evaluation's τ printed too: it goes to the loggers and the monitors, and Lightning's
+        table shows only what the validation loop logged (a run without W&B saw no acceptance figure)."""
+        measured = {k: float(v) for k, v in self.trainer.callback_metrics.items()
+                    if k.startswith("eval/") and "/pos" not in k and "/" not in k.removeprefix("eval/")}
+        if measured and self.trainer.is_global_zero:
+            print("acceptance (AcceptanceEval): " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(measured.items())))
 
     def after_predict(self) -> None:
         """``predict``'s per-block diagnostics, which Lightning returns and LightningCLI drops: their means printed
@@ -642,8 +682,9 @@ class LilicorrCLI(LightningCLI):
             else:  # per slot: the rate over supervised slots
                 summary[f"{key}_rate"] = float(values[supervised].float().mean()) if supervised.any() else float("nan")
         path = _predict_output(self.config["predict"])
+        checked = getattr(self.model, "checked_target", None) or {"target": str(getattr(self.model, "target_path", ""))}
         write_results_json(path, {
-            "ckpt_path": self.config["predict"].get("ckpt_path"), "processes": self.trainer.world_size,
+            "ckpt_path": self.config["predict"].get("ckpt_path"), **checked, "processes": self.trainer.world_size,
             "blocks": int(valid.numel()), "valid_blocks": int(valid.sum()), "summary": summary,
             "per_block": {k: v.tolist() for k, v in merged.items() if v.dim() == 1},
         }, "predict")

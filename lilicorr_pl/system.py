@@ -330,6 +330,7 @@ class DraftSystem(L.LightningModule):
         self.profiler: Profiler | None = None
         self.checkpoint_meta: dict[str, Any] = {}
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
+        self.checked_target: dict[str, Any] | None = None  # validate/test/predict: the target compared with the ckpt's
 
     @staticmethod
     def _apply_loss_flags(
@@ -560,15 +561,19 @@ class DraftSystem(L.LightningModule):
             return None, self.target_weights_fingerprint()
         return recorded, self.target_weights_fingerprint(sampled=meta.get("target_weights_hash") != "content")
 
-    def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> None:
+    def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> dict[str, Any]:
         """Say so when the target read now is not the one ``checkpoint`` trained against (another model under the
         same name or path): ``what`` the checkpoint is used for. A warning, not a refusal: a re-saved copy of the
-        same model (other shards) also reads as another."""
+        same model (other shards) also reads as another. Returns what was compared, as ``bench`` records it
+        (``target``, ``target_weights``, ``target_weights_trained``, ``same_target_as_training``: None where either
+        hash is unknown)."""
         recorded, now = self.trained_target_weights(checkpoint.get("lilicorr"))
         if recorded and now and recorded != now:
             warnings.warn(f"the target at {self.target_path} is not the one this checkpoint trained against (its "
                           f"config and weight files hash to {now}, the checkpoint's target to {recorded}); {what} this "
                           "drafter against another model", stacklevel=2)
+        return {"target": str(self.target_path), "target_weights": now, "target_weights_trained": recorded,
+                "same_target_as_training": (recorded == now) if recorded and now else None}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
@@ -576,7 +581,11 @@ class DraftSystem(L.LightningModule):
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
             self.warn_if_other_target(checkpoint, "resuming trains")
-        elif self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
+            return
+        if self._trainer is not None:  # validate/test/predict measure the drafter against the target read now
+            fn = self.trainer.state.fn
+            self.checked_target = self.warn_if_other_target(checkpoint, f"{getattr(fn, 'value', fn)} measures")
+        if self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
             self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
 
     @classmethod

@@ -100,9 +100,9 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
     ids = [int(round(1 + i * (num_layers - 4) / (num_features - 1))) for i in range(num_features)]
     if len(set(ids)) != len(ids):
         raise ValueError(
-            f"default layer ids {ids} repeat a layer for a {num_layers}-layer target with {num_features} features "
-            "(model.target.num_features, at most the target's layer count); set a smaller model.target.num_features "
-            "or model.target.layer_ids"
+            f"default layer ids {ids} repeat a layer for a {num_layers}-layer target with {num_features} features: the "
+            f"rule spreads them over layers 1..{num_layers - 3}, so model.target.num_features can be "
+            + (f"1 or at most {num_layers - 3}" if num_layers > 4 else "only 1") + "; set it, or model.target.layer_ids"
         )
     return ids
 

@@ -338,3 +338,32 @@ def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
 def test_rejects_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_callback(**kwargs)
+
+
+@pytest.mark.parametrize("benchmark, error, message", [
+    ("humaneavl", ValueError, r"AcceptanceEval benchmark: unknown benchmark 'humaneavl'; use one of \["),
+    ("nope.jsonl", FileNotFoundError, r"AcceptanceEval benchmark: prompt file nope.jsonl does not exist"),
+])
+def test_a_misspelt_benchmark_or_a_missing_prompt_file_is_refused_when_the_callback_is_built(benchmark, error, message):
+    """It was found at the first evaluation: a traceback after hours of training, before the first checkpoint."""
+    with pytest.raises(error, match=message):
+        make_callback(benchmark=benchmark)
+
+
+def test_prompts_the_context_cannot_hold_are_cut_and_counted_and_a_budget_it_cannot_hold_is_refused():
+    """Decoding ran past the target's positions without a word (bench refuses such prompts, the demo cuts them)."""
+    system = make_system()
+    context = system.drafter.target_config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_new_tokens {context} leaves no room for a prompt in the target's "
+                                         f"context of {context} positions"):
+        make_callback(max_new_tokens=context).check_run(system)  # before the data are prepared (fit, validate)
+    system.configure_model()
+    roomy = make_callback(num_prompts=2, max_new_tokens=4, prompt_tokens=16)
+    roomy.check_run(system)
+    assert "eval/prompts_cut_to_context" not in roomy.evaluate(fake_trainer(2, []), system)
+    callback = make_callback(num_prompts=2, max_new_tokens=context - 8, prompt_tokens=16)
+    with pytest.warns(UserWarning, match=f"2 of 2 stdlib-heldout prompts leave fewer than max_new_tokens {context - 8} "
+                                         f"of the target's {context} positions; each is cut to its last 8 tokens"):
+        prompts = callback.prompt_set(system)
+    assert [len(ids) for ids in prompts.input_ids] == [8, 8] and callback.prompts_cut_to_context == 2
+    assert callback.evaluate(fake_trainer(2, []), system)["eval/prompts_cut_to_context"] == 2.0

@@ -152,7 +152,7 @@ def test_a_failing_plot_does_not_lose_the_measured_results(tiny_run, tmp_path, m
     assert json.loads(out.read_text())["selectors"]["top1"]["lossless"] is True
 
 
-def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_path):
+def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_path, capsys):
     _, ckpt = tiny_run
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -168,6 +168,8 @@ def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_p
     for run in payload["runs"]:
         check_run(run, ["lilicorr"], run["temperature"])
         assert run["num_prompts"] == 2 and run["chat_template"] is False  # raw prompts stay raw
+        assert run["num_prompts_requested"] == 5  # fewer than asked: recorded beside the count, and said
+    assert "holds 2 prompts, fewer than --num_prompts 5: every result is over those 2" in capsys.readouterr().err
 
 
 def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run, tmp_path):

@@ -6,6 +6,9 @@ import contextlib
 import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -330,6 +333,10 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     cli = main(["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
                 "--trainer.enable_progress_bar=false"])
     assert "val/loss" in cli.trainer.callback_metrics
+    # The config's AcceptanceEval measured τ: printed too, not only sent to W&B (Lightning's table leaves it out).
+    tau = float(cli.trainer.callback_metrics["eval/tau"])
+    out = capsys.readouterr().out
+    assert "acceptance (AcceptanceEval): eval/rounds " in out and f", eval/tau {tau:.4g}," in out and tau >= 1.0
     cli = main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
                 "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=1"])
     out = cli.trainer.predict_loop.predictions
@@ -343,6 +350,8 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert written["summary"]["oracle_prefix"] == pytest.approx(out[0]["oracle_prefix"][valid].float().mean().item())
     assert written["summary"]["covered_rate"] >= written["summary"]["top1_correct_rate"]
     assert f"wrote {saved.parent / 'predict.json'}" in capsys.readouterr().out
+    # ... with the target it measured against, compared with the checkpoint's as bench compares it.
+    assert written["same_target_as_training"] is True and written["target_weights"] == written["target_weights_trained"]
     # A file of that name the command did not write is never replaced: refused before anything is built.
     (saved.parent / "predict.json").write_text("my notes")
     err = user_error(capsys, ["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}"])
@@ -366,6 +375,26 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert "is invalid" in err and "delete" in err and "rerun prepare_data" in err and shard.name in err
     for stage in ("validate", "predict"):
         assert yaml.safe_load((saved.parent / f"{stage}-config.yaml").read_text())["ckpt_path"] == str(ckpt), stage
+    # Another model under the checkpoint's target: validate and predict said nothing (bench, export and a resumed
+    # fit warn), and predict.json did not record which target it measured. (Another root: its own data stores.)
+    from transformers import AutoModelForCausalLM
+
+    trained_target = yaml.safe_load(trained_with)["model"]["target"]["name_or_path"]
+    other = tmp_path / "other_target"
+    shutil.copytree(trained_target, other)
+    model = AutoModelForCausalLM.from_pretrained(trained_target)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    model.save_pretrained(other)
+    elsewhere = tmp_path / "elsewhere"
+    for command, extra in (("validate", []), ("predict", ["--trainer.limit_predict_batches=1"])):
+        with pytest.warns(UserWarning, match=f"not the one this checkpoint trained against .*; {command} measures "
+                                             "this drafter against another model"):
+            main([command, "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={elsewhere}",
+                  f"--ckpt_path={ckpt}", f"--model.target.name_or_path={other}",
+                  "--trainer.enable_progress_bar=false", *extra])
+    written = json.loads((elsewhere / "predict.json").read_text())
+    assert written["target"] == str(other) and written["same_target_as_training"] is False
 
 
 def test_each_subcommand_saves_its_config_under_its_own_name_of_the_given_file(monkeypatch):
@@ -851,3 +880,32 @@ def test_options_are_named_in_full_never_by_a_prefix(argv, unknown, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+
+
+def test_an_acceptance_eval_the_context_cannot_hold_is_refused_before_the_data_are_prepared(tmp_path, capsys):
+    extra = tmp_path / "eval.yaml"
+    extra.write_text("trainer:\n  callbacks+:\n    - class_path: callbacks.AcceptanceEval\n"
+                     "      init_args: {every_n_train_steps: 2, benchmark: stdlib-heldout, max_new_tokens: 64}\n")
+    root = tmp_path / "runs" / "tiny"
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(extra),
+                              f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
+    assert "AcceptanceEval max_new_tokens 64 leaves no room for a prompt in the target's context of 64 positions" in err
+    assert not (root / "cache").exists()  # nothing prepared
+
+
+def test_online_wandb_without_credentials_is_one_line_before_the_data_are_prepared(tmp_path):
+    """It was wandb's traceback once the target's logits had been computed (hours, on a real target)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    from lilicorr_pl.files import cache_root
+
+    # A home without W&B settings or .netrc; the project's cache as the other tests use it (its built target).
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), HF_HUB_OFFLINE="1", LILICORR_CACHE=str(cache_root()))
+    root = tmp_path / "runs" / "tiny"
+    done = subprocess.run(
+        [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
+         f"--trainer.default_root_dir={root}", "--trainer.max_steps=1", "--trainer.logger.init_args.offline=false"],
+        env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "lilicorr fit: error: W&B could not start an online run (No API key configured" in done.stderr
+    assert "run `wandb login` or set WANDB_API_KEY, or log offline" in done.stderr
+    assert "Traceback" not in done.stderr and not (root / "cache").exists()

@@ -17,9 +17,10 @@ def test_default_layer_ids_match_published_rule():
     assert default_layer_ids(6, 3) == [1, 2, 3]
     with pytest.raises(ValueError, match="layer_ids"):
         default_layer_ids(3, 2)
-    # The count is the capped one (5 features asked of a 4-layer target): the message names the setting and the cap.
-    with pytest.raises(ValueError, match=r"with 4 features \(model.target.num_features, at most the target's layer "
-                                         r"count\); set a smaller model.target.num_features"):
+    # The count is the capped one (5 features asked of a 4-layer target): the message names the setting and what the
+    # rule can spread.
+    with pytest.raises(ValueError, match=r"with 4 features: the rule spreads them over layers 1..1, so "
+                                         r"model.target.num_features can be only 1"):
         default_layer_ids(4, 4)
 
 
@@ -273,3 +274,12 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
     with pytest.raises(ValueError, match=r"data.target.name_or_path .*target holds no tokenizer \(transformers made "
                                          r"an empty one from its config\); save the target's tokenizer"):
         tokenizer_of(str(path), "data.target.name_or_path")
+
+
+@pytest.mark.parametrize("layers, features, allowed", [(4, 2, "only 1"), (8, 6, "1 or at most 5")])
+def test_the_default_layer_rule_names_the_feature_counts_it_can_spread(layers, features, allowed):
+    """It said "at most the target's layer count": 2 features on 4 layers is that, and still repeats a layer."""
+    with pytest.raises(ValueError, match=f"model.target.num_features can be {allowed}; set it, or model.target.layer_ids"):
+        default_layer_ids(layers, features)
+    if layers > 4:
+        assert len(set(default_layer_ids(layers, layers - 3))) == layers - 3

