@@ -609,3 +609,23 @@ def test_a_drafter_or_a_folder_without_a_model_as_target_is_one_line(target_dir,
     with pytest.raises(ValueError, match=r"holds no tokenizer \(transformers made an empty one"):
         run(str(no_tokenizer), input_file, tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_before_the_model_loads_records_are_tokenized_only_until_one_can_be_answered(target_dir, input_file, tmp_path,
+                                                                                  monkeypatch):
+    """A million-record input is not held as token ids at once: its records become jobs batch by batch."""
+    import sys
+
+    regen = sys.modules[regenerate.__module__]  # the module (the package exports its function under its name)
+    made: list[int] = []
+    seen_at_load: list[int] = []
+    original_make, original_load = regen._make_job, AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(regen, "_make_job", lambda index, *a, **k: made.append(index) or original_make(index, *a, **k))
+
+    def load(*a, **k):
+        seen_at_load.append(len(made))
+        return original_load(*a, **k)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    stats = run(target_dir, input_file, tmp_path / "out.jsonl")
+    assert stats.succeeded == len(RECORDS) and seen_at_load == [1] and sorted(made) == list(range(len(RECORDS)))

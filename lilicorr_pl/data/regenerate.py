@@ -493,28 +493,34 @@ def regenerate(
             where, text = where_of[index], str(err)
             return text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
 
-        # Every record becomes a job (its prompt tokenized) before the model loads: a file none of whose records
-        # can be answered is one line now, not a failure per record after the load.
-        entries: list[tuple[int, _Job | BaseException | None]] = []  # None: already in the output
+        def make(index: int, record: dict[str, Any]) -> _Job:
+            return _make_job(index, record, tokenizer, enable_thinking=enable_thinking, chat_template=template,
+                             prefix_chars=prefix_chars, where=where_of[index])
+
+        # None: already in the output; a parse error; the record (made into a job, its prompt tokenized, as its
+        # batch comes: a million prompts' ids are not held at once).
+        entries: list[tuple[int, Any]] = []
         for index, where, record in _iter_input(input_path):
             if limit is not None and index >= limit:
                 break
             where_of[index] = where
-            if index in done:
-                entries.append((index, None))
-                continue
-            try:
-                if isinstance(record, Exception):
-                    raise record
-                entries.append((index, _make_job(index, record, tokenizer, enable_thinking=enable_thinking,
-                                                 chat_template=template, prefix_chars=prefix_chars, where=where)))
-            except Exception as err:  # noqa: BLE001 - a bad record fails alone
-                entries.append((index, err))
+            entries.append((index, None if index in done else record))
+        # Before the model loads, records are made into jobs until one can be answered: a file none of whose records
+        # can be is one line now, not a failure per record after the load.
+        answerable = False
+        for n, (index, entry) in enumerate(entries):
+            if isinstance(entry, dict):
+                try:
+                    entries[n] = (index, make(index, entry))
+                except Exception as err:  # noqa: BLE001 - a bad record fails alone
+                    entries[n] = (index, err)
+                    continue
+                answerable = True
+                break
         problems = [(i, e) for i, e in entries if isinstance(e, BaseException)]
-        if problems and not any(isinstance(e, _Job) for _, e in entries):
-            first = describe(*problems[0])
+        if problems and not answerable:
             raise ValueError(f"none of the {len(problems)} record(s) of --input {input_path} left to answer can be "
-                             f"answered; the first: {first}")
+                             f"answered; the first: {describe(*problems[0])}")
 
         model, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, output_loading_info=True)
         refuse_missing_weights(info, target, "--target")
@@ -582,6 +588,11 @@ def regenerate(
                 stats.skipped += 1
                 bar.update(1)
                 continue
+            if isinstance(entry, dict):
+                try:
+                    entry = make(index, entry)
+                except Exception as err:  # noqa: BLE001 - a bad record fails alone
+                    entry = err
             if isinstance(entry, BaseException):
                 fail(index, entry)
                 bar.update(1)
