@@ -100,9 +100,10 @@ class AcceptanceEval(L.Callback):
             )
         if not every_n_train_steps and not on_validation_end:
             raise ValueError("AcceptanceEval would never run: set every_n_train_steps or on_validation_end=True")
-        # A misspelt name or a missing file: refused when the callback is built, not at its first evaluation, after
-        # hours of training and before the first checkpoint is saved.
-        check_benchmark(benchmark, "AcceptanceEval benchmark")
+        # A misspelt name: refused when the callback is built, not at its first evaluation, after hours of training
+        # and before the first checkpoint is saved (a missing file or package: by check_run, when it will evaluate;
+        # perf and predict build the callbacks of a run's config too, and never read its prompts).
+        check_benchmark(benchmark, "AcceptanceEval benchmark", files=False)
         self.every_n_train_steps = every_n_train_steps or 0
         self.run_on_validation_end = on_validation_end
         self.benchmark = benchmark
@@ -127,8 +128,10 @@ class AcceptanceEval(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def check_run(self, pl_module: Any) -> None:
-        """Before the data are prepared (``lilicorr fit``/``validate`` call it): ``max_new_tokens`` must leave room for
-        a prompt in the target's context; longer prompts are cut to fit when they are loaded (:meth:`prompt_set`)."""
+        """Before the data are prepared (``lilicorr fit``/``validate`` call it): the prompts file (or the package of the
+        benchmark's prompts) is there, and ``max_new_tokens`` leaves room for a prompt in the target's context; longer
+        prompts are cut to fit when they are loaded (:meth:`prompt_set`)."""
+        check_benchmark(self.benchmark, "AcceptanceEval benchmark")
         context = self._context(pl_module)
         if context is not None and self.max_new_tokens >= context:
             raise ValueError(f"AcceptanceEval max_new_tokens {self.max_new_tokens} leaves no room for a prompt in the "
@@ -183,7 +186,8 @@ class AcceptanceEval(L.Callback):
         if self._prompts is None:
             tokenizer = pl_module._require_target().tokenizer
             if tokenizer is None:
-                raise RuntimeError("AcceptanceEval needs the target's tokenizer; load the target with its tokenizer")
+                raise RuntimeError("AcceptanceEval needs the target's tokenizer, and the target's folder holds none; "
+                                   "save the target's tokenizer beside its weights (tokenizer.save_pretrained)")
             thinking = self.thinking_flag(trainer if trainer is not None else pl_module._trainer, pl_module)
             self._tokenizer = tokenizer
             try:

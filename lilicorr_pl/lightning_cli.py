@@ -528,12 +528,13 @@ class LilicorrCLI(LightningCLI):
     def before_fit(self) -> None:
         self._refuse_a_fresh_run_over_another()
         self._check_callbacks()
-        self._start_online_wandb()
         self._wire_data()
+        self._start_online_wandb()
 
     def _start_online_wandb(self) -> None:
-        """An online W&B run is started before the data are prepared (Lightning starts it after: a machine without
-        credentials failed with wandb's traceback once the target's logits were computed, which can take hours)."""
+        """An online W&B run is started once every check has passed, before the data are prepared (Lightning starts it
+        after: a machine without credentials failed with wandb's traceback once the target's logits were computed,
+        which can take hours). The run's clock then includes that preparation."""
         if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
             return
         for logger in self.trainer.loggers:

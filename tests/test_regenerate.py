@@ -629,3 +629,30 @@ def test_before_the_model_loads_records_are_tokenized_only_until_one_can_be_answ
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
     stats = run(target_dir, input_file, tmp_path / "out.jsonl")
     assert stats.succeeded == len(RECORDS) and seen_at_load == [1] and sorted(made) == list(range(len(RECORDS)))
+
+
+def test_a_resume_with_only_unanswerable_records_left_counts_them_as_the_first_run_did(target_dir, tmp_path, capsys):
+    """The refusal is for an input none of whose records can be answered; on a resume they are counted, and a record's
+    format error says it is the input's to fix (it said "retried by the next run")."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"text": "def f(x):"}) + "\n" + json.dumps({"question": "?"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    first = run(target_dir, inp, out)
+    assert (first.succeeded, first.failed) == (1, 1)
+    assert "failed, fix it in --input; a rerun answers it then: in.jsonl line 2: unknown record format" in \
+        capsys.readouterr().err
+    again = run(target_dir, inp, out)
+    assert (again.succeeded, again.failed, again.skipped) == (0, 1, 1)
+
+
+def test_a_prompt_beside_text_stays_a_text_record_and_a_list_prompt_is_a_chat_prompt(target_dir, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "ignored", "text": "import os\nimport sys\n"}) + "\n"
+                   + json.dumps({"prompt": [{"role": "user", "content": "What is two plus two?"}]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    stats = run(target_dir, inp, out, prefix_chars=9)
+    assert (stats.succeeded, stats.failed) == (2, 0)
+    text, chat = sorted(read(out), key=lambda r: r["source_index"])
+    assert text["prompt"] == "import os"  # the text record, cut by --prefix_chars as fit's loader reads it
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
+    assert chat["messages"][0]["content"] == "What is two plus two?"

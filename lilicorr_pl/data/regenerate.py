@@ -71,7 +71,7 @@ class RegenerationStats:
     """Outcome of one ``regenerate`` run."""
 
     succeeded: int = 0  # written in this run
-    failed: int = 0  # raised; not written, retried by the next run
+    failed: int = 0  # raised; not written: retried by the next run (a record's format: once it is fixed)
     skipped: int = 0  # already in the output file
     errors: list[tuple[int, str]] = field(default_factory=list)  # (source_index, message), first 50
 
@@ -294,8 +294,12 @@ def _make_job(
     where: str | None = None,
 ) -> _Job:
     where = where or f"record {index + 1}"
-    # A prompt with no completion yet is what regeneration answers (bench reads the same records).
-    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion"))
+    # A prompt with no completion yet is what regeneration answers (bench reads the same records); a list of
+    # messages as the prompt (TRL's conversational prompt-only records) is a chat prompt.
+    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion", "text"))
+    if prompt_only and isinstance(record["prompt"], list):
+        record = {**{k: v for k, v in record.items() if k != "prompt"}, "messages": record["prompt"]}
+        prompt_only = False
     fmt = "prompt_completion" if prompt_only else detect_format(record, where)
     if fmt in ("messages", "sharegpt"):
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -518,7 +522,7 @@ def regenerate(
                 answerable = True
                 break
         problems = [(i, e) for i, e in entries if isinstance(e, BaseException)]
-        if problems and not answerable:
+        if problems and not answerable and not done:  # a resume counts them, as the first run did
             raise ValueError(f"none of the {len(problems)} record(s) of --input {input_path} left to answer can be "
                              f"answered; the first: {describe(*problems[0])}")
 
@@ -546,7 +550,10 @@ def regenerate(
             msg = describe(index, err)
             if len(stats.errors) < 50:
                 stats.errors.append((index, msg))
-            print(f"[lilicorr] regenerate: failed, retried by the next run: {msg}", file=sys.stderr)
+            # A record that cannot be read or answered fails the same way every time: it is the input's to fix.
+            retry = ("fix it in --input; a rerun answers it then" if isinstance(err, DataFormatError)
+                     else "retried by the next run")
+            print(f"[lilicorr] regenerate: failed, {retry}: {msg}", file=sys.stderr)
 
         bar = progress_bar(total=len(entries), unit="rec", desc="regenerate", disable=not progress, dynamic_ncols=True)
 

