@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 
-from lilicorr_pl.files import atomic_file, cache_root
+from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.files import atomic_file, cache_root, check_folder
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
 
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
@@ -69,7 +70,8 @@ def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
     n = int(count) if count else 256
     from lilicorr_pl.data.corpus import corpus_fingerprint, read_corpus
 
-    out = cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
+    folder = check_folder(cache_root() / "data", "the cache folder (LILICORR_CACHE)", UserInputError)
+    out = folder / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
     if out.exists():
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)

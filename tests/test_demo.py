@@ -702,3 +702,13 @@ def test_a_stage_stopped_before_its_end_goes_on_from_its_last_checkpoint(tmp_pat
     assert "dflash-0123abcd: starting over" in out
     assert f"dflash-0123abcd: its interrupted run's {newest} cannot be resumed (checkpoint" in out
     assert out.count(f"dflash-0123abcd: resuming its interrupted run from step 2 ({newer})") == 2
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "stages", "bench"])
+def test_a_file_where_the_demo_keeps_a_folder_is_one_line_before_any_stage(tmp_path, capsys, name):
+    """It was found by the stage that makes the folder, after regeneration and training: a traceback."""
+    (tmp_path / name).write_text("USER notes")
+    err = user_error(capsys, ["demo", "--quick", "--target-preset", "test", "--workdir", str(tmp_path)])
+    assert f"holds a file named {name!r} where the demo keeps its {name} folder; move that file, or choose another " \
+           "--workdir" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name] and (tmp_path / name).read_text() == "USER notes"

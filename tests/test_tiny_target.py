@@ -296,3 +296,39 @@ def test_docstring_cuts_come_from_the_parser_not_from_quote_guessing() -> None:
     assert corpus._docstring_cuts("def broken(:\n") == []  # a file that does not parse has no cuts
     # Line numbers are the parser's: a form feed is no line break to it, so it is none here either.
     assert corpus._SOURCE_LINE_RE.findall("a\fb\nc\r\nd\re") == ["a\fb\n", "c\r\n", "d\r", "e"]
+
+
+def test_a_rebuild_never_replaces_a_folder_holding_files_no_build_wrote(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild (forced, or of a damaged build) replaced the folder whole: a user's notes in it were deleted."""
+    assert set(load_build_report(built[1])["files"]) | {tiny_target.REPORT_NAME} == tiny_target.BUILD_FILES
+    directory = tmp_path / built[1].name
+    shutil.copytree(built[1], directory)
+    (directory / "NOTES.md").write_text("my notes")
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built before refusing")
+
+    monkeypatch.setattr(tiny_target, "_build_into", must_not_build)
+    assert build_tiny_target("test", cache_dir=tmp_path, progress=False) == directory  # valid: reused, notes and all
+    for damage in (None, "config.json", tiny_target.REPORT_NAME):
+        if damage:
+            (directory / damage).write_text("{edited")
+        with pytest.raises(ValueError, match=r"holds NOTES.md, which no build wrote, and a rebuild \((rebuild forced|"
+                                             r".*)\) replaces that folder; move those out of it, then rerun"):
+            build_tiny_target("test", cache_dir=tmp_path, progress=False, force=damage is None)
+        assert (directory / "NOTES.md").read_text() == "my notes"
+
+
+def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lilicorr_pl.builtin import resolve_data_file
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(ValueError, match=rf"--cache_dir {afile}: {afile} is a file, not a folder"):
+        build_tiny_target("test", cache_dir=afile, progress=False)
+    monkeypatch.setenv("LILICORR_CACHE", str(afile))
+    with pytest.raises(ValueError, match=rf"the cache folder \(LILICORR_CACHE\) {afile / 'data'}: {afile} is a file"):
+        resolve_data_file("builtin:stdlib-train:4")
+    assert afile.read_text() == "mine"

@@ -237,6 +237,10 @@ def check_regeneration_fits(target_dir: str, cfg: Mapping[str, Any]) -> None:
             )
 
 
+WORKDIR_FOLDERS = ("data", "runs", "stages", "checkpoints", "bench", "cache", "plots")
+"""The folders the demo makes in its workdir."""
+
+
 def check_benchmark_prompts(tokenizer: Any, cfg: Mapping[str, Any], seed: int) -> None:
     """Refuse, before any training, a ``--bench-prompts`` that a benchmark cannot give (HumanEval has 164 prompts, the
     held-out cuts as many as its modules hold): it was a traceback after every stage had trained, or silently fewer
@@ -902,6 +906,14 @@ def demo(
                            plot_fix="choose another --workdir", command="demo")
     except ValueError as err:
         raise UserInputError(str(err)) from None
+    if workdir.exists() and not workdir.is_dir():
+        raise UserInputError(f"--workdir {workdir} is a file; pass a folder (it is made if missing)")
+    # The folders every stage writes into, checked before any stage runs: a file of one's name was found by the
+    # stage that made it, after training (a traceback).
+    taken = [name for name in WORKDIR_FOLDERS if (workdir / name).exists() and not (workdir / name).is_dir()]
+    if taken:
+        raise UserInputError(f"--workdir {workdir} holds a file named {taken[0]!r} where the demo keeps its "
+                             f"{taken[0]} folder; move that file, or choose another --workdir")
     from lilicorr_pl.decoding.compiled import check_compile_available
 
     if compile is not False:  # probed before any heavy work: a machine that cannot compile is told now

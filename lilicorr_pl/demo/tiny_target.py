@@ -48,8 +48,9 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.data import corpus
-from lilicorr_pl.files import new_file_mode, remove_gone_writers, temporary_name, writer_tag
+from lilicorr_pl.files import check_folder, new_file_mode, remove_gone_writers, temporary_name, writer_tag
 from lilicorr_pl.progress import progress_bar
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
@@ -78,6 +79,9 @@ CHAT_TEMPLATE = (
 
 REPORT_NAME = "build_report.json"
 WEIGHTS_NAME = "model.safetensors"
+BUILD_FILES = frozenset({REPORT_NAME, WEIGHTS_NAME, "config.json", "generation_config.json", "tokenizer.json",
+                         "tokenizer_config.json", "chat_template.jinja"})
+"""Every file a build writes (its manifest lists them all but the report): what a rebuild may replace."""
 
 # A one-line def/class header, and the indentation that opens it (to find where its body ends).
 _HEADER_RE = re.compile(r"^(\s*)(?:async\s+def|def|class)\s+\w+.*:\s*(?:#.*)?$")
@@ -291,6 +295,17 @@ def _cache_problem(directory: Path, fingerprint: str) -> str | None:
         if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
             return f"{name} does not match its manifest checksum"
     return None
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """What a build's folder holds that no build wrote (a user's notes): everything but :data:`BUILD_FILES` and the
+    files its manifest lists."""
+    if not directory.is_dir():
+        return []
+    written = set(BUILD_FILES)
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, OSError, AttributeError):
+        written |= set(load_build_report(directory).get("files", {}))
+    return sorted(entry.name for entry in directory.iterdir() if entry.name not in written)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -826,6 +841,7 @@ def build_tiny_target(
         _log(progress, f"torch {torch.__version__} has no torch.optim.Muon; training with AdamW (lr 3e-3) instead")
         config = dataclasses.replace(config, optimizer="adamw", lr=3e-3)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    check_folder(root, "--cache_dir" if cache_dir is not None else "the cache folder (LILICORR_CACHE)", UserInputError)
     fingerprint = build_fingerprint(config)
     name = f"tiny-target-{config.name}-{fingerprint}"
     final = root / name
@@ -833,6 +849,11 @@ def build_tiny_target(
     if problem is None:
         _log(progress, f"using cached build {final}")
         return final
+    foreign = _foreign_entries(final)
+    if foreign:  # a rebuild replaces the folder whole: never with what no build wrote in it
+        raise UserInputError(
+            f"{final} holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, which no build wrote, "
+            f"and a rebuild ({problem}) replaces that folder; move those out of it, then rerun")
     _log(progress, f"building {final} ({problem})")
 
     root.mkdir(parents=True, exist_ok=True)
