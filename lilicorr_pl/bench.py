@@ -186,11 +186,12 @@ def run_bench(
         }
         # Compared under the checkpoint's own digest rule (sampled windows for one written before whole-file digests).
         meta = getattr(system, "checkpoint_meta", None) or {}
-        trained, now = system.trained_target_weights(meta)
-        out["target_weights"], out["target_weights_trained"] = now, trained  # both by the rule compared with
+        compared = system.compared_target(meta)
+        trained = compared["target_weights_trained"]
+        out["target_weights"], out["target_weights_trained"] = compared["target_weights"], trained  # by the same rule
         out["target_weights_hash"] = "content" if meta.get("target_weights_hash") == "content" or not trained \
             else "sampled"
-        out["same_target_as_training"] = trained == now if trained and now else None
+        out["same_target_as_training"] = compared["same_target_as_training"]
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:
             r = results[name]

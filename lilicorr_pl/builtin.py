@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from lilicorr_pl.checkpoint import UserInputError
-from lilicorr_pl.files import atomic_file, cache_root, check_folder
+from lilicorr_pl.files import atomic_file, cache_root, check_writable_dir
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
 
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
@@ -70,10 +70,13 @@ def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
     n = int(count) if count else 256
     from lilicorr_pl.data.corpus import corpus_fingerprint, read_corpus
 
-    folder = check_folder(cache_root() / "data", "the cache folder (LILICORR_CACHE)", UserInputError)
-    out = folder / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
+    out = cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
     if out.exists():
         return str(out)
+    try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
+        check_writable_dir(out.parent, f"the cache folder (LILICORR_CACHE) {out.parent}")
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     records = []
     for text in read_corpus(splits[name]):

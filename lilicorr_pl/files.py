@@ -32,18 +32,6 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "lilicorr_pl"
 
 
-def check_folder(folder: str | os.PathLike, setting: str, error: type[Exception] = ValueError) -> Path:
-    """``folder``, where nothing on its path is a file (a folder about to be made under a file was a traceback at its
-    ``mkdir``): ``error`` (the caller's one-line kind) naming ``setting``, the option or variable that gave it."""
-    folder = Path(folder)
-    for at in (folder, *folder.parents):
-        if at.exists():
-            if not at.is_dir():
-                raise error(f"{setting} {folder}: {at} is a file, not a folder; point {setting} at a folder")
-            break
-    return folder
-
-
 def file_state(path: str | os.PathLike) -> tuple[int, int, int, int]:
     """What changes whenever a file's bytes may have: its inode, size, modification and status-change times
     (``ctime`` moves on every write and cannot be set back by the writer). Not the device number, which each client

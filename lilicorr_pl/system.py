@@ -561,19 +561,25 @@ class DraftSystem(L.LightningModule):
             return None, self.target_weights_fingerprint()
         return recorded, self.target_weights_fingerprint(sampled=meta.get("target_weights_hash") != "content")
 
+    def compared_target(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The target read now against the one the checkpoint with lilicorr record ``meta`` trained against, as the
+        results record it: ``target``, ``target_weights``, ``target_weights_trained`` (both by the rule the checkpoint
+        was hashed with) and ``same_target_as_training`` (None where either hash is unknown)."""
+        recorded, now = self.trained_target_weights(meta)
+        return {"target": str(self.target_path), "target_weights": now, "target_weights_trained": recorded,
+                "same_target_as_training": (recorded == now) if recorded and now else None}
+
     def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> dict[str, Any]:
         """Say so when the target read now is not the one ``checkpoint`` trained against (another model under the
         same name or path): ``what`` the checkpoint is used for. A warning, not a refusal: a re-saved copy of the
-        same model (other shards) also reads as another. Returns what was compared, as ``bench`` records it
-        (``target``, ``target_weights``, ``target_weights_trained``, ``same_target_as_training``: None where either
-        hash is unknown)."""
-        recorded, now = self.trained_target_weights(checkpoint.get("lilicorr"))
-        if recorded and now and recorded != now:
+        same model (other shards) also reads as another. Returns the comparison (:meth:`compared_target`)."""
+        compared = self.compared_target(checkpoint.get("lilicorr"))
+        if compared["same_target_as_training"] is False:
             warnings.warn(f"the target at {self.target_path} is not the one this checkpoint trained against (its "
-                          f"config and weight files hash to {now}, the checkpoint's target to {recorded}); {what} this "
-                          "drafter against another model", stacklevel=2)
-        return {"target": str(self.target_path), "target_weights": now, "target_weights_trained": recorded,
-                "same_target_as_training": (recorded == now) if recorded and now else None}
+                          f"config and weight files hash to {compared['target_weights']}, the checkpoint's target to "
+                          f"{compared['target_weights_trained']}); {what} this drafter against another model",
+                          stacklevel=2)
+        return compared
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.

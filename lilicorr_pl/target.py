@@ -205,15 +205,21 @@ def refuse_drafter(config: Any, name_or_path: str, setting: str) -> None:
         )
 
 
-def refuse_missing_weights(loading_info: dict[str, Any] | None, name_or_path: str, setting: str) -> None:
-    """Raise when ``from_pretrained`` initialised some of the target's weights at random (its files lack them)."""
-    missing = sorted((loading_info or {}).get("missing_keys") or [])
+def load_causal_lm(name_or_path: str, setting: str, **kwargs: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`` for a target, refusing what it would load with
+    random weights: a drafter (:func:`refuse_drafter`) and a model whose files lack some of its tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    refuse_drafter(model.config, name_or_path, setting)
+    missing = sorted((info or {}).get("missing_keys") or [])
     if missing:
         raise UserInputError(
             f"{setting} {name_or_path} lacks {len(missing)} weight tensor(s) of its architecture ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}), which transformers would initialise at random; pass a complete "
             "model directory (save_pretrained writes every tensor)"
         )
+    return model
 
 
 def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = False, required: bool = True) -> Any:
@@ -346,14 +352,10 @@ class FrozenTarget(nn.Module):
     @staticmethod
     def _load(name_or_path: str, dtype: str | torch.dtype, trust_remote_code: bool, load_tokenizer: bool,
               load_kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
-        from transformers import AutoModelForCausalLM
-
         torch_dtype = resolve_dtype(dtype)
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
-                **load_kwargs
-            )
+            model = load_causal_lm(name_or_path, "the target", dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                   **load_kwargs)
         except OSError as err:
             first = (str(err).strip().splitlines() or [""])[0]
             raise OSError(
@@ -361,8 +363,6 @@ class FrozenTarget(nn.Module):
                 "directory saved with save_pretrained, or a hub name on a machine with network access "
                 "(model.target.name_or_path; bench and export: --target)"
             ) from err
-        refuse_drafter(model.config, name_or_path, "the target")
-        refuse_missing_weights(info, name_or_path, "the target")
         tokenizer = None
         if load_tokenizer:
             tokenizer = tokenizer_of(name_or_path, "the target", trust_remote_code, required=False)

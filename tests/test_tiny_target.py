@@ -326,7 +326,8 @@ def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path: Path, monkeypatch: 
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    with pytest.raises(ValueError, match=rf"--cache_dir {afile}: {afile} is a file, not a folder"):
+    with pytest.raises(ValueError, match=rf"--cache_dir {afile}: {afile} is a file, so the directory cannot be "
+                                         "created; choose another path"):
         build_tiny_target("test", cache_dir=afile, progress=False)
     monkeypatch.setenv("LILICORR_CACHE", str(afile))
     with pytest.raises(ValueError, match=rf"the cache folder \(LILICORR_CACHE\) {afile / 'data'}: {afile} is a file"):

@@ -48,9 +48,9 @@ from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
     DeviceName,
     DTypeName,
+    load_causal_lm,
     local_target_path,
     refuse_drafter,
-    refuse_missing_weights,
     tokenizer_of,
 )
 from lilicorr_pl.data.formats import (
@@ -404,7 +404,7 @@ def regenerate(
         dtype: target weights dtype; ``auto`` = bfloat16 on CUDA, float32 on CPU.
         device: where to run; None = CUDA when available.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from lilicorr_pl.target import resolve_dtype
 
@@ -497,9 +497,13 @@ def regenerate(
             where, text = where_of[index], str(err)
             return text if text.startswith(where) else f"{where}: {type(err).__name__}: {text}"
 
-        def make(index: int, record: dict[str, Any]) -> _Job:
-            return _make_job(index, record, tokenizer, enable_thinking=enable_thinking, chat_template=template,
-                             prefix_chars=prefix_chars, where=where_of[index])
+        def attempt(index: int, record: dict[str, Any]) -> _Job | Exception:
+            """The record's job, or why it cannot be answered (a bad record fails alone)."""
+            try:
+                return _make_job(index, record, tokenizer, enable_thinking=enable_thinking, chat_template=template,
+                                 prefix_chars=prefix_chars, where=where_of[index])
+            except Exception as err:  # noqa: BLE001
+                return err
 
         # None: already in the output; a parse error; the record (made into a job, its prompt tokenized, as its
         # batch comes: a million prompts' ids are not held at once).
@@ -514,21 +518,16 @@ def regenerate(
         answerable = False
         for n, (index, entry) in enumerate(entries):
             if isinstance(entry, dict):
-                try:
-                    entries[n] = (index, make(index, entry))
-                except Exception as err:  # noqa: BLE001 - a bad record fails alone
-                    entries[n] = (index, err)
-                    continue
-                answerable = True
-                break
+                entries[n] = (index, attempt(index, entry))
+                if isinstance(entries[n][1], _Job):
+                    answerable = True
+                    break
         problems = [(i, e) for i, e in entries if isinstance(e, BaseException)]
         if problems and not answerable and not done:  # a resume counts them, as the first run did
             raise ValueError(f"none of the {len(problems)} record(s) of --input {input_path} left to answer can be "
                              f"answered; the first: {describe(*problems[0])}")
 
-        model, info = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, output_loading_info=True)
-        refuse_missing_weights(info, target, "--target")
-        model = model.to(device).eval()
+        model = load_causal_lm(target, "--target", dtype=torch_dtype).to(device).eval()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             pad_id = 0
@@ -596,10 +595,7 @@ def regenerate(
                 bar.update(1)
                 continue
             if isinstance(entry, dict):
-                try:
-                    entry = make(index, entry)
-                except Exception as err:  # noqa: BLE001 - a bad record fails alone
-                    entry = err
+                entry = attempt(index, entry)
             if isinstance(entry, BaseException):
                 fail(index, entry)
                 bar.update(1)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.data import corpus
-from lilicorr_pl.files import check_folder, new_file_mode, remove_gone_writers, temporary_name, writer_tag
+from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_writers, temporary_name, writer_tag
 from lilicorr_pl.progress import progress_bar
 
 #: Bump whenever a change here changes what gets built; old caches are then rebuilt, not reused.
@@ -841,7 +841,6 @@ def build_tiny_target(
         _log(progress, f"torch {torch.__version__} has no torch.optim.Muon; training with AdamW (lr 3e-3) instead")
         config = dataclasses.replace(config, optimizer="adamw", lr=3e-3)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    check_folder(root, "--cache_dir" if cache_dir is not None else "the cache folder (LILICORR_CACHE)", UserInputError)
     fingerprint = build_fingerprint(config)
     name = f"tiny-target-{config.name}-{fingerprint}"
     final = root / name
@@ -856,6 +855,11 @@ def build_tiny_target(
             f"and a rebuild ({problem}) replaces that folder; move those out of it, then rerun")
     _log(progress, f"building {final} ({problem})")
 
+    try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
+        check_writable_dir(root, f"{'--cache_dir' if cache_dir is not None else 'the cache folder (LILICORR_CACHE)'} "
+                                 f"{root}")
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
     root.mkdir(parents=True, exist_ok=True)
     # Temporary folders of this build's killed runs (one on another host sharing the cache is left alone for a day).
     remove_gone_writers(root, f".{glob.escape(name)}.*.tmp", untagged=True)
