@@ -36,6 +36,15 @@ CHECKSUM_KEY = "state_sha256"
 TRUSTED_MODULES = ("lilicorr_pl.", "callbacks.", "torch.optim.", "lightning.pytorch.")
 
 
+def first_line(err: BaseException, with_type: bool = False) -> str:
+    """The first line of an exception's message, for a one-line error that quotes a library's; the exception type's
+    name where the message is empty (``with_type``: ``"OSError: <line>"``, the name alone without a line)."""
+    line = (str(err).strip().splitlines() or [""])[0]
+    if with_type:
+        return f"{type(err).__name__}: {line}" if line else type(err).__name__
+    return line or type(err).__name__
+
+
 class UserInputError(ValueError):
     """A setting, file or checkpoint given by the user that cannot be used; the message names the fix.
 
@@ -117,7 +126,7 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     try:
         checkpoint = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise CheckpointError(
             f"checkpoint {path} holds pickled objects that are not plain data and was refused (opening it "
             f"could run code): {first[:200]}"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError
+from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, first_line
 from lilicorr_pl.command import run_function, shipped_config_path
 
 LIGHTNING = {
@@ -103,7 +103,7 @@ def check_config_files(argv: Sequence[str]) -> None:
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            problem = getattr(err, "problem", None) or first_line(err)
             raise UserInputError(f"config file {path} is not valid YAML: {problem}{where}") from None
         except UnicodeDecodeError as err:
             raise UserInputError(f"config file {path} is not UTF-8 text (byte {err.start})") from None

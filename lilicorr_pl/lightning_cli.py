@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from lilicorr_pl import builtin
 from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
-                                    config_modules, read_verified, verified_first)
+                                    config_modules, first_line, read_verified, verified_first)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.data.store import CacheError
@@ -484,7 +484,7 @@ class LilicorrCLI(LightningCLI):
         except (CacheError, StateMismatchError) as err:
             # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message
             # names the file and the fix, so it is one line, as fit's own checks before the run are.
-            message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            message = first_line(err)
             ckpt = None
             if isinstance(err, StateMismatchError):  # the file itself, also for --ckpt_path=last
                 ckpt = getattr(self.trainer, "ckpt_path", None) or self.config.get(subcommand, {}).get("ckpt_path")
@@ -544,7 +544,7 @@ class LilicorrCLI(LightningCLI):
                 except Exception as err:  # noqa: BLE001 - wandb's own errors: credentials, a refused project
                     if not type(err).__module__.startswith("wandb"):
                         raise
-                    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    first = first_line(err)
                     raise UserInputError(
                         f"W&B could not start an online run ({first}); run `wandb login` or set WANDB_API_KEY, or "
                         "log offline (trainer.logger.init_args.offline: true, or WANDB_MODE=offline) and `wandb sync` "

@@ -847,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     then times (or, with ``--penalty_error``, compares) real steps; ``--cost_model`` prints the analytical cost
     of one round instead. Returns the numbers it prints.
     """
-    from lilicorr_pl.checkpoint import UserInputError
+    from lilicorr_pl.checkpoint import UserInputError, first_line
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     args = argparse_spellings(sys.argv[1:] if argv is None else argv, type_hints(perf_options))
@@ -904,8 +904,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         try:
             system.load_state_dict(cli.checkpoint["state_dict"])
         except StateMismatchError as err:
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise UserInputError(f"--ckpt {options.ckpt} does not fit the system the -c files build ({first}); pass "
+            raise UserInputError(f"--ckpt {options.ckpt} does not fit the system the -c files build ({first_line(err)}); pass "
                                  "the -c files of the run that trained it") from None
     dm.prepare_data()
     dm.setup("fit")

@@ -33,6 +33,7 @@ from lilicorr_pl.checkpoint import (
     UserInputError,
     check_class_paths,
     check_remote_code,
+    first_line,
     read_verified,
     state_checksum,
     verified_first,
@@ -157,7 +158,7 @@ def _rebuild_errors(path: Path, named: str) -> Iterator[None]:
             raise
         if isinstance(err, RuntimeError) and not isinstance(err, StateMismatchError):
             raise  # not about the target (out of memory, a bug): as it is
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         if isinstance(err, StateMismatchError) and err.keys:  # names, not sizes: no target makes them match
             raise CheckpointError(
                 f"checkpoint {path} holds tensors that the drafter/head config it records does not build "

@@ -19,7 +19,7 @@ import torch
 from jsonargparse.typing import restricted_string_type
 from torch import nn
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import UserInputError, first_line
 
 _DTYPES = {
     "float32": torch.float32,
@@ -357,9 +357,8 @@ class FrozenTarget(nn.Module):
             model = load_causal_lm(name_or_path, "the target", dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                    **load_kwargs)
         except OSError as err:
-            first = (str(err).strip().splitlines() or [""])[0]
             raise OSError(
-                f"could not load the target model {name_or_path!r} ({type(err).__name__}: {first}); pass a local "
+                f"could not load the target model {name_or_path!r} ({first_line(err, with_type=True)}); pass a local "
                 "directory saved with save_pretrained, or a hub name on a machine with network access "
                 "(model.target.name_or_path; bench and export: --target)"
             ) from err

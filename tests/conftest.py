@@ -4,11 +4,20 @@ the real ``from_pretrained`` path (no hub, no downloads)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Built targets, built-in data files and file-digest memos go to a cache of this session's own (subprocesses inherit
+# it), never to the user's ($LILICORR_CACHE or ~/.cache/lilicorr_pl): a test run leaves nothing there. Building the
+# test-size target into it costs about two seconds once per session.
+USER_CACHE = os.environ.get("LILICORR_CACHE")
+SESSION_CACHE = tempfile.mkdtemp(prefix="lilicorr-test-cache-")
+os.environ["LILICORR_CACHE"] = SESSION_CACHE
 
 import lightning.pytorch  # noqa: F401 - its log handler binds to the session's stderr, not to one test's capsys
 import pytest
@@ -20,6 +29,14 @@ from lilicorr_pl.target import FrozenTarget
 
 # Tiny models: one thread is ~100x faster than two on a loaded 2-core machine (no contention).
 torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+    if USER_CACHE is None:
+        os.environ.pop("LILICORR_CACHE", None)
+    else:
+        os.environ["LILICORR_CACHE"] = USER_CACHE
 
 
 def tiny_qwen3_config(tie: bool = True, layers: int = 6, vocab: int = 96, hidden: int = 32) -> Qwen3Config:

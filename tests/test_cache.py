@@ -292,6 +292,21 @@ def test_truncated_shard_is_refused_with_one_line(tmp_path):
         open_store(dest, verify="size")
 
 
+def test_a_shard_whose_reader_fails_without_a_message_is_still_one_line(tmp_path, monkeypatch):
+    """An unreadable shard's error quotes the reader's first line; a bare exception (no message) was an IndexError
+    raised inside that handler, a traceback instead of the store's one line."""
+    from lilicorr_pl.data import store
+
+    dest = _write(tmp_path / "c")
+
+    def bare(_path):
+        raise OSError()
+
+    monkeypatch.setattr(store, "_header", bare)
+    with pytest.raises(CacheError, match=r"shard-00000\.safetensors is not a readable safetensors file \(OSError\)"):
+        open_store(dest, verify="size")
+
+
 def test_altered_shard_is_refused(tmp_path):
     dest = _write(tmp_path / "c")
     shard = dest / shard_name(0)

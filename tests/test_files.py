@@ -229,3 +229,34 @@ def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path)
     with pytest.raises(ValueError, match=r"is a directory where a plot would be written"):
         check_plot_files([tmp_path / "plots"], "bench")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ours.png", "theirs.png"]  # no temp file left
+
+
+def test_the_test_session_keeps_its_cache_out_of_the_users():
+    """The suite builds targets, data files and digest memos into a cache folder of its own (conftest), removed when
+    the session ends: the developer's ~/.cache/lilicorr_pl (or $LILICORR_CACHE) gained a memo per file hashed and
+    the test-size target."""
+    import os
+    from pathlib import Path
+
+    from conftest import SESSION_CACHE, USER_CACHE
+
+    from lilicorr_pl import builtin
+    from lilicorr_pl.files import cache_root
+
+    assert cache_root() == Path(SESSION_CACHE) and os.environ["LILICORR_CACHE"] == SESSION_CACHE
+    assert USER_CACHE is None or Path(USER_CACHE).resolve() != Path(SESSION_CACHE).resolve()
+    data = Path(builtin.resolve_data_file("builtin:stdlib-train:2"))
+    assert data.parent.parent == Path(SESSION_CACHE)
+
+
+def test_first_line_of_an_exception_never_fails_on_an_empty_message():
+    """The one-line errors quote a library's message by its first line; an exception without one (a bare
+    ``OSError()``) is named by its type. The data store's shard check indexed ``splitlines()[0]`` directly, so such
+    an error became an IndexError inside the handler."""
+    from lilicorr_pl.checkpoint import first_line
+
+    assert first_line(OSError("  no such file\n  at line 3\n")) == "no such file"
+    assert first_line(OSError()) == "OSError" and first_line(ValueError("\n \n")) == "ValueError"
+    assert first_line(OSError("gone\nmore"), with_type=True) == "OSError: gone"
+    assert first_line(KeyError(), with_type=True) == "KeyError"
+

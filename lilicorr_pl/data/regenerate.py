@@ -41,7 +41,7 @@ from typing import IO, Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.checkpoint import UserInputError, first_line
 from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, sampled_sha256, text_sha256
 from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
@@ -444,8 +444,8 @@ def regenerate(
     try:  # the config and tokenizer first, each named in one line: not a transformers message after the lock
         config = AutoConfig.from_pretrained(target)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--target {target} is not a model directory or reachable hub model ({type(err).__name__}: "
-                         f"{(str(err).strip().splitlines() or [''])[0]}); pass the target model's directory "
+        raise ValueError(f"--target {target} is not a model directory or reachable hub model "
+                         f"({first_line(err, with_type=True)}); pass the target model's directory "
                          "(saved with save_pretrained) or hub name") from None
     refuse_drafter(config, target, "--target")
     try:
@@ -453,8 +453,8 @@ def regenerate(
     except UserInputError:
         raise
     except (OSError, ValueError) as err:
-        raise ValueError(f"--target {target}: its tokenizer does not load ({type(err).__name__}: "
-                         f"{(str(err).strip().splitlines() or [''])[0]}); save the target's tokenizer beside its "
+        raise ValueError(f"--target {target}: its tokenizer does not load "
+                         f"({first_line(err, with_type=True)}); save the target's tokenizer beside its "
                          "weights (tokenizer.save_pretrained into that directory)") from None
     provenance = {
         "input_sha256": file_sha256(input_path),

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from lilicorr_pl.checkpoint import first_line
 from lilicorr_pl.data.fingerprint import _json_default, canonical_json, file_sha256, fingerprint
 from lilicorr_pl.files import remove_gone_writers, writer_tag
 
@@ -314,7 +315,7 @@ def open_store(path: str | os.PathLike, expected_fingerprint: str | None = None,
         try:
             meta, tensors = _header(fpath)
         except Exception as err:  # noqa: BLE001 - any unreadable header is a corrupt shard
-            raise _fail(path, f"shard {entry['file']} is not a readable safetensors file ({str(err).splitlines()[0]})") from None
+            raise _fail(path, f"shard {entry['file']} is not a readable safetensors file ({first_line(err)})") from None
         missing = set(TENSORS[manifest["kind"]]) - set(tensors)
         if missing:
             raise _fail(path, f"shard {entry['file']} lacks tensors {sorted(missing)}")

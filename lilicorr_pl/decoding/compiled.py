@@ -20,6 +20,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
+from lilicorr_pl.checkpoint import first_line
 from lilicorr_pl.heads.base import SelectContext, Selection
 from lilicorr_pl.target import CompileModeName
 
@@ -119,7 +120,7 @@ class CompiledSelector(nn.Module):
                 selection = self._select(draft, context, *args)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # a head Inductor cannot compile, after training
             inner = getattr(error, "inner_exception", None) or error
-            first = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+            first = first_line(inner, with_type=True)
             fix = ("run with --compile_mode default (no CUDA graphs)" if self.cuda_graphs else
                    "run without --compile (lilicorr demo --compile false reuses every trained stage)")
             raise RuntimeError(f"compiling the {self.name!r} head failed ({first}); {fix}") from error
@@ -169,9 +170,8 @@ def check_compile_available(device: str | torch.device = "cpu", fix: str = "run 
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(2, device=device))
     except Exception as error:  # noqa: BLE001 - any backend failure means: not on this machine
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RuntimeError(
-            f"torch.compile does not work on this machine ({first}); install a C++ compiler (CPU) or Triton "
+            f"torch.compile does not work on this machine ({first_line(error)}); install a C++ compiler (CPU) or Triton "
             f"(GPU), or {fix}"
         ) from error
 
