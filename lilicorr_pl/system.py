@@ -40,6 +40,7 @@ from lilicorr_pl.checkpoint import (
     verify_checksum,
 )
 from lilicorr_pl.heads.base import HeadOutput, Selector, TeacherForcing
+from lilicorr_pl.heads.domino import as_trained
 from lilicorr_pl.heads.top1 import Top1Selector
 from lilicorr_pl.losses.base import LossComponent, LossInputs
 from lilicorr_pl.losses.dflash import DFlashCE
@@ -652,6 +653,8 @@ class DraftSystem(L.LightningModule):
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
         overrides = dict(target=target, init_drafter_from=None, init_head_from=None,
                          init_drafter_layers_from_target=False)
+        if as_trained(hparams.get("head")) is not hparams.get("head"):  # a Domino head of the first form: rebuilt so
+            overrides["head"] = as_trained(hparams["head"])
         instantiator = hparams.get("_instantiator")
         if instantiator is not None and instantiator != "lightning.pytorch.cli.instantiate_module":
             # Lightning imports the named instantiator (older releases without an allow-list): only its own.

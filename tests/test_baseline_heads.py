@@ -85,7 +85,7 @@ def test_teacher_forced_logits_equal_the_sequential_recurrence(name, gated):
     parallel = head.corrected_logits(slot_hidden, slot_logits, prev, embedding)  # [M, S, V]
     state = head.initial_state(M, slot_logits.device)
     for k in range(S):  # the inference recurrence, forced to read the true previous tokens
-        step_logits, state = head.step(slot_hidden[:, k], slot_logits[:, k], prev[:, k], state, embedding)
+        step_logits, state = head.step(slot_hidden[:, k], slot_logits[:, k], prev[:, k], state, embedding, k)
         torch.testing.assert_close(parallel[:, k], step_logits, atol=1e-5, rtol=1e-5)
     assert (parallel - slot_logits).abs().amax() > 0.1  # the correction is not trivially zero
 
@@ -143,6 +143,52 @@ def test_untrained_domino_is_exactly_top1(gated):
         tokens = _select(head, slot_hidden, slot_logits, embedding, prev[:, 0]).tokens
     top1 = _select(Top1Selector(), slot_hidden, slot_logits, embedding, prev[:, 0]).tokens
     torch.testing.assert_close(tokens, top1)
+
+
+def test_domino_is_the_reference_form_by_default():
+    """As vLLM speculators' DFlash with Domino (and vLLM's proposer): the first slot keeps the drafter's logits
+    (domino_pure_draft_prefix_len 1) while the GRU still reads its token, the correction MLP has no biases, and the GRU
+    reads the embeddings as they are. The first version corrected slot 1 too, had biases and layer-normed the GRU's
+    input."""
+    head = _trained_like(DominoHead(gru_hidden=6, rank=4).build(H, V))
+    assert head.uncorrected_slots == 1 and not head.input_norm
+    assert [n for n, _ in head.named_parameters() if n.endswith("bias")] == []
+    embedding = _embedding()
+    slot_hidden, slot_logits, prev = _inputs()
+    parallel = head.corrected_logits(slot_hidden, slot_logits, prev, embedding)
+    assert torch.equal(parallel[:, 0], slot_logits[:, 0])  # slot 1: DFlash's own draft
+    assert (parallel[:, 1:] - slot_logits[:, 1:]).abs().amax() > 0.1
+    state = head.initial_state(M, slot_logits.device)
+    first, state = head.step(slot_hidden[:, 0], slot_logits[:, 0], prev[:, 0], state, embedding, 0)
+    assert torch.equal(first, slot_logits[:, 0]) and state.abs().amax() > 0  # the GRU read the anchor all the same
+    changed = prev.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % V  # the anchor still conditions slot 2 onwards
+    assert (head.corrected_logits(slot_hidden, slot_logits, changed, embedding)[:, 1] - parallel[:, 1]).abs().amax() > 0
+    with torch.no_grad():  # raw embeddings: their scale reaches the GRU (a LayerNorm would remove it)
+        scaled = nn.Embedding.from_pretrained(embedding.weight * 3.0)
+        normed = _trained_like(DominoHead(gru_hidden=6, rank=4, input_norm=True).build(H, V))
+    assert (head.corrected_logits(slot_hidden, slot_logits, prev, scaled) - parallel)[:, 1:].abs().amax() > 1e-3
+    torch.testing.assert_close(normed.corrected_logits(slot_hidden, slot_logits, prev, scaled),
+                               normed.corrected_logits(slot_hidden, slot_logits, prev, embedding), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("uncorrected", [0, 2, S + 3])
+def test_domino_variants_correct_the_slots_they_say_on_both_paths(uncorrected):
+    head = _trained_like(DominoHead(gru_hidden=6, rank=4, uncorrected_slots=uncorrected, bias=True).build(H, V))
+    assert {n for n, _ in head.named_parameters() if n.endswith("bias")} == {"correction.0.bias", "correction.2.bias"}
+    embedding = _embedding()
+    slot_hidden, slot_logits, prev = _inputs()
+    parallel = head.corrected_logits(slot_hidden, slot_logits, prev, embedding)
+    kept = min(uncorrected, S)
+    assert torch.equal(parallel[:, :kept], slot_logits[:, :kept])
+    if kept < S:
+        assert (parallel[:, kept] - slot_logits[:, kept]).abs().amin() > 0  # the first corrected slot
+    state = head.initial_state(M, slot_logits.device)
+    for k in range(S):
+        step_logits, state = head.step(slot_hidden[:, k], slot_logits[:, k], prev[:, k], state, embedding, k)
+        torch.testing.assert_close(parallel[:, k], step_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="uncorrected_slots must be >= 0"):
+        DominoHead(uncorrected_slots=-1)
 
 
 def test_dspark_starts_as_deepspec_starts_it():
@@ -575,3 +621,42 @@ def test_domino_curriculum_spans_the_whole_run_of_a_trainer(tmp_path):
     trainer.fit(system, DataLoader(data, batch_size=2))
     assert trainer.estimated_stepping_batches == 6
     assert recorder.seen == pytest.approx([1 - t / 6 for t in range(6)])
+
+
+def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_path):
+    """A Domino checkpoint written before the reference's form became the default records no uncorrected_slots; it is
+    rebuilt as trained (every slot corrected, biases, layer-normed GRU input) and drafts what it drafted. Rebuilt
+    with the new defaults it was refused (its bias tensors unexpected), or would have drafted something else."""
+    import yaml
+
+    from conftest import ROOT
+    from lilicorr_pl.cli import main as cli_main
+    from lilicorr_pl.heads.domino import FIRST_FORM, as_trained
+    from lilicorr_pl.system import DraftSystem
+
+    overlay = tmp_path / "domino.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {
+        "head": {"class_path": "lilicorr_pl.heads.DominoHead",
+                 "init_args": {"gru_hidden": 8, "rank": 4, "gated": False, **FIRST_FORM}},
+        "losses": [{"class_path": "lilicorr_pl.losses.CorrectorCE", "init_args": {"weight": 1.0}}]}}))
+    root = tmp_path / "run"
+    cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(overlay), f"--trainer.default_root_dir={root}",
+              "--trainer.max_steps=1", "--trainer.val_check_interval=1", "--trainer.limit_val_batches=1",
+              "--trainer.enable_progress_bar=false"])
+    ckpt = root / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    init_args = checkpoint["hyper_parameters"]["head"]["init_args"]
+    assert init_args["uncorrected_slots"] == 0  # this version records the options
+    for key in FIRST_FORM:  # what the first version recorded: gru_hidden, rank, gated
+        del init_args[key]
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    assert as_trained({"class_path": "lilicorr_pl.heads.DominoHead", "init_args": {"gru_hidden": 8}})["init_args"] == {
+        "gru_hidden": 8, **FIRST_FORM}
+    assert as_trained({"class_path": "x.LiLiCorrHead", "init_args": {}}) == {"class_path": "x.LiLiCorrHead",
+                                                                             "init_args": {}}
+    head = DraftSystem.from_checkpoint(old, load_target=False).head
+    assert (head.uncorrected_slots, head.bias, head.input_norm) == (0, True, True)
+    new = DraftSystem.from_checkpoint(ckpt, load_target=False).head
+    for (name, a), (_, b) in zip(head.state_dict().items(), new.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -49,6 +49,7 @@ class CorrectorHead(Selector):
         prev_tokens: torch.Tensor,
         state: Any,
         embed: EmbedFn,
+        slot: int,
     ) -> tuple[torch.Tensor, Any]:
         """One slot of the recurrence (inference path, and the reference for the training path).
 
@@ -58,6 +59,7 @@ class CorrectorHead(Selector):
             prev_tokens: ``[b]`` long: the token before this slot (the anchor token for slot 1).
             state: the state returned by the previous step (or :meth:`initial_state`).
             embed: token ids -> frozen target input embeddings.
+            slot: this slot's index, 0 for slot 1 (a head may leave leading slots uncorrected).
 
         Returns:
             ``(corrected logits [b, V], new state)``.
@@ -113,7 +115,7 @@ class CorrectorHead(Selector):
         state = self.initial_state(b, slot_logits.device)
         picks, proposals = [], []
         for k in range(s):
-            logits, state = self.step(slot_hidden[:, k], slot_logits[:, k], prev, state, context.embed)  # [b, V]
+            logits, state = self.step(slot_hidden[:, k], slot_logits[:, k], prev, state, context.embed, k)  # [b, V]
             if context.sampling is None:
                 prev = logits.argmax(dim=-1)  # [b]
             else:

@@ -4,9 +4,15 @@ Slot ``k``'s logits get a residual ``Δ_k = MLP([h_k ; g_k])`` where ``h_k`` is 
 state and ``g_k`` the state of a bias-free GRU that has read the frozen target embeddings of
 ``x_0 .. x_{k-1}`` (``x_0`` = anchor token). Teacher-forced in training (one ``nn.GRU`` call over all
 slots); at inference ``S`` sequential V-wide steps, each fed the head's own previous pick.
+
+As the public implementation (vLLM speculators' DFlash with Domino, served by vLLM's proposer): the GRU reads the
+embeddings as they are, the correction MLP has no biases, and the first slot keeps the drafter's own logits
+(``domino_pure_draft_prefix_len`` 1), so Domino's first draft is DFlash's.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,42 +22,78 @@ from lilicorr_pl.heads.base import EmbedFn
 from lilicorr_pl.heads.corrector import CorrectorHead
 
 
+FIRST_FORM = {"uncorrected_slots": 0, "bias": True, "input_norm": True}
+"""The form every Domino head had before the reference's became the default: every slot corrected, biases in the
+correction MLP, the GRU's input layer-normed. A checkpoint whose recorded head has no ``uncorrected_slots`` was
+trained in it, and is rebuilt in it (:func:`as_trained`)."""
+
+
+def as_trained(head_config: Any) -> Any:
+    """A checkpoint's recorded head config with the first form spelled out where it predates the option."""
+    if (isinstance(head_config, dict) and str(head_config.get("class_path", "")).endswith(".DominoHead")
+            and isinstance(head_config.get("init_args"), dict) and "uncorrected_slots" not in head_config["init_args"]):
+        return {**head_config, "init_args": {**head_config["init_args"], **FIRST_FORM}}
+    return head_config
+
+
 class DominoHead(CorrectorHead):
     """Domino: GRU over previous-token embeddings + low-rank MLP residual on the slot logits.
 
-    ``logits_k = z_k + [σ(w·[h_k ; g_k])] · W_2 SiLU(W_1 [h_k ; g_k] + b_1) + b_2``. The last layer starts
-    at zero, so an untrained head picks exactly the drafter's top-1. Defaults are sized for an 8B
-    target; parameters are created by :meth:`build` once the target's sizes are known.
+    ``logits_k = z_k + [σ(w·[h_k ; g_k])] · W_2 SiLU(W_1 [h_k ; g_k])`` for every slot past the first
+    ``uncorrected_slots`` (whose logits stay ``z_k``). The last layer starts at zero, so an untrained head
+    picks exactly the drafter's top-1. Defaults are the reference's, sized for an 8B target; parameters are
+    created by :meth:`build` once the target's sizes are known.
     """
 
     name = "domino"
 
-    def __init__(self, gru_hidden: int = 1024, rank: int = 256, gated: bool = False) -> None:
+    def __init__(
+        self,
+        gru_hidden: int = 1024,
+        rank: int = 256,
+        gated: bool = False,
+        uncorrected_slots: int = 1,
+        bias: bool = False,
+        input_norm: bool = False,
+    ) -> None:
         """
         Args:
             gru_hidden: hidden size ``H_g`` of the 1-layer, bias-free GRU (1024 for an 8B target).
             rank: width of the low-rank correction MLP ``Linear(H + H_g -> rank) -> SiLU ->
                 Linear(rank -> V)`` (256 in the paper).
             gated: multiply the correction by a learned sigmoid gate ``σ(Linear(H + H_g -> 1))``.
+            uncorrected_slots: leading slots that keep the drafter's own logits (the reference's
+                ``domino_pure_draft_prefix_len``, 1: the first draft is DFlash's); the GRU still reads
+                their tokens. 0 corrects every slot.
+            bias: biases in the correction MLP's two layers (the reference's have none).
+            input_norm: a parameter-free LayerNorm on the GRU's input embeddings (the reference feeds
+                them as they are); a variant for targets whose embeddings are very small.
         """
         super().__init__()
         if gru_hidden < 1:
             raise ValueError(f"DominoHead gru_hidden must be >= 1, got {gru_hidden}; the paper uses 1024 for 8B")
         if rank < 1:
             raise ValueError(f"DominoHead rank must be >= 1, got {rank}; the paper uses 256")
+        if uncorrected_slots < 0:
+            raise ValueError(f"DominoHead uncorrected_slots must be >= 0, got {uncorrected_slots}; the reference "
+                             "leaves 1 (the first slot keeps the drafter's logits), 0 corrects every slot")
         self.gru_hidden = gru_hidden
         self.rank = rank
         self.gated = gated
+        self.uncorrected_slots = uncorrected_slots
+        self.bias = bias
+        self.input_norm = input_norm
 
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         self.gru = nn.GRU(hidden_size, self.gru_hidden, num_layers=1, bias=False, batch_first=True)
         features = hidden_size + self.gru_hidden
         self.correction = nn.Sequential(
-            nn.Linear(features, self.rank), nn.SiLU(), nn.Linear(self.rank, vocab_size)
+            nn.Linear(features, self.rank, bias=self.bias), nn.SiLU(), nn.Linear(self.rank, vocab_size, bias=self.bias)
         )
         # Zero last layer: the untrained head is the drafter (top-1), and training starts from there.
         nn.init.zeros_(self.correction[2].weight)
-        nn.init.zeros_(self.correction[2].bias)
+        if self.bias:
+            nn.init.zeros_(self.correction[2].bias)
         self.gate = nn.Linear(features, 1) if self.gated else None
 
     # ------------------------------------------------------------------ the recurrence
@@ -61,10 +103,10 @@ class DominoHead(CorrectorHead):
         return self.gru.weight_ih_l0.dtype
 
     def _gru_input(self, token_embeddings: torch.Tensor) -> torch.Tensor:
-        # Frozen embeddings are tiny (std ~0.01-0.02 in large LMs); a parameter-free LayerNorm puts them
-        # on the GRU's scale without adding a bias. Detached: the target's table is never trained.
+        # Detached: the target's table is never trained. input_norm: a parameter-free LayerNorm puts very small
+        # embeddings on the GRU's scale (a variant; the reference reads them as they are).
         e = token_embeddings.detach().to(self._dtype)
-        return F.layer_norm(e, e.shape[-1:])
+        return F.layer_norm(e, e.shape[-1:]) if self.input_norm else e
 
     def _correct(self, slot_hidden: torch.Tensor, slot_logits: torch.Tensor, gru_state: torch.Tensor) -> torch.Tensor:
         features = torch.cat([slot_hidden.to(self._dtype), gru_state], dim=-1)  # [..., H + H_g]
@@ -84,11 +126,15 @@ class DominoHead(CorrectorHead):
         prev_tokens: torch.Tensor,
         state: torch.Tensor,
         embed: EmbedFn,
+        slot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One V-wide slot: advance the GRU by ``E[prev_tokens]`` and correct this slot's logits."""
+        """One V-wide slot: advance the GRU by ``E[prev_tokens]`` and correct this slot's logits (those of the
+        first ``uncorrected_slots`` stay the drafter's)."""
         with torch.no_grad():
             token_embeddings = embed(prev_tokens)  # [b, H]
         out, state = self.gru(self._gru_input(token_embeddings).unsqueeze(1), state)  # [b, 1, H_g]
+        if slot < self.uncorrected_slots:
+            return slot_logits, state
         return self._correct(slot_hidden, slot_logits, out.squeeze(1)), state
 
     def corrected_logits(
@@ -103,4 +149,6 @@ class DominoHead(CorrectorHead):
         with torch.no_grad():
             token_embeddings = embed(prev_tokens)  # [M, S, H]
         gru_states, _ = self.gru(self._gru_input(token_embeddings))  # [M, S, H_g]; zero initial state
-        return self._correct(slot_hidden, slot_logits, gru_states)
+        kept = min(self.uncorrected_slots, slot_logits.shape[1])
+        corrected = self._correct(slot_hidden[:, kept:], slot_logits[:, kept:], gru_states[:, kept:])
+        return torch.cat([slot_logits[:, :kept].to(corrected.dtype), corrected], dim=1) if kept else corrected

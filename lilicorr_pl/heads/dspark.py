@@ -66,6 +66,7 @@ class DSparkHead(CorrectorHead):
         prev_tokens: torch.Tensor,
         state: None,
         embed: EmbedFn,
+        slot: int,
     ) -> tuple[torch.Tensor, None]:
         """One V-wide slot (stateless: only the previous token matters)."""
         return self._correct(slot_hidden, slot_logits, prev_tokens), None
