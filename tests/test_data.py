@@ -711,3 +711,46 @@ def test_aligned_stores_pass_the_alignment_check(tmp_path, train_file, target_di
     tokens = _FakeStore("tokens-x", [3, 2], {"input_ids": (3, 64)})
     dm._check_alignment({"tokens": tokens, "logits": _FakeStore("logits-x", [3, 2], {"topm_ids": (3, 8)}),
                          "features": _FakeStore("features-x", [3, 2], {"features": (3, 64)})})
+
+
+def _tokenizer_with_bos():
+    """The helpers' tokenizer with a BOS token its post-processor adds to plain text (as Llama's and Gemma's do)."""
+    from helpers import EOS, make_tiny_tokenizer
+    from tokenizers import processors
+
+    tokenizer = make_tiny_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids(EOS)
+    tokenizer.backend_tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{EOS} $A", pair=f"{EOS} $A $B", special_tokens=[(EOS, bos)]),
+    ])
+    tokenizer.bos_token = EOS
+    assert tokenizer("x")["input_ids"][0] == bos != tokenizer("x", add_special_tokens=False)["input_ids"][0]
+    return tokenizer
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_one_record_tokenizes_alike_in_regeneration_training_and_evaluation(tmp_path, thinking):
+    """DESIGN §9.7 in one test: the same prompt, rendered by `regenerate` (what the target answers), by the data
+    module (the training sequence, whose prompt part it must start with) and by the benchmark loader (`bench`,
+    AcceptanceEval), gives the same token ids, for a chat record under either thinking flag and for a text
+    prompt. With a tokenizer that adds a BOS token a text prompt had it in regeneration and training and not in
+    evaluation: the drafter was measured on contexts it never saw."""
+    from lilicorr_pl.data.regenerate import _make_job
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+
+    tokenizer = _tokenizer_with_bos()
+    chat = {"messages": [{"role": "user", "content": "Sort a list of numbers."},
+                         {"role": "assistant", "content": "Use sorted(numbers)."}]}
+    text = {"prompt": "def square(x):", "completion": "\n    return x * x\n"}
+    for record, answer_free, as_chat in ((chat, {"messages": chat["messages"][:1]}, True),
+                                         (text, {"prompt": text["prompt"]}, False)):
+        trained, mask, _ = formats.tokenize_record(record, tokenizer, enable_thinking=thinking)
+        answered = _make_job(0, answer_free, tokenizer, enable_thinking=thinking, chat_template=None,
+                             prefix_chars=None).prompt_ids
+        prompts = tmp_path / f"{as_chat}.jsonl"
+        prompts.write_text(json.dumps(record) + "\n")
+        evaluated = load_prompts(str(prompts), tokenizer, chat_template=as_chat, enable_thinking=thinking).input_ids[0]
+        assert list(evaluated) == answered, record
+        assert trained[: len(answered)] == answered and not any(mask[: len(answered)]) and any(mask[len(answered):])
+    assert answered[0] == tokenizer.bos_token_id  # the text prompt, as the tokenizer encodes text

@@ -699,6 +699,11 @@ def test_sample_walk_draws_from_the_row_leaving_the_drawn_candidate():
     assert (path != greedy_walk(start, pair)).any()  # it samples ...
     cold, _ = sample_walk(start, pair, DraftSampling(1e-4, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(cold, greedy_walk(start, pair))  # ... and becomes the greedy walk as T -> 0
+    # The request's top-p does not truncate the candidates (SGLang's lilicorr_sample_path: temperature alone); it
+    # truncated them, so at top_p < 1 the proposal differed from the engine's.
+    _, nucleus = sample_walk(start, pair, DraftSampling(0.8, top_p=0.3, generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(nucleus[:, 0], torch.softmax(start / 0.8, -1))
+    assert (nucleus > 0).all()
 
 
 def test_lilicorr_sampled_selection_puts_q_on_the_candidates(embedding):
@@ -713,12 +718,9 @@ def test_lilicorr_sampled_selection_puts_q_on_the_candidates(embedding):
     torch.testing.assert_close(on_candidates.sum(-1), torch.ones(6, 4))  # no mass off the K candidates
     assert torch.equal(sel.tokens, lat.candidates.gather(-1, sel.lattice_index[..., None]).squeeze(-1))
     assert (sel.q.gather(-1, sel.tokens[..., None]) > 0).all()
-    # slot 1's proposal is the nucleus of softmax(start / T) over the candidates, no drafter log-prob prior
-    probs = torch.softmax(lat.start, -1)
-    sorted_p, order = probs.sort(-1, descending=True)
-    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.8
-    expected = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-    torch.testing.assert_close(on_candidates[:, 0], expected / expected.sum(-1, keepdim=True))
+    # slot 1's proposal is softmax(start / T) over the candidates: no drafter log-prob prior, and the request's
+    # top-p (0.8 here) not applied to them, as SGLang's lilicorr_sample_path draws (it was the nucleus)
+    torch.testing.assert_close(on_candidates[:, 0], torch.softmax(lat.start, -1))
 
 
 def test_draft_sampling_rejects_bad_settings():

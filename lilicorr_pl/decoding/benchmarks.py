@@ -269,8 +269,8 @@ def load_prompts(
                 enable_thinking=enable_thinking, **render,
             )
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        else:
-            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:  # as regeneration and training tokenize text: with the tokenizer's own special tokens (a BOS)
+            ids.append(tokenizer(text)["input_ids"])
     if any(len(x) == 0 for x in ids):
         raise ValueError(f"benchmark {name!r} has an empty prompt after tokenization")
     return PromptSet(name, ids, rendered_texts, bool(use_template), enable_thinking, {"kind": kind})

@@ -7,6 +7,7 @@ candidate ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal, get_args
 
@@ -90,11 +91,11 @@ def greedy_walk(start: torch.Tensor, pair: torch.Tensor, first_top1: bool = Fals
 def sample_walk(start: torch.Tensor, pair: torch.Tensor, sampling: DraftSampling) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy walk with each argmax replaced by a draw: LiLiCorr's proposal at T > 0.
 
-    At every slot the proposal over the ``K`` candidates is ``warp(ψ / T)``, where ψ is the start row
+    At every slot the proposal over the ``K`` candidates is ``softmax(ψ / T)``, where ψ is the start row
     at the first slot and otherwise the pair row leaving the candidate actually **drawn** at the
-    previous slot; there is no drafter log-probability prior (the head was trained without one).
-    This is SGLang's LiLiCorr sampling mode (``lilicorr_sample_path``: ``softmax(psi_s / T)``, with
-    the request's top-k / top-p applied to the ``K`` candidates). TensorRT-LLM's
+    previous slot; there is no drafter log-probability prior (the head was trained without one), and
+    no nucleus truncation: the request's top-p shapes the target's ``p`` only. This is SGLang's LiLiCorr
+    sampling mode (``lilicorr_sample_path``: ``softmax(psi_s / T)``, temperature alone). TensorRT-LLM's
     ``lilicorr_proposal_logits`` differs: it takes every slot's row along the *greedy* path and
     samples the slots from those fixed rows. Both are lossless when verified with the ``q`` they drew
     from; SGLang's keeps the sampled block coherent, so it is the one followed here. As ``T → 0`` the
@@ -103,13 +104,14 @@ def sample_walk(start: torch.Tensor, pair: torch.Tensor, sampling: DraftSampling
     Args:
         start: ``[M, K]`` start scores (log-potentials, ``σ·cos``).
         pair: ``[M, S-1, K, K]`` pair scores.
-        sampling: temperature, top-p and RNG of the draws.
+        sampling: temperature and RNG of the draws (its top-p is not applied to the candidates).
 
     Returns:
         ``(path [M, S] long, q [M, S, K] float32)``: the drawn candidate ranks and the proposal each
         slot was drawn from.
     """
     drawn: list[torch.Tensor] = []
+    sampling = dataclasses.replace(sampling, top_p=1.0)  # softmax(ψ/T) over the K candidates, as SGLang draws
 
     def choose(row: torch.Tensor) -> torch.Tensor:
         index, q = sampling.sample(row)

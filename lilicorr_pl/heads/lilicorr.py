@@ -377,7 +377,7 @@ class LiLiCorrHead(Selector):
 
         Deterministic (``context.sampling`` is None): the greedy walk, or Viterbi when
         ``decode="viterbi"``. Sampled: :func:`~lilicorr_pl.heads.lattice.sample_walk` — at every slot
-        a draw from ``warp(ψ / T)`` over the ``K`` candidates, ψ the start row at the first slot and
+        a draw from ``softmax(ψ / T)`` over the ``K`` candidates, ψ the start row at the first slot and
         otherwise the pair row leaving the candidate drawn at the previous slot, with no drafter
         log-prob prior (SGLang's LiLiCorr sampling mode; ``decode`` only chooses the T = 0 walk). The
         proposal ``q`` is that distribution placed on the candidates' token ids (zero elsewhere).
