@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file
+from lilicorr_pl.checkpoint import CHECKSUM_KEY, UserInputError, check_checkpoint_file
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import CompileModeName, DeviceName, check_device
 
@@ -295,14 +295,20 @@ def format_table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperature: float) -> Path:
+def decoding_tag(lattice_k: int | None, walk: str | None) -> str:
+    """The part of a plot's name for ``--lattice_k`` / ``--walk`` (empty without them): a sweep keeps one plot each."""
+    return (f"_k{lattice_k}" if lattice_k is not None else "") + (f"_{walk}" if walk is not None else "")
+
+
+def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperature: float, decoding: str = "") -> Path:
     """Where ``bench --plot`` draws one temperature of one checkpoint's benchmark: the file name is keyed by the
-    checkpoint (its name and a hash of its absolute path, links not followed: two runs' ``last.ckpt`` never share a plot), the benchmark
-    and the temperature, so a rerun replaces its own plot and another checkpoint's is never taken for it."""
+    checkpoint (its name and a hash of its absolute path, links not followed: two runs' ``last.ckpt`` never share a plot), the benchmark,
+    the temperature and the head's serving options (:func:`decoding_tag`), so a rerun replaces its own plot and another
+    checkpoint's, or the same checkpoint's at another lattice width, is never taken for it."""
     ckpt = Path(ckpt)
     # The absolute path, links not followed: a `last.ckpt` link moved to each newer checkpoint keeps its plot.
     key = hashlib.sha256(os.path.abspath(ckpt).encode()).hexdigest()[:8]
-    return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{Path(str(benchmark)).stem}_T{temperature}.png"
+    return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{Path(str(benchmark)).stem}_T{temperature}{decoding}.png"
 
 
 def plot_acceptance(run: dict[str, Any], directory: str | Path, ckpt: str | Path) -> Path:
@@ -327,10 +333,13 @@ def plot_acceptance(run: dict[str, Any], directory: str | Path, ckpt: str | Path
                  f"{run['num_prompts']} prompts x {run['max_new_tokens']} tokens", fontsize=8)
     ax.legend()
     fig.tight_layout()
+    options = run.get("serve_options") or {}
     about = {"checkpoint": str(ckpt), **{k: run[k] for k in ("benchmark", "temperature", "num_prompts",
-                                                               "max_new_tokens", "seed", "draft_sampling")}}
+                                                               "max_new_tokens", "seed", "draft_sampling")},
+             "selectors": ",".join(run["selectors"]), **{k: v for k, v in options.items() if v is not None}}
+    tag = decoding_tag(options.get("lattice_k"), options.get("walk"))
     try:
-        return save_figure(fig, plot_path(directory, ckpt, run["benchmark"], run["temperature"]), "bench", about)
+        return save_figure(fig, plot_path(directory, ckpt, run["benchmark"], run["temperature"], tag), "bench", about)
     finally:
         plt.close(fig)
 
@@ -430,7 +439,8 @@ def bench(
         if plot:  # a file of a plot's name that this tool did not write (a user's) is never replaced
             from lilicorr_pl.files import check_plot_files
 
-            check_plot_files((plot_path(plot, path, benchmark, t) for t in temperatures), "bench")
+            check_plot_files((plot_path(plot, path, benchmark, t, decoding_tag(lattice_k, walk)) for t in temperatures),
+                             "bench")
         check_device(device)
         if compile or compile_mode != "default":
             from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
@@ -482,7 +492,10 @@ def bench(
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None
-    for run in runs:
+    for run in runs:  # what produced the numbers: the file, its weights' checksum and step, the head's serving options
+        run["checkpoint"] = {"path": str(path), "state_sha256": meta.get(CHECKSUM_KEY),
+                             "global_step": system.checkpoint_step}
+        run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
         print(format_table(run))
     if output:  # before the plots: a plotting failure must not lose what was measured
         payload = runs[0] if len(runs) == 1 else {"runs": runs}

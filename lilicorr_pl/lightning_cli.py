@@ -727,6 +727,10 @@ def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
     way is refused or warned about, naming the model setting that decided."""
     offline = dm.feature_cache
     dm.require_logit_cache(system.needs_logit_cache(offline_features=offline), system.logit_cache_reason(offline))
+    rows = getattr(getattr(system.drafter, "target_config", None), "vocab_size", None)  # its output rows, from its config
+    if dm.logit_cache and isinstance(rows, int) and dm.logit_top_m > rows:  # was found after tokenizing and loading
+        raise ValueError(f"data.logit_top_m {dm.logit_top_m} is more than the target's {rows} output rows; keep the top "
+                         f"M <= {rows} logits (the recipes keep 32)")
 
 
 def add_saved_fit_arguments(parser: Any, command: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -49,5 +50,22 @@ class WarmupCosine(LambdaLR):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the schedule's position (a resumed fit); its shape — ``total_steps``, ``warmup_fraction``,
+        ``min_lr_ratio`` — stays this run's. A fit resumed with a larger ``max_steps`` follows the longer schedule
+        from the step it stopped at (the saved length came back with the state: every step past it ran at the
+        final learning rate, 0 in the recipes, and the fit reported success), and the optimizer's learning rate,
+        restored from the old schedule, is set to the one this schedule gives at that step."""
+        own = {key: getattr(self, key) for key in ("total_steps", "warmup_fraction", "min_lr_ratio")}
         # The schedule is a bound method, rebuilt by __init__; LambdaLR still expects the key it saves.
         super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
+        saved = {key: getattr(self, key) for key in own}
+        self.__dict__.update(own)
+        if saved == own:
+            return
+        factor = self._factor(self.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        changed = ", ".join(f"{key} {saved[key]} -> {own[key]}" for key in own if saved[key] != own[key])
+        warnings.warn(f"resuming with another learning-rate schedule ({changed}): it goes on from step "
+                      f"{self.last_epoch} of this run's schedule, at lr factor {factor:.3g}", stacklevel=2)

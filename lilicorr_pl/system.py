@@ -89,7 +89,8 @@ SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "
 # would train a different model on top of these weights, or fail on shapes. Other settings are applied.
 # Constructor arguments that are modules: recorded as their configs, never as objects.
 INJECTED_MODULES = ("drafter", "head", "losses")
-RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler")
+RESUME_FIXED_KEYS = ("target", "drafter", "head", "optimizer", "lr_scheduler",
+                     "freeze_drafter")  # which parameters train: the optimizer state holds exactly those
 _RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", "init_drafter_layers_from_target",
                         "context_memo_mb")  # a speed setting: the same numbers either way
 
@@ -331,6 +332,7 @@ class DraftSystem(L.LightningModule):
         # Times the step's phases when no Trainer is attached (lilicorr perf); under a Trainer, trainer.profiler does.
         self.profiler: Profiler | None = None
         self.checkpoint_meta: dict[str, Any] = {}
+        self.checkpoint_step: int | None = None  # from_checkpoint: the global step it was written at
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
         self.checked_target: dict[str, Any] | None = None  # validate/test/predict: the target compared with the ckpt's
 
@@ -649,6 +651,7 @@ class DraftSystem(L.LightningModule):
                     f"checkpoint {path} was trained on a target of hidden size {fc.shape[0]}, and {named} has "
                     f"hidden size {hidden}; pass the target model it was trained with (--target)")
         meta = dict(checkpoint.get("lilicorr") or {})
+        step = checkpoint.get("global_step")
         del checkpoint
         # The weights come from the checkpoint: a warm-start directory named at training time is not re-read.
         overrides = dict(target=target, init_drafter_from=None, init_head_from=None,
@@ -678,6 +681,7 @@ class DraftSystem(L.LightningModule):
             _target_deferred.reset(token)
         system._checkpoint_origin = (path, named)
         system.checkpoint_meta = meta  # how it was trained: thinking flag, chat template, block size
+        system.checkpoint_step = step  # the optimizer steps behind its weights
         if load_target:  # else in load_target, or by the caller: the check reads the weight files
             system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
         return system

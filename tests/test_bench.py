@@ -129,6 +129,18 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
 
     # Keyed by the checkpoint, saying what drew it: another checkpoint's plot is never taken for this one's.
     assert png == plot_path(plots, ckpt, prompts, 0.0) and png.name.startswith(f"acceptance_{Path(ckpt).stem}-")
+    # What produced the numbers: a results file of another checkpoint cannot be taken for this one's.
+    from lilicorr_pl.checkpoint import CHECKSUM_KEY
+
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert run["checkpoint"] == {"path": str(ckpt), "state_sha256": saved["lilicorr"][CHECKSUM_KEY],
+                                 "global_step": saved["global_step"]}
+    # A lattice-width sweep keeps one plot a width (the second width's replaced the first's), each saying its width.
+    cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "2", "--max-new-tokens", "16",
+              "--temperature", "0", "--selectors", "top1,lilicorr", "--chat-template", "yes", "--lattice_k", "2",
+              "--plot", str(plots)])
+    narrow = plot_path(plots, ckpt, prompts, 0.0, "_k2")
+    assert sorted(plots.glob("*.png")) == sorted([png, narrow]) and png_text(narrow)["lattice_k"] == "2"
     text = png_text(png)
     assert text["written_by"].startswith("lilicorr bench ") and text["checkpoint"] == str(ckpt)
     assert text["num_prompts"] == "2" and text["temperature"] == "0.0"

@@ -909,3 +909,17 @@ def test_online_wandb_without_credentials_is_one_line_before_the_data_are_prepar
     assert "lilicorr fit: error: W&B could not start an online run (No API key configured" in done.stderr
     assert "run `wandb login` or set WANDB_API_KEY, or log offline" in done.stderr
     assert "Traceback" not in done.stderr and not (root / "cache").exists()
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--data.num_workers=-1", "data.num_workers must be >= 0 (0 loads in the main process), got -1"),
+    ("--data.logit_top_m=100000", "data.logit_top_m 100000 is more than the target's"),
+])
+def test_data_settings_the_target_cannot_meet_are_one_line_before_preparation(flag, message, capsys, tmp_path):
+    """Both were tracebacks after the data had been tokenized and the target loaded (torch's DataLoader error, the
+    precompute's own check)."""
+    root = tmp_path / "runs" / "tiny"
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), flag,
+                              f"--trainer.default_root_dir={root}"])
+    assert message in err, err
+    assert not (root / "cache").exists()

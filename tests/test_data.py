@@ -754,3 +754,30 @@ def test_one_record_tokenizes_alike_in_regeneration_training_and_evaluation(tmp_
         assert list(evaluated) == answered, record
         assert trained[: len(answered)] == answered and not any(mask[: len(answered)]) and any(mask[len(answered):])
     assert answered[0] == tokenizer.bos_token_id  # the text prompt, as the tokenizer encodes text
+
+
+def test_an_empty_or_tool_calling_assistant_turn_supervises_only_assistant_text():
+    """An assistant turn with empty (or null) content rendered like the empty placeholder, so its span ran to the end
+    of the conversation: the tool's output, the next user turn and the role headers were supervised. Such a turn
+    supervises nothing of its own now; the tool call reaches the template (it was dropped) and is the assistant's."""
+    from helpers import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+
+    def supervised(messages):
+        ids, mask, _ = formats.tokenize_record({"messages": messages}, tokenizer)
+        return "".join(tokenizer.decode([i]) for i, m in zip(ids, mask) if m), tokenizer.decode(ids)
+
+    text, _ = supervised([{"role": "user", "content": "first question"}, {"role": "assistant", "content": ""},
+                          {"role": "user", "content": "second question"}, {"role": "assistant", "content": "ok then"}])
+    assert text == "ok then<|im_end|>", text
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    text, whole = supervised([
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "SECRET_TOOL_OUTPUT", "tool_call_id": "1"},
+        {"role": "assistant", "content": "sunny"}])
+    assert "SECRET_TOOL_OUTPUT" in whole and "SECRET" not in text and "user" not in text and "tool" not in text
+    assert text.endswith("sunny<|im_end|>"), text
+    if "weather" in whole.split("SECRET")[0].split("Oslo?")[-1]:  # the template renders tool calls: they are the turn's
+        assert "weather" in text

@@ -656,3 +656,15 @@ def test_a_prompt_beside_text_stays_a_text_record_and_a_list_prompt_is_a_chat_pr
     assert text["prompt"] == "import os"  # the text record, cut by --prefix_chars as fit's loader reads it
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
     assert chat["messages"][0]["content"] == "What is two plus two?"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(target_dir, input_file, tmp_path, monkeypatch):
+    """`regenerate --device cuda` on a CPU machine was torch's AssertionError after the model had loaded (bench and
+    perf refused it up front)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["lilicorr_pl.data.regenerate"], "load_causal_lm", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="--device cuda: CUDA is not available on this machine; use --device cpu"):
+        run(target_dir, input_file, tmp_path / "out.jsonl", device="cuda")
+    assert not (tmp_path / "out.jsonl").exists()

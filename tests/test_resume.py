@@ -11,6 +11,7 @@ which needs the data order (mid-epoch sampler position) and the global RNG (anch
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -292,3 +293,69 @@ def test_a_sigterm_during_the_validation_after_a_step_saves_that_step_and_the_re
     assert sorted(p.name for p in ckpts.iterdir()) == after_resume
     assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == STEPS
     _assert_same(_weights(ckpts / "last.ckpt"), _weights(full_ckpts / "last.ckpt"))
+
+
+def test_a_schedule_resumed_at_another_length_goes_on_from_its_step():
+    """A fit resumed with a larger max_steps: the saved schedule length came back with the scheduler's state, so every
+    later step ran at the final learning rate (0 in the recipes) and the fit exited 0. The schedule keeps this run's
+    length, goes on from the saved step, and the restored optimizer gets that step's learning rate; said once."""
+    from lilicorr_pl.optim import WarmupCosine
+
+    def pair(total):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        return opt, WarmupCosine(opt, total_steps=total, warmup_fraction=0.0)
+
+    opt, sched = pair(4)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0)
+    opt_state, sched_state = opt.state_dict(), sched.state_dict()
+    same_opt, same = pair(4)  # the same length: restored as it was, without a word
+    same_opt.load_state_dict(opt_state)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(sched_state)
+    assert same.last_epoch == 4 and same_opt.param_groups[0]["lr"] == pytest.approx(0.0)
+    longer_opt, longer = pair(8)
+    longer_opt.load_state_dict(opt_state)  # lr 0, from the 4-step schedule
+    with pytest.warns(UserWarning, match=r"another learning-rate schedule \(total_steps 4 -> 8\): it goes on from step 4"):
+        longer.load_state_dict(sched_state)
+    assert longer.total_steps == 8 and longer.last_epoch == 4
+    assert longer_opt.param_groups[0]["lr"] == pytest.approx(0.5) == longer.get_last_lr()[0]  # cos at 4 of 8
+    longer_opt.step()
+    longer.step()
+    assert longer_opt.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 8)))
+
+
+def test_a_finished_fit_resumed_with_more_steps_trains_them(tmp_path):
+    from lilicorr_pl.cli import main as cli_main
+
+    root = tmp_path / "run"
+    common = ["-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+              "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
+    cli_main(["fit", *common, "--trainer.max_steps=2"])
+    ckpt = root / "checkpoints" / "last.ckpt"
+    first = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert first["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.0)
+    with pytest.warns(UserWarning, match="total_steps 2 -> 4"):
+        cli_main(["fit", *common, "--trainer.max_steps=4", "--ckpt_path=last"])
+    second = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert second["global_step"] == 4 and second["lr_schedulers"][0]["total_steps"] == 4
+    moved = max((second["state_dict"][k] - v).abs().max().item() for k, v in first["state_dict"].items()
+                if k.startswith("head.") and v.is_floating_point())
+    assert moved > 0  # steps 3 and 4 trained (at lr 0 nothing moved)
+
+
+def test_a_resume_that_changes_which_parameters_train_is_refused_up_front():
+    """model.freeze_drafter on resume was announced as applied, then failed after data preparation and the target's
+    load (the optimizer state holds the parameter groups of the other setting): refused in one line now."""
+    from lilicorr_pl.checkpoint import CheckpointError
+    from lilicorr_pl.system import check_resume_settings
+
+    for saved, now in ((True, False), (False, True)):
+        with pytest.raises(CheckpointError, match=r"cannot resume: .*freeze_drafter settings \(model.freeze_drafter: "
+                                                  rf"checkpoint {saved} vs now {now}\)"):
+            check_resume_settings({"freeze_drafter": saved}, {"freeze_drafter": now})
+    assert check_resume_settings({"freeze_drafter": True}, {"freeze_drafter": True}) == []

@@ -135,6 +135,8 @@ class DraftDataModule(L.LightningDataModule):
             train_files = [train_files]
         if isinstance(val_files, str):
             val_files = [val_files]
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0 (0 loads in the main process), got {num_workers}")
         if not train_files:
             raise ValueError("data.train_files is empty; give one or more .jsonl/.parquet files")
         if not 0.0 <= val_fraction < 1.0:

@@ -22,13 +22,19 @@ special tokens (a BOS for Llama-style tokenizers, nothing for Qwen); completions
 **Assistant loss mask.** Qwen's template has no ``{% generation %}`` markers and does not even render
 a conversation's prefixes consistently (the last assistant turn gets a think block, earlier ones do
 not), so rendering prefixes and diffing is fragile. Instead, for each assistant turn we render the
-whole conversation twice more with that turn's content replaced by two different placeholders; the
-characters where the real rendering differs from both are exactly where the template placed that
-turn's content (whatever it did to it: stripping, moving the reasoning into a think block, dropping
-the reasoning of old turns). Tokens that *start* inside that span are supervised, plus the special
-token the template closes the turn with (``<|im_end|>``, ``<|eot_id|>``): the drafter must learn to
-predict the end of a turn. The template's own scaffolding (role headers, the empty think block) is
-never supervised.
+whole conversation twice more with that turn replaced by a bare assistant message holding one of two
+different placeholders; the characters where the real rendering differs from both are exactly where the
+template placed that turn's content, tool calls and reasoning (whatever it did to them: stripping, moving
+the reasoning into a think block, dropping the reasoning of old turns). A placeholder that renders the same
+text as the turn itself (an empty turn and the empty placeholder) tells nothing and is left out, so an empty
+turn supervises nothing (it supervised everything after it: the tool's output, the next role headers).
+Tokens that *start* inside that span are supervised, plus the special token the template closes the turn
+with (``<|im_end|>``, ``<|eot_id|>``): the drafter must learn to predict the end of a turn. The template's
+own scaffolding (role headers, the empty think block) is never supervised.
+
+An OpenAI message's ``tool_calls``, ``tool_call_id``, ``name`` and ``reasoning_content`` reach the template
+with its role and content (they were dropped, so a tool-calling conversation trained on a text the target
+never sees).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 #: Bump when tokenization or masking changes, so fingerprinted caches are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: empty assistant turns mask nothing; tool-call fields reach the template
 
 FORMATS = ("text", "prompt_completion", "messages", "sharegpt")
 ACCEPTED_FORMATS_HELP = (
@@ -228,8 +234,13 @@ def _text_of(content: Any, where: str) -> str:
     raise DataFormatError(f"{where}: message content must be a string, got {type(content).__name__}")
 
 
-def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> list[dict[str, str]]:
-    """Normalise a chat record (``messages`` or ShareGPT) into ``[{"role", "content"}, ...]``."""
+#: OpenAI message fields passed to the chat template besides role and content (tool use, reasoning).
+PASSED_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> list[dict[str, Any]]:
+    """Normalise a chat record (``messages`` or ShareGPT) into ``[{"role", "content", ...}, ...]`` (an OpenAI
+    message keeps its :data:`PASSED_MESSAGE_FIELDS`)."""
     if fmt == "messages":
         raw = record["messages"]
         key, role_key, content_key = "messages", "role", "content"
@@ -259,7 +270,10 @@ def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> 
             role = SHAREGPT_ROLES[role]
         elif not isinstance(role, str):
             raise DataFormatError(f"{where}: turn {j} role must be a string, got {role!r}")
-        out.append({"role": role, "content": _text_of(turn[content_key], f"{where} turn {j}")})
+        message = {"role": role, "content": _text_of(turn[content_key], f"{where} turn {j}")}
+        if fmt == "messages":
+            message.update({k: turn[k] for k in PASSED_MESSAGE_FIELDS if turn.get(k) is not None})
+        out.append(message)
     return out
 
 
@@ -339,12 +353,16 @@ def assistant_char_spans(
         starts, ends = [], []
         for placeholder in _PLACEHOLDERS:
             other = [dict(m) for m in messages]
-            other[i]["content"] = placeholder
+            other[i] = {"role": "assistant", "content": placeholder}  # tool calls and reasoning go too
             alt = render_chat(tokenizer, other, **render_kwargs)
+            if alt == rendered:  # the turn renders as this placeholder does (an empty turn): no information
+                continue
             start = _common_prefix(rendered, alt)
             suffix = _common_suffix(rendered, alt, limit=min(len(rendered), len(alt)) - start)
             starts.append(start)
             ends.append(len(rendered) - suffix)
+        if not starts:
+            continue
         start, end = min(starts), max(ends)
         if end > start:
             spans.append((start, end))

@@ -48,6 +48,7 @@ from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
     DeviceName,
     DTypeName,
+    check_device,
     load_causal_lm,
     local_target_path,
     refuse_drafter,
@@ -440,6 +441,7 @@ def regenerate(
     template = resolve_chat_template(chat_template, option="--chat-template")
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)  # before the model loads (it was an AssertionError from torch after the load)
     torch_dtype = (torch.bfloat16 if str(device).startswith("cuda") else torch.float32) if dtype == "auto" else resolve_dtype(dtype)
     try:  # the config and tokenizer first, each named in one line: not a transformers message after the lock
         config = AutoConfig.from_pretrained(target)
