@@ -134,8 +134,8 @@ def check_data_files(paths: Sequence[str | os.PathLike], setting: str = "data.tr
 def _require_pyarrow(path: Path) -> Any:
     try:
         import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(
+    except ImportError:  # an input the user can fix before anything runs: a one-line error, as the other refusals
+        raise DataFormatError(
             f"reading {path.name} needs pyarrow, which is not installed; run `pip install pyarrow` "
             "(or `pip install lilicorr_pl[parquet]`), or convert the file to .jsonl"
         ) from None
