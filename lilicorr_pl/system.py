@@ -365,13 +365,15 @@ class DraftSystem(L.LightningModule):
             ("num_layers", self.drafter.num_layers, loaded.num_layers),
             ("block_size", self.drafter.block_size, loaded.block_size),
             ("target layer ids", list(self.drafter.target_layer_ids), list(loaded.target_layer_ids)),
+            # The MASK row the slots were trained to read (no tensor shows it: another id trained on silently).
+            ("mask_token_id", self.drafter.mask_token_id, loaded.mask_token_id),
         ) if mine != its]
         if bad and not differ:
             differ = [f"tensors {bad[:4]}"]
         if differ:
             raise ValueError(
                 f"model.init_drafter_from={directory} does not match model.drafter ({'; '.join(differ)}); set "
-                "num_layers, block_size and target layer ids to the released drafter's config.json"
+                "num_layers, block_size, target layer ids and mask_token_id to the released drafter's config.json"
             )
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 

@@ -923,3 +923,13 @@ def test_data_settings_the_target_cannot_meet_are_one_line_before_preparation(fl
                               f"--trainer.default_root_dir={root}"])
     assert message in err, err
     assert not (root / "cache").exists()
+
+
+def test_a_validation_share_that_leaves_nothing_to_train_on_is_an_error_not_a_silent_success(capsys, tmp_path):
+    """data.val_fraction 0.99 of a small file: Lightning stopped at once ('No training batches'), exited 0 and wrote
+    no checkpoint."""
+    root = tmp_path / "runs" / "tiny"
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--data.val_fraction=0.99",
+                              "--data.train_files=[builtin:stdlib-train:8]", f"--trainer.default_root_dir={root}"])
+    assert "data.val_fraction 0.99 leaves none of the 8 training examples to train on" in err, err
+    assert not (root / "checkpoints").exists()

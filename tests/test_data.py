@@ -783,3 +783,20 @@ def test_an_empty_or_tool_calling_assistant_turn_supervises_only_assistant_text(
     assert text.endswith("sunny<|im_end|>"), text
     if "weather" in whole.split("SECRET")[0].split("Oslo?")[-1]:  # the template renders tool calls: they are the turn's
         assert "weather" in text
+
+
+def test_a_template_file_is_read_once_and_its_text_is_what_the_run_records(tmp_path, target_dir):
+    """data.chat_template given as a file: checkpoints recorded the path, which `bench` read again from its own
+    folder later (an edited file, another one, or none). The data module keeps the text it rendered with."""
+    from helpers import CHAT_TEMPLATE
+
+    template = tmp_path / "my.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"text": "def f(x):\n    return x\n"}) + "\n")
+    dm = make_dm(train, target_dir, tmp_path / "cache", chat_template=str(template))
+    dm._check_inputs()
+    template.write_text("{{ 'edited later' }}")  # changes nothing this run rendered or records
+    assert dm.chat_template == CHAT_TEMPLATE
+    dm._check_inputs()  # the text again: idempotent
+    assert dm.chat_template == CHAT_TEMPLATE

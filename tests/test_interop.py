@@ -501,8 +501,11 @@ def test_a_warm_start_from_another_shape_of_drafter_is_one_line_naming_what_diff
     base = _system(target_dir)
     deeper = DFlashDrafter(num_layers=3, block_size=4).build(base.drafter.target_config, [1, 2, 3])
     longer = DFlashDrafter(num_layers=2, block_size=6).build(base.drafter.target_config, [1, 2, 3])
-    for drafter, message in ((deeper, "num_layers 2 vs the directory's 3"), (longer, "block_size 4 vs the directory's 6")):
-        out = export_drafter(drafter, tmp_path / f"export-{drafter.num_layers}-{drafter.block_size}")
+    masked = DFlashDrafter(num_layers=2, block_size=4, mask_token_id=3).build(base.drafter.target_config, [1, 2, 3])
+    assert base.drafter.mask_token_id != 3
+    for drafter, message in ((deeper, "num_layers 2 vs the directory's 3"), (longer, "block_size 4 vs the directory's 6"),
+                             (masked, f"mask_token_id {base.drafter.mask_token_id} vs the directory's 3")):
+        out = export_drafter(drafter, tmp_path / f"export-{drafter.num_layers}-{drafter.block_size}-{drafter.mask_token_id}")
         with pytest.raises(ValueError, match=rf"init_drafter_from=.* does not match model.drafter \({message}\); set"):
             _system(target_dir, init_drafter_from=str(out))
 

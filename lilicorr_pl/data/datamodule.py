@@ -31,6 +31,7 @@ from lilicorr_pl.data.fingerprint import (
     fingerprint_tokenizer,
     store_path,
 )
+from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.data.formats import (
     FORMAT_VERSION,
     LoadStats,
@@ -251,7 +252,10 @@ class DraftDataModule(L.LightningDataModule):
         self._spec()
         for files, setting in self._splits().values():
             check_data_files(files, setting)
-        resolve_chat_template(self.chat_template)
+        # The template's text from here on (a file's, read once): checkpoints record the text the data was rendered
+        # with, where they recorded the path, which `bench` read again later from its own folder (another file, an
+        # edited one, or none).
+        self.chat_template = resolve_chat_template(self.chat_template)
 
     def load_target(self, device: str | torch.device | None = None) -> FrozenTarget:
         """The frozen target for the precompute, shared with the training system in this process (loaded once)."""
@@ -414,6 +418,9 @@ class DraftDataModule(L.LightningDataModule):
             if k == 0:
                 warnings.warn("only one training example: no validation split", stacklevel=2)
                 val_indices = None
+        if len(indices) == 0 and stage in (None, "fit"):  # Lightning would stop at once, exit 0, no checkpoint
+            raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
+                                 "to train on; lower it, or give data.val_files")
         self.train_dataset = self._dataset(train_paths, indices)
         if "val" in datasets:
             val_paths, n_val = datasets["val"]
