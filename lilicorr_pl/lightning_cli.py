@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from lilicorr_pl import builtin
-from lilicorr_pl.checkpoint import (CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
+from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
                                     config_modules, first_line, read_verified, verified_first)
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
@@ -684,8 +684,13 @@ class LilicorrCLI(LightningCLI):
                 summary[f"{key}_rate"] = float(values[supervised].float().mean()) if supervised.any() else float("nan")
         path = _predict_output(self.config["predict"])
         checked = getattr(self.model, "checked_target", None) or {"target": str(getattr(self.model, "target_path", ""))}
+        resolved = getattr(self.trainer, "ckpt_path", None)  # --ckpt_path=last resolved to the file it read
         write_results_json(path, {
-            "ckpt_path": self.config["predict"].get("ckpt_path"), **checked, "processes": self.trainer.world_size,
+            "ckpt_path": self.config["predict"].get("ckpt_path"),
+            "checkpoint": {"path": str(resolved) if resolved else None,
+                           "state_sha256": self.model.checkpoint_meta.get(CHECKSUM_KEY),
+                           "global_step": self.model.checkpoint_step},
+            **checked, "processes": self.trainer.world_size,
             "blocks": int(valid.numel()), "valid_blocks": int(valid.sum()), "summary": summary,
             "per_block": {k: v.tolist() for k, v in merged.items() if v.dim() == 1},
         }, "predict")

@@ -597,6 +597,8 @@ class DraftSystem(L.LightningModule):
         if self._trainer is not None:  # validate/test/predict measure the drafter against the target read now
             fn = self.trainer.state.fn
             self.checked_target = self.warn_if_other_target(checkpoint, f"{getattr(fn, 'value', fn)} measures")
+            self.checkpoint_meta = dict(checkpoint.get("lilicorr") or {})
+            self.checkpoint_step = checkpoint.get("global_step")
         if self._run_total_steps is None:  # validate/test/predict: anneal over the length the run had
             self._run_total_steps = (checkpoint.get("lilicorr") or {}).get("total_steps")
 

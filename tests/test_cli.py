@@ -345,6 +345,12 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     # ... which Lightning returned and the CLI dropped: now printed (means) and written, every block's values.
     written = json.loads((saved.parent / "predict.json").read_text())
     assert written["written_by"].startswith("lilicorr predict ") and written["ckpt_path"] == str(ckpt)
+    # ... saying which weights it measured (a `--ckpt_path last` said only "last"): the file, checksum and step.
+    from lilicorr_pl.checkpoint import CHECKSUM_KEY
+
+    saved_ckpt = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert written["checkpoint"] == {"path": str(ckpt), "state_sha256": saved_ckpt["lilicorr"][CHECKSUM_KEY],
+                                     "global_step": saved_ckpt["global_step"]}
     valid = torch.tensor(written["per_block"]["valid_block"], dtype=torch.bool)
     assert written["blocks"] == len(out[0]["top1_prefix"]) and written["valid_blocks"] == int(valid.sum()) > 0
     assert written["summary"]["oracle_prefix"] == pytest.approx(out[0]["oracle_prefix"][valid].float().mean().item())
