@@ -420,6 +420,11 @@ def _component(spec: Any, expected: type, key: str) -> Any:
     return expected(**(spec.get("init_args") or {}))
 
 
+_POSITIVE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+"""Target shape fields a ``--target_overrides`` must keep positive integers (0 layers was an IndexError)."""
+
+
 def load_round_modules(
     configs: Sequence[str] | Mapping[str, Any], target_config: str | None = None,
     target_overrides: dict[str, Any] | None = None, device: str | torch.device = "meta",
@@ -457,6 +462,8 @@ def load_round_modules(
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"--target_overrides: the target config has no field {key!r}")
+        if key in _POSITIVE_FIELDS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"--target_overrides: {key} must be a positive integer, got {value!r}")
         setattr(config, key, value)
     depth = int(config.num_hidden_layers)
     if depth != layers and getattr(config, "layer_types", None) and "layer_types" not in overrides:

@@ -288,6 +288,9 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
                       '{"max_position_embeddings": 40}'])
     assert small["settings"]["context"] == 40 - 4 - 4
     assert "no field 'hidden_sizes'" in user_error(capsys, [*base, "--target-overrides", '{"hidden_sizes": 8}'])
+    for bad in ('{"num_hidden_layers": 0}', '{"hidden_size": -4}', '{"num_hidden_layers": 2.5}'):  # an IndexError / a
+        err = user_error(capsys, [*base, "--target-overrides", bad])  # shape error deep in the cost model
+        assert "--target_overrides: " in err and "must be a positive integer" in err, (bad, err)
     import lilicorr_pl.perf as perf
 
     built_on, real = [], perf.load_round_modules
