@@ -98,6 +98,8 @@ _RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", 
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Compare a checkpoint's model settings with this run's: raise on fixed keys, return the applied changes."""
     saved, current = plain_data(dict(saved)), plain_data(dict(current))
+    if "head" in saved:  # a Domino head of the first form records none of the options that now say so
+        saved["head"] = as_trained(saved["head"])
     differing = sorted(k for k in set(current) | set(saved)
                        if k not in _RESUME_IGNORED_KEYS and current.get(k) != saved.get(k))
     if "target" in differing and _target_identity(current.get("target")) == _target_identity(saved.get("target")):

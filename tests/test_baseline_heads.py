@@ -660,3 +660,21 @@ def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_
     new = DraftSystem.from_checkpoint(ckpt, load_target=False).head
     for (name, a), (_, b) in zip(head.state_dict().items(), new.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_a_first_form_domino_run_resumes_with_its_form_named():
+    """Resuming a Domino run trained before the reference's form became the default: its recorded head lacks the new
+    options, so every comparison differed and no command line could resume it. It is read as the form it trained in:
+    the defaults are refused naming the option to set, and the first form's options resume."""
+    from lilicorr_pl.checkpoint import CheckpointError
+    from lilicorr_pl.heads.domino import FIRST_FORM
+    from lilicorr_pl.system import check_resume_settings
+
+    recorded = {"head": {"class_path": "lilicorr_pl.heads.DominoHead", "init_args": {"gru_hidden": 8, "rank": 4,
+                                                                                     "gated": False}}}
+    defaults = {"head": {"class_path": "lilicorr_pl.heads.DominoHead", "init_args": {
+        "gru_hidden": 8, "rank": 4, "gated": False, "uncorrected_slots": 1, "bias": False, "input_norm": False}}}
+    with pytest.raises(CheckpointError, match=r"model.head.init_args.\w+: checkpoint (0|True) vs now (1|False)"):
+        check_resume_settings(recorded, defaults)
+    first = {"head": {**defaults["head"], "init_args": {**defaults["head"]["init_args"], **FIRST_FORM}}}
+    assert check_resume_settings(recorded, first) == []

@@ -939,3 +939,11 @@ def test_a_validation_share_that_leaves_nothing_to_train_on_is_an_error_not_a_si
                               "--data.train_files=[builtin:stdlib-train:8]", f"--trainer.default_root_dir={root}"])
     assert "data.val_fraction 0.99 leaves none of the 8 training examples to train on" in err, err
     assert not (root / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_ckpt_path_best_without_a_monitored_checkpoint_is_one_line(command, capsys, tmp_path):
+    """The shipped configs keep only last.ckpt; `--ckpt_path best` was Lightning's ValueError traceback."""
+    err = user_error(capsys, [command, "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt_path=best",
+                              f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert "--ckpt_path best needs a ModelCheckpoint with a monitor" in err and "pass --ckpt_path last" in err
