@@ -662,8 +662,11 @@ def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as exit_:
         main(["prepare", *args, "--data.pad_to=sideways"])
     assert exit_.value.code == 2  # rejected while parsing, before any work
+    capsys.readouterr()
     paths = main(["prepare", *args])["train"]
     assert sorted(paths) == ["logits", "tokens"] and all(p.is_dir() for p in paths.values())  # tiny.yaml reads the cache
+    said = capsys.readouterr().out  # which stores a fit reads, and that this run wrote them (it said nothing)
+    assert f"[lilicorr] prepare: train tokens store {paths['tokens']} (written)" in said
 
     def no_precompute(*a, **k):
         raise AssertionError("fit recomputed a store that `lilicorr prepare` wrote")
@@ -678,7 +681,12 @@ def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, cap
     # same stores: prepare reads it as it is, and finds them done.
     saved = tmp_path / "runs" / "tiny" / "config.yaml"
     assert "ckpt_path" in saved.read_text()
+    capsys.readouterr()
+    from lilicorr_pl.target import FrozenTarget
+
+    monkeypatch.setattr(FrozenTarget, "from_spec", lambda *a, **k: pytest.fail("the target loaded with nothing to do"))
     assert main(["prepare", "-c", str(saved)])["train"] == paths
+    assert f"[lilicorr] prepare: train logits store {paths['logits']} (reused)" in capsys.readouterr().out
 
 
 class _FakeStore:

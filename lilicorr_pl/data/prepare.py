@@ -53,7 +53,8 @@ class _TargetPass(L.LightningModule):
         self.target: FrozenTarget | None = None
 
     def configure_model(self) -> None:
-        if self.target is None:  # on the CPU here; the strategy moves it to this process's device
+        # Nothing left to compute (every store exists): the target is not loaded at all.
+        if self.target is None and self.data.job is not None:  # on the CPU; the strategy moves it to its device
             self.target = FrozenTarget.from_spec(self.spec, shared=True)
 
     def on_predict_start(self) -> None:
@@ -100,6 +101,8 @@ def prepare(
         strategy: Lightning strategy (``auto`` picks DDP for several devices).
     """
     datamodule._check_inputs()  # bad files or settings: one line, before any process starts
+    existed = {split: {kind: path.is_dir() for kind, path in datamodule.cache_paths(split).items()}
+               for split in datamodule._splits()}
     data = _PrecomputeData(datamodule)
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False,
@@ -115,4 +118,9 @@ def prepare(
     job = datamodule.precompute_job()  # rebuilt here: under ddp_spawn this process ran no setup
     if job is not None:
         job.finalize(processes=trainer.world_size, written_by="lilicorr prepare")
-    return {split: datamodule.cache_paths(split) for split in datamodule._splits()}
+    stores = {split: datamodule.cache_paths(split) for split in datamodule._splits()}
+    for split, paths in stores.items():  # which stores a fit will read, and whether this run wrote them
+        for kind, path in paths.items():
+            print(f"[lilicorr] prepare: {split} {kind} store {path} "
+                  f"({'reused' if existed.get(split, {}).get(kind) else 'written'})")
+    return stores
