@@ -673,7 +673,10 @@ class LilicorrCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         batches = [b for b in (self.trainer.predict_loop.predictions or []) if isinstance(b, Mapping)]
-        if not batches:
+        if not batches:  # said, so an earlier predict.json beside the run is not taken for this one's
+            print(f"predict: no batch ran (trainer.limit_predict_batches {self.trainer.limit_predict_batches}, or an "
+                  f"empty validation split): nothing measured, {_predict_output(self.config['predict'])} not written",
+                  file=sys.stderr)
             return
         import torch
 

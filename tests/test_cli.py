@@ -358,6 +358,12 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert f"wrote {saved.parent / 'predict.json'}" in capsys.readouterr().out
     # ... with the target it measured against, compared with the checkpoint's as bench compares it.
     assert written["same_target_as_training"] is True and written["target_weights"] == written["target_weights_trained"]
+    # No batch run (limit 0): said, and the earlier predict.json is left as it was (it was silent, the old file current).
+    before = (saved.parent / "predict.json").read_bytes()
+    main(["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+          "--trainer.enable_progress_bar=false", "--trainer.limit_predict_batches=0"])
+    assert "predict: no batch ran (trainer.limit_predict_batches 0" in capsys.readouterr().err
+    assert (saved.parent / "predict.json").read_bytes() == before
     # A file of that name the command did not write is never replaced: refused before anything is built.
     (saved.parent / "predict.json").write_text("my notes")
     err = user_error(capsys, ["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}"])
