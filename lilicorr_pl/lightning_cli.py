@@ -307,6 +307,7 @@ class LilicorrCLI(LightningCLI):
             self._place_outputs_under_the_root(config)
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
+            self._check_training(config, subcommand)
             self._refuse_an_untrained_evaluation(config, subcommand)
             if subcommand == "predict":  # written at its end: a file it may not replace is refused before anything
                 check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
@@ -355,6 +356,21 @@ class LilicorrCLI(LightningCLI):
             target["name_or_path"] = path
             if data is not None and data.get("target") is not None:
                 data["target"]["name_or_path"] = path
+
+    @staticmethod
+    def _check_training(config: Any, subcommand: str | None) -> None:
+        """Training settings torch or Lightning would refuse only once the data are prepared and the target loaded
+        (a traceback: a ZeroDivisionError, the optimizer's ValueError): one line before anything is built."""
+        if subcommand != "fit":
+            return
+        trainer, model = config.get("trainer"), config.get("model")
+        accumulate = trainer.get("accumulate_grad_batches") if trainer is not None else None
+        if isinstance(accumulate, int) and accumulate < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
+        optimizer = plain_data(model.get("optimizer")) if model is not None else None
+        lr = (optimizer.get("init_args") or {}).get("lr") if isinstance(optimizer, dict) else None
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not lr >= 0:
+            raise ValueError(f"model.optimizer.init_args.lr must be >= 0, got {lr}")
 
     def _check_data(self, config: Any, subcommand: str | None) -> None:
         """Data files exist, and the subcommand has the data it reads: one line before any model or run starts."""

@@ -953,3 +953,15 @@ def test_ckpt_path_best_without_a_monitored_checkpoint_is_one_line(command, caps
     err = user_error(capsys, [command, "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt_path=best",
                               f"--trainer.default_root_dir={tmp_path / 'run'}"])
     assert "--ckpt_path best needs a ModelCheckpoint with a monitor" in err and "pass --ckpt_path last" in err
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be >= 1, got 0"),
+    ("--model.optimizer.init_args.lr=-1", "model.optimizer.init_args.lr must be >= 0, got -1"),
+])
+def test_training_settings_torch_refuses_late_are_one_line_up_front(flag, message, capsys, tmp_path):
+    """A ZeroDivisionError and the optimizer's ValueError, each after the data were prepared and the target loaded."""
+    root = tmp_path / "run"
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), flag, f"--trainer.default_root_dir={root}"])
+    assert message in err, err
+    assert not (root / "cache").exists()
