@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import CHECKSUM_KEY, UserInputError, check_checkpoint_file
+from lilicorr_pl.checkpoint import CHECKSUM_KEY, UserInputError, check_checkpoint_file, first_line
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import CompileModeName, DeviceName, check_device
 
@@ -391,7 +391,8 @@ def bench(
     the target is loaded. Returns one result dict per temperature.
 
     Args:
-        ckpt: checkpoint written by `lilicorr fit`.
+        ckpt: checkpoint written by `lilicorr fit`, or a served drafter directory (`lilicorr export`'s, or a released
+            DFlashDraftModel / LiLiCorrDraftModel) with --target.
         benchmark: humaneval, stdlib-heldout, a paper benchmark name, or a prompts .jsonl.
         num_prompts: prompts decoded (the first N of the benchmark).
         max_new_tokens: generation budget per prompt.
@@ -427,7 +428,12 @@ def bench(
     temperatures = [float(t) for t in temperature]
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     path = Path(ckpt)
-    check_checkpoint_file(path)
+    served = path.is_dir() and (path / "config.json").is_file()  # a serving directory: ours or a released drafter
+    if served and target is None:
+        raise UserInputError(f"--ckpt {path} is a served drafter directory, which records no target; pass the target "
+                             "model it drafts for with --target (a directory or hub name)")
+    if not served:
+        check_checkpoint_file(path)
     try:
         names = parse_selectors(selectors)
         check_benchmark(benchmark, "--benchmark")
@@ -461,9 +467,15 @@ def bench(
         from lilicorr_pl.builtin import resolve_target_option
 
         target = resolve_target_option(target)
-    system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
-                                         allow_modules=list(allow_module),  # CheckpointError: one line
-                                         target_path=target, load_target=False)  # after the checks below
+    if served:
+        try:  # the directory's config and weights against the target's sizes: one line, before the target loads
+            system = DraftSystem.from_export(path, target, trust_remote_code=trust_remote_code)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            raise UserInputError(f"--ckpt {path}: {first_line(err)}") from None
+    else:
+        system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
+                                             allow_modules=list(allow_module),  # CheckpointError: one line
+                                             target_path=target, load_target=False)  # after the checks below
     meta = system.checkpoint_meta
     try:
         chosen = [selector_for(name, system) for name in names]

@@ -379,13 +379,10 @@ def _served_name(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     return key, tensor
 
 
-def load_head(directory: str | Path) -> LiLiCorrHead | None:
-    """The LiLiCorr head of a ``LiLiCorrDraftModel`` directory, built and loaded; None for a DFlash-only one.
-
-    The head is rebuilt from ``dflash_config.lilicorr_*`` alone (none is defaulted: ``vector_eps`` and
-    ``logit_scale`` change the scores without changing a shape) and every ``lilicorr.*`` tensor must
-    match it, in either MLP naming form.
-    """
+def served_head(directory: str | Path) -> LiLiCorrHead | None:
+    """The LiLiCorr head a ``LiLiCorrDraftModel`` directory's config describes, not built (no weights yet); None for
+    a DFlash-only one. Rebuilt from ``dflash_config.lilicorr_*`` alone (none is defaulted: ``vector_eps`` and
+    ``logit_scale`` change the scores without changing a shape)."""
     directory = Path(directory)
     cfg = read_config(directory)
     if LILICORR_ARCHITECTURE not in (cfg.get("architectures") or []):
@@ -399,10 +396,9 @@ def load_head(directory: str | Path) -> LiLiCorrHead | None:
             f"{directory}/config.json declares {LILICORR_ARCHITECTURE} but dflash_config lacks {missing or ['block_size']}; "
             "the head cannot be rebuilt without its geometry"
         )
-    model_hidden = int(cfg["hidden_size"])
-    head = LiLiCorrHead(
+    return LiLiCorrHead(
         top_k=int(dflash["lilicorr_candidate_topk"]),
-        hidden_size=int(dflash.get("lilicorr_hidden_size") or model_hidden),  # 0/absent: the drafter's width
+        hidden_size=int(dflash.get("lilicorr_hidden_size") or cfg["hidden_size"]),  # 0/absent: the drafter's width
         num_layers=int(dflash["lilicorr_num_layers"]),
         num_heads=int(dflash["lilicorr_num_heads"]),
         mlp_ratio=float(dflash["lilicorr_mlp_ratio"]),
@@ -411,7 +407,20 @@ def load_head(directory: str | Path) -> LiLiCorrHead | None:
         logit_scale=float(dflash["lilicorr_logit_scale"]),
         block_size=_block_size(cfg),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-    ).build(model_hidden, int(cfg["vocab_size"]))
+    )
+
+
+def load_head(directory: str | Path) -> LiLiCorrHead | None:
+    """The LiLiCorr head of a ``LiLiCorrDraftModel`` directory, built and loaded; None for a DFlash-only one.
+
+    The head is :func:`served_head`, and every ``lilicorr.*`` tensor must match it, in either MLP naming form.
+    """
+    directory = Path(directory)
+    head = served_head(directory)
+    if head is None:
+        return None
+    cfg = read_config(directory)
+    head = head.build(int(cfg["hidden_size"]), int(cfg["vocab_size"]))
     weights = directory / "model.safetensors"
     state = dict(
         _served_name(k[len(HEAD_PREFIX):], v) for k, v in load_file(str(weights)).items() if k.startswith(HEAD_PREFIX)

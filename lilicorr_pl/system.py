@@ -692,6 +692,29 @@ class DraftSystem(L.LightningModule):
             system.warn_if_other_target({"lilicorr": meta}, "using it measures or serves")
         return system
 
+    @classmethod
+    def from_export(cls, directory: str | Path, target_path: str, dtype: str = "float32",
+                    trust_remote_code: bool = False) -> DraftSystem:
+        """A system that measures a serving directory — a ``DFlashDraftModel`` or ``LiLiCorrDraftModel``, ours
+        (``lilicorr export``) or a released one — against ``target_path``: its drafter and head with their weights
+        (checked against the directory's config and the target's sizes, as a warm start is), the target not loaded
+        yet (:meth:`load_target`). A serving directory records no training: no thinking flag (the benchmark's
+        default, off, applies) and no target to compare with."""
+        from lilicorr_pl.interop import load_drafter, served_head
+
+        served = load_drafter(directory)  # the directory's own geometry, read and checked
+        head = served_head(directory)
+        system = cls(
+            target={"name_or_path": str(target_path), "dtype": dtype, "layer_ids": list(served.target_layer_ids),
+                    "trust_remote_code": trust_remote_code},
+            drafter=DFlashDrafter(num_layers=served.num_layers, block_size=served.block_size,
+                                  mask_token_id=served.mask_token_id),
+            head=head, lr_scheduler=None, init_drafter_from=str(directory),
+            init_head_from=str(directory) if head is not None else None,
+        )
+        system._checkpoint_origin = (Path(directory), f"--target {target_path}")
+        return system
+
     def load_target(self) -> None:
         """Load the target of a system rebuilt with ``from_checkpoint(load_target=False)``; a target that cannot be
         loaded is one line naming the checkpoint, as it is when ``from_checkpoint`` loads it."""

@@ -608,3 +608,24 @@ def test_keep_within_context_cuts_only_what_does_not_fit_and_keeps_the_end():
     assert kept.meta == {"cut_to_tokens": 6, "prompts_cut": 1} and prompts.input_ids[0] == list(range(10))
     with pytest.raises(ValueError, match="4 new tokens leave no room for a prompt in the target's context of 4"):
         keep_within_context(prompts, 4, 4)
+
+
+def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_from(tiny_run, tmp_path):
+    """`bench --ckpt EXPORT_DIR --target T`: a served drafter (ours, or a released DFlashDraftModel /
+    LiLiCorrDraftModel) against the target it drafts for; it refused directories, so a served drafter could only be
+    measured by warm-starting a fit. The export decodes exactly as its training checkpoint does."""
+    _, ckpt = tiny_run
+    served = tmp_path / "served"
+    cli_main(["export", "--ckpt", str(ckpt), "--output", str(served), "--dtype", "float32"])
+    target = torch.load(ckpt, map_location="cpu", weights_only=True)["lilicorr"]["target"]["resolved_path"]
+    prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n"
+                    + json.dumps({"prompt": "class Stack:"}) + "\n")
+    common = ["--benchmark", prompts, "--num-prompts", "2", "--max-new-tokens", "16", "--temperature", "0",
+              "--selectors", "top1,lilicorr", "--chat-template", "no"]
+    trained = cli_main(["bench", "--ckpt", str(ckpt), *common, "--output", str(tmp_path / "a.json")])[0]
+    measured = cli_main(["bench", "--ckpt", str(served), "--target", target, *common,
+                         "--output", str(tmp_path / "b.json")])[0]
+    for name in ("top1", "lilicorr"):
+        assert measured["selectors"][name]["per_prompt_tau"] == trained["selectors"][name]["per_prompt_tau"], name
+        assert measured["selectors"][name]["lossless"] is True
+    assert measured["checkpoint"]["path"] == str(served) and measured["same_target_as_training"] is None

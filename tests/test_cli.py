@@ -727,8 +727,11 @@ def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder(tmp_path, capsys):
         err = user_error(capsys, command)
         assert f"checkpoint {run} is a directory; pass a .ckpt file written by `lilicorr fit` (such as " \
                f"{run / 'checkpoints' / 'last.ckpt'})" in err, err
-    err = user_error(capsys, ["bench", "--ckpt", str(served)])
+    err = user_error(capsys, ["export", "--output", str(tmp_path / "out"), "--ckpt", str(served)])
     assert f"checkpoint {served} is a served drafter directory, not a training checkpoint" in err, err
+    # bench measures a served directory against the target it names (test_bench), and needs it named.
+    err = user_error(capsys, ["bench", "--ckpt", str(served)])
+    assert f"--ckpt {served} is a served drafter directory, which records no target; pass the target model" in err
 
 
 def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tmp_path):
