@@ -407,7 +407,7 @@ class LilicorrCLI(LightningCLI):
             callbacks = plain_data((self.config[subcommand].get("trainer") or {}).get("callbacks")) or []
             if not any(isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint")
                        and (c.get("init_args") or {}).get("monitor") for c in callbacks):
-                raise UserInputError(f"--ckpt_path best needs a ModelCheckpoint with a monitor, and this config's keep "
+                raise UserInputError("--ckpt_path best needs a ModelCheckpoint with a monitor, and this config's keep "
                                      "only the last step (last.ckpt); pass --ckpt_path last or a checkpoint file")
         if ckpt == "last" and not os.path.exists(ckpt):
             ckpt = self._last_checkpoint(subcommand)  # the file Lightning will resume from: checked like any other
