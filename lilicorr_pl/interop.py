@@ -346,6 +346,9 @@ def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafte
     dflash = cfg.get("dflash_config") or {}
     block_size = _block_size(cfg)
     layer_ids = dflash.get("target_layer_ids")
+    lacking = [key for key in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(cfg.get(key), int)]
+    if lacking:  # a KeyError, or Qwen3Config's 4096-wide defaults filled in silently
+        raise ValueError(f"{cfg_path} lacks {lacking} (or they are not integers); is it a DFlash drafter config?")
     if block_size is None or layer_ids is None:
         raise ValueError(
             f"{cfg_path} lacks block_size or dflash_config.target_layer_ids; is it a DFlash drafter config?"

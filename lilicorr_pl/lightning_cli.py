@@ -403,12 +403,12 @@ class LilicorrCLI(LightningCLI):
         if not subcommand:
             return
         ckpt = self.config[subcommand].get("ckpt_path")
-        if ckpt == "best" and not os.path.exists(ckpt):  # Lightning's traceback otherwise, once the run is built
-            callbacks = plain_data((self.config[subcommand].get("trainer") or {}).get("callbacks")) or []
-            if not any(isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint")
-                       and (c.get("init_args") or {}).get("monitor") for c in callbacks):
-                raise UserInputError("--ckpt_path best needs a ModelCheckpoint with a monitor, and this config's keep "
-                                     "only the last step (last.ckpt); pass --ckpt_path last or a checkpoint file")
+        if ckpt == "best" and not os.path.exists(ckpt):
+            # Lightning resolves "best" from a ModelCheckpoint of this process, which in a new command has none yet, with
+            # or without a monitor: its traceback, once the run is built.
+            raise UserInputError("--ckpt_path best names the best checkpoint of a fit run in the same process, and each "
+                                 "lilicorr command starts a new one; pass --ckpt_path last or the checkpoint file (a "
+                                 "monitored ModelCheckpoint writes it under <trainer.default_root_dir>/checkpoints)")
         if ckpt == "last" and not os.path.exists(ckpt):
             ckpt = self._last_checkpoint(subcommand)  # the file Lightning will resume from: checked like any other
         if not ckpt or (str(ckpt) in CKPT_SHORTCUTS and not os.path.exists(str(ckpt))):

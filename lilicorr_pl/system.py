@@ -704,11 +704,14 @@ class DraftSystem(L.LightningModule):
 
         served = load_drafter(directory)  # the directory's own geometry, read and checked
         head = served_head(directory)
+        dims = served.dims  # its own widths and heads, which need not be the target's
         system = cls(
             target={"name_or_path": str(target_path), "dtype": dtype, "layer_ids": list(served.target_layer_ids),
                     "trust_remote_code": trust_remote_code},
             drafter=DFlashDrafter(num_layers=served.num_layers, block_size=served.block_size,
-                                  mask_token_id=served.mask_token_id),
+                                  mask_token_id=served.mask_token_id, intermediate_size=dims.intermediate_size,
+                                  num_attention_heads=dims.num_attention_heads,
+                                  num_key_value_heads=dims.num_key_value_heads, head_dim=dims.head_dim),
             head=head, lr_scheduler=None, init_drafter_from=str(directory),
             init_head_from=str(directory) if head is not None else None,
         )

@@ -950,12 +950,18 @@ def test_a_validation_share_that_leaves_nothing_to_train_on_is_an_error_not_a_si
     assert not (root / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("command", ["fit", "validate"])
-def test_ckpt_path_best_without_a_monitored_checkpoint_is_one_line(command, capsys, tmp_path):
-    """The shipped configs keep only last.ckpt; `--ckpt_path best` was Lightning's ValueError traceback."""
-    err = user_error(capsys, [command, "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt_path=best",
-                              f"--trainer.default_root_dir={tmp_path / 'run'}"])
-    assert "--ckpt_path best needs a ModelCheckpoint with a monitor" in err and "pass --ckpt_path last" in err
+@pytest.mark.parametrize("command, configs", [
+    ("fit", ["configs/tiny.yaml"]), ("validate", ["configs/tiny.yaml"]),
+    # A monitored ModelCheckpoint (eval/tau) does not help: a new process has no best path yet.
+    ("validate", ["configs/qwen3-8b/base.yaml", "configs/qwen3-8b/lilicorr.yaml"]),
+])
+def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, tmp_path):
+    """`--ckpt_path best` was Lightning's ValueError traceback, with or without a monitored ModelCheckpoint."""
+    flags = [arg for c in configs for arg in ("-c", str(ROOT / c))]
+    err = user_error(capsys, [command, *flags, "--ckpt_path=best", f"--trainer.default_root_dir={tmp_path / 'run'}",
+                              "--data.train_files=[builtin:stdlib-train:8]"])
+    assert "--ckpt_path best names the best checkpoint of a fit run in the same process" in err, err
+    assert "pass --ckpt_path last or the checkpoint file" in err
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -529,3 +529,28 @@ def test_an_export_that_overflows_its_dtype_is_refused(tiny_target, tmp_path):
                                               r"the run diverged before this checkpoint; export an earlier checkpoint"):
             export_drafter(drafter, tmp_path / "nan", dtype=dtype)
     assert not (tmp_path / "nan").exists()
+
+
+def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path):
+    """DraftSystem.from_export (bench --ckpt DIR) built the drafter with the target's MLP width and heads, so a drafter
+    exported with its own was refused, naming settings the user never set; a config.json without its sizes was a
+    KeyError, or Qwen3Config's 4096-wide defaults filled in."""
+    from lilicorr_pl.system import DraftSystem
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    base = _system(target_dir, head=False)
+    narrow = DFlashDrafter(num_layers=2, block_size=4, intermediate_size=24, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=8).build(base.drafter.target_config, [1, 2, 3])
+    torch.manual_seed(5)
+    for p in narrow.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    out = export_drafter(narrow, tmp_path / "narrow")
+    served = DraftSystem.from_export(out, target_dir)
+    assert served.drafter.dims == narrow.dims
+    for name, value in narrow.state_dict().items():
+        assert torch.equal(served.drafter.state_dict()[name], value), name
+    config = json.loads((out / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"lacks \['num_hidden_layers'\]"):
+        DraftSystem.from_export(out, target_dir)
