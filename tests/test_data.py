@@ -789,8 +789,15 @@ def test_an_empty_or_tool_calling_assistant_turn_supervises_only_assistant_text(
         {"role": "assistant", "content": "sunny"}])
     assert "SECRET_TOOL_OUTPUT" in whole and "SECRET" not in text and "user" not in text and "tool" not in text
     assert text.endswith("sunny<|im_end|>"), text
-    if "weather" in whole.split("SECRET")[0].split("Oslo?")[-1]:  # the template renders tool calls: they are the turn's
-        assert "weather" in text
+    # A template that renders tool calls (the helpers' ignores them): the call reaches it and is the turn's own text.
+    tools = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+             "<tool>{{ c.function.name }}</tool>{% endfor %}<|im_end|>\n{% endfor %}")
+    ids, mask, _ = formats.tokenize_record({"messages": [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "SECRET_TOOL_OUTPUT", "tool_call_id": "1"}]}, tokenizer, chat_template=tools)
+    called = "".join(tokenizer.decode([i]) for i, m in zip(ids, mask) if m)
+    assert "<tool>weather</tool>" in tokenizer.decode(ids) and "weather</tool>" in called and "SECRET" not in called
 
 
 def test_a_template_file_is_read_once_and_its_text_is_what_the_run_records(tmp_path, target_dir):
