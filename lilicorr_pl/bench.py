@@ -382,6 +382,7 @@ def bench(
     lattice_k: PositiveInt | None = None,
     walk: Literal["greedy", "viterbi", "top1_start"] | None = None,
     target: str | None = None,
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
 
@@ -421,6 +422,8 @@ def bench(
             head's own.
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
+        dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, a served directory's torch_dtype (an
+            export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on a CPU without bf16 matmuls.
     """
     from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 
@@ -469,13 +472,15 @@ def bench(
         target = resolve_target_option(target)
     if served:
         try:  # the directory's config and weights against the target's sizes: one line, before the target loads
-            system = DraftSystem.from_export(path, target, trust_remote_code=trust_remote_code)
+            system = DraftSystem.from_export(path, target, dtype=None if dtype == "auto" else dtype,
+                                             trust_remote_code=trust_remote_code)
         except (ValueError, FileNotFoundError, OSError) as err:
             raise UserInputError(f"--ckpt {path}: {first_line(err)}") from None
     else:
         system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
                                              allow_modules=list(allow_module),  # CheckpointError: one line
-                                             target_path=target, load_target=False)  # after the checks below
+                                             target_path=target, load_target=False,  # after the checks below
+                                             target_dtype=None if dtype == "auto" else dtype)
     meta = system.checkpoint_meta
     try:
         chosen = [selector_for(name, system) for name in names]
@@ -508,6 +513,7 @@ def bench(
         run["checkpoint"] = {"path": str(path), "state_sha256": meta.get(CHECKSUM_KEY),
                              "global_step": system.checkpoint_step}
         run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
+        run["target_dtype"] = system.target_spec.dtype
         print(format_table(run))
     if output:  # before the plots: a plotting failure must not lose what was measured
         payload = runs[0] if len(runs) == 1 else {"runs": runs}

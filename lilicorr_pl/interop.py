@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -328,27 +329,41 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return json.loads(cfg_path.read_text())
 
 
+def _require_sizes(cfg: dict[str, Any], cfg_path: Path) -> None:
+    """A serving config's sizes, read by every loader: lacking, they were a KeyError or Qwen3Config's 4096-wide
+    defaults filled in silently."""
+    lacking = [key for key in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(cfg.get(key), int)]
+    if lacking:
+        raise ValueError(f"{cfg_path} lacks {lacking} (or they are not integers); is it a DFlash drafter config?")
+
+
 def _block_size(cfg: dict[str, Any]) -> int | None:
     block_size = cfg.get("block_size", (cfg.get("dflash_config") or {}).get("block_size"))
     return None if block_size is None else int(block_size)
 
 
-def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafter:
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a serving directory's ``model.safetensors``, read once for :func:`load_drafter` and
+    :func:`load_head` (each reads the file itself when not given it)."""
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def load_drafter(directory: str | Path, attention: str = "auto",
+                 weights: Mapping[str, torch.Tensor] | None = None) -> DFlashDrafter:
     """Load the drafter of a ``DFlashDraftModel`` or ``LiLiCorrDraftModel`` directory (ours or released).
 
     Returns a built ``DFlashDrafter``; a LiLiCorr head in the same file is left out (see :func:`load_head`).
+    ``weights``: the directory's tensors, already read (:func:`read_weights`).
     """
     from transformers import Qwen3Config
 
     directory = Path(directory)
     cfg = read_config(directory)
-    cfg_path, weights = directory / "config.json", directory / "model.safetensors"
+    cfg_path, weights_path = directory / "config.json", directory / "model.safetensors"
     dflash = cfg.get("dflash_config") or {}
     block_size = _block_size(cfg)
     layer_ids = dflash.get("target_layer_ids")
-    lacking = [key for key in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(cfg.get(key), int)]
-    if lacking:  # a KeyError, or Qwen3Config's 4096-wide defaults filled in silently
-        raise ValueError(f"{cfg_path} lacks {lacking} (or they are not integers); is it a DFlash drafter config?")
+    _require_sizes(cfg, cfg_path)
     if block_size is None or layer_ids is None:
         raise ValueError(
             f"{cfg_path} lacks block_size or dflash_config.target_layer_ids; is it a DFlash drafter config?"
@@ -365,10 +380,11 @@ def load_drafter(directory: str | Path, attention: str = "auto") -> DFlashDrafte
         mask_token_id=int(dflash.get("mask_token_id", 151669)),
         attention=attention,
     ).build(target_like, layer_ids)
-    state = {k: v for k, v in load_file(str(weights)).items() if not k.startswith(HEAD_PREFIX)}
+    tensors = read_weights(directory) if weights is None else weights
+    state = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIX)}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{weights}: keys do not match a DFlash drafter: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        raise ValueError(f"{weights_path}: keys do not match a DFlash drafter: missing {missing[:6]}, unexpected {unexpected[:6]}")
     dtype = next(iter(state.values())).dtype
     return drafter.to(dtype)
 
@@ -390,6 +406,7 @@ def served_head(directory: str | Path) -> LiLiCorrHead | None:
     cfg = read_config(directory)
     if LILICORR_ARCHITECTURE not in (cfg.get("architectures") or []):
         return None
+    _require_sizes(cfg, directory / "config.json")
     dflash = cfg.get("dflash_config") or {}
     if dflash.get("lilicorr_enabled") is False:
         raise ValueError(f"{directory}/config.json declares {LILICORR_ARCHITECTURE} with lilicorr_enabled false")
@@ -413,10 +430,11 @@ def served_head(directory: str | Path) -> LiLiCorrHead | None:
     )
 
 
-def load_head(directory: str | Path) -> LiLiCorrHead | None:
+def load_head(directory: str | Path, weights: Mapping[str, torch.Tensor] | None = None) -> LiLiCorrHead | None:
     """The LiLiCorr head of a ``LiLiCorrDraftModel`` directory, built and loaded; None for a DFlash-only one.
 
     The head is :func:`served_head`, and every ``lilicorr.*`` tensor must match it, in either MLP naming form.
+    ``weights``: the directory's tensors, already read (:func:`read_weights`).
     """
     directory = Path(directory)
     head = served_head(directory)
@@ -424,17 +442,16 @@ def load_head(directory: str | Path) -> LiLiCorrHead | None:
         return None
     cfg = read_config(directory)
     head = head.build(int(cfg["hidden_size"]), int(cfg["vocab_size"]))
-    weights = directory / "model.safetensors"
-    state = dict(
-        _served_name(k[len(HEAD_PREFIX):], v) for k, v in load_file(str(weights)).items() if k.startswith(HEAD_PREFIX)
-    )
+    tensors = read_weights(directory) if weights is None else weights
+    state = dict(_served_name(k[len(HEAD_PREFIX):], v) for k, v in tensors.items() if k.startswith(HEAD_PREFIX))
+    weights_path = directory / "model.safetensors"
     expected = head.state_dict()
     missing_keys = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
     if missing_keys or unexpected or wrong:
         raise ValueError(
-            f"{weights}: the lilicorr.* tensors do not match the head its config.json describes (missing "
+            f"{weights_path}: the lilicorr.* tensors do not match the head its config.json describes (missing "
             f"{missing_keys[:4]}, unexpected {unexpected[:4]}, wrong shape {wrong[:4]}); check dflash_config.lilicorr_*"
         )
     head.load_state_dict(state)

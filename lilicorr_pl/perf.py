@@ -906,7 +906,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ValueError as err:  # model and data settings that contradict each other: one line, before any work
         raise UserInputError(str(err)) from None
     if cli.checkpoint is not None:  # before the data stores are built: weights that do not fit are one line
+        from lilicorr_pl.heads.domino import first_form_refusal
         from lilicorr_pl.system import StateMismatchError
+
+        refusal = first_form_refusal((cli.checkpoint.get("hyper_parameters") or {}).get("head"), system.head,
+                                     f"--ckpt {options.ckpt}")
+        if refusal:
+            raise UserInputError(refusal)
 
         try:
             system.load_state_dict(cli.checkpoint["state_dict"])

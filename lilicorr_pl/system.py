@@ -40,7 +40,7 @@ from lilicorr_pl.checkpoint import (
     verify_checksum,
 )
 from lilicorr_pl.heads.base import HeadOutput, Selector, TeacherForcing
-from lilicorr_pl.heads.domino import as_trained
+from lilicorr_pl.heads.domino import as_trained, first_form_refusal
 from lilicorr_pl.heads.top1 import Top1Selector
 from lilicorr_pl.losses.base import LossComponent, LossInputs
 from lilicorr_pl.losses.dflash import DFlashCE
@@ -298,6 +298,7 @@ class DraftSystem(L.LightningModule):
                 f"hub model ({type(err).__name__}); pass a directory saved with save_pretrained or a hub name"
             ) from None
         refuse_drafter(config, target.name_or_path, "model.target.name_or_path")
+        self._target_config = config  # the target's sizes, before its weights are loaded
         if getattr(config, "model_type", None) not in SUPPORTED_TARGET_TYPES:
             raise ValueError(
                 f"model.target {target.name_or_path!r} is a {getattr(config, 'model_type', '?')!r} model; lilicorr_pl "
@@ -355,10 +356,11 @@ class DraftSystem(L.LightningModule):
                 loss.weight = w
         return [loss for loss in losses if loss.name not in set(disabled or [])]
 
-    def _warm_start(self, directory: str, config: Any) -> None:
+    def _warm_start(self, directory: str, config: Any, loaded: DFlashDrafter | None = None) -> None:
+        """The drafter's weights from a serving directory (``loaded``: its drafter, already read)."""
         from lilicorr_pl.interop import check_compatible, load_drafter
 
-        loaded = load_drafter(directory)
+        loaded = load_drafter(directory) if loaded is None else loaded
         check_compatible(loaded, config)
         ours, theirs = self.drafter.state_dict(), loaded.state_dict()
         bad = sorted(k for k in set(ours) | set(theirs) if k not in theirs or k not in ours
@@ -379,7 +381,8 @@ class DraftSystem(L.LightningModule):
             )
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 
-    def _warm_start_head(self, directory: str) -> None:
+    def _warm_start_head(self, directory: str, loaded: Selector | None = None) -> None:
+        """The LiLiCorr head's weights from a serving directory (``loaded``: its head, already read)."""
         from lilicorr_pl.heads.lilicorr import LiLiCorrHead
         from lilicorr_pl.interop import head_geometry, load_head
 
@@ -388,7 +391,7 @@ class DraftSystem(L.LightningModule):
                 f"model.init_head_from={directory} loads a LiLiCorr head, but model.head is "
                 f"{type(self.head).__name__}; set model.head to lilicorr_pl.heads.LiLiCorrHead"
             )
-        loaded = load_head(directory)
+        loaded = load_head(directory) if loaded is None else loaded
         if loaded is None:
             raise ValueError(
                 f"model.init_head_from={directory} holds no LiLiCorr head (its config.json is not a "
@@ -592,6 +595,9 @@ class DraftSystem(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
         verify_checksum(checkpoint)
+        refusal = first_form_refusal((checkpoint.get("hyper_parameters") or {}).get("head"), self.head, "the checkpoint")
+        if refusal:  # its tensors are not this head's, and the config that trained it names no other form
+            raise StateMismatchError(refusal, keys=True)
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
             self.warn_if_other_target(checkpoint, "resuming trains")
@@ -613,6 +619,7 @@ class DraftSystem(L.LightningModule):
         allow_modules: Sequence[str] = (),
         target_path: str | None = None,
         load_target: bool = True,
+        target_dtype: str | None = None,
     ) -> DraftSystem:
         """Rebuild a trained system from a ``lilicorr fit`` checkpoint that may come from anyone.
 
@@ -623,6 +630,7 @@ class DraftSystem(L.LightningModule):
         machine's directory); a recorded local directory missing here is refused with one line naming it.
         ``load_target=False``: the drafter and head only (what an export needs); :meth:`load_target` loads the target
         later, so a caller can check its options against the trained head before the target's weights are read.
+        ``target_dtype``: load the target in this dtype instead of the recorded ``model.target.dtype``.
         """
         # Verified now: Lightning loads the target (configure_model) before on_load_checkpoint sees the weights.
         checkpoint, first = read_verified(path)
@@ -632,6 +640,8 @@ class DraftSystem(L.LightningModule):
         target = dict(hparams.get("target") or {})
         if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
             target["name_or_path"] = str(target_path)
+        if target_dtype is not None:
+            target["dtype"] = str(target_dtype)
         where = local_target_path(str(target.get("name_or_path") or ""))
         if where is not None:
             target["name_or_path"] = where
@@ -693,17 +703,22 @@ class DraftSystem(L.LightningModule):
         return system
 
     @classmethod
-    def from_export(cls, directory: str | Path, target_path: str, dtype: str = "float32",
+    def from_export(cls, directory: str | Path, target_path: str, dtype: str | None = None,
                     trust_remote_code: bool = False) -> DraftSystem:
         """A system that measures a serving directory — a ``DFlashDraftModel`` or ``LiLiCorrDraftModel``, ours
         (``lilicorr export``) or a released one — against ``target_path``: its drafter and head with their weights
         (checked against the directory's config and the target's sizes, as a warm start is), the target not loaded
-        yet (:meth:`load_target`). A serving directory records no training: no thinking flag (the benchmark's
-        default, off, applies) and no target to compare with."""
-        from lilicorr_pl.interop import load_drafter, served_head
+        yet (:meth:`load_target`). ``dtype``: the target's; default the directory's ``torch_dtype`` (an export's is
+        the dtype its target trained in), float32 where it records none. A serving directory records no training:
+        no thinking flag (the benchmark's default, off, applies) and no target to compare with."""
+        from lilicorr_pl.interop import load_drafter, load_head, read_config, read_weights, served_head
 
-        served = load_drafter(directory)  # the directory's own geometry, read and checked
-        head = served_head(directory)
+        weights = read_weights(directory)  # read once: the drafter and the head are both in it
+        served = load_drafter(directory, weights=weights)  # the directory's own geometry, read and checked
+        trained = load_head(directory, weights=weights)
+        if dtype is None:
+            recorded = read_config(Path(directory)).get("torch_dtype")
+            dtype = recorded if isinstance(recorded, str) and recorded in ("bfloat16", "float16", "float32") else "float32"
         dims = served.dims  # its own widths and heads, which need not be the target's
         system = cls(
             target={"name_or_path": str(target_path), "dtype": dtype, "layer_ids": list(served.target_layer_ids),
@@ -712,9 +727,11 @@ class DraftSystem(L.LightningModule):
                                   mask_token_id=served.mask_token_id, intermediate_size=dims.intermediate_size,
                                   num_attention_heads=dims.num_attention_heads,
                                   num_key_value_heads=dims.num_key_value_heads, head_dim=dims.head_dim),
-            head=head, lr_scheduler=None, init_drafter_from=str(directory),
-            init_head_from=str(directory) if head is not None else None,
+            head=served_head(directory), lr_scheduler=None,
         )
+        system._warm_start(str(directory), system._target_config, loaded=served)  # checked against the target
+        if trained is not None:
+            system._warm_start_head(str(directory), loaded=trained)
         system._checkpoint_origin = (Path(directory), f"--target {target_path}")
         return system
 

@@ -191,6 +191,15 @@ def test_domino_variants_correct_the_slots_they_say_on_both_paths(uncorrected):
         DominoHead(uncorrected_slots=-1)
 
 
+def test_a_domino_head_that_corrects_no_slot_of_its_block_is_refused_when_built():
+    """uncorrected_slots >= block_size - 1 left every draft slot the drafter's: an untrained head (and DDP stopping on
+    its unused parameters). The block is known when the system builds the head."""
+    with pytest.raises(ValueError, match=r"uncorrected_slots 3 leaves none of the 3 draft slots of block_size 4 "
+                                         r"corrected, so the head would never train; lower it"):
+        DominoHead(gru_hidden=6, rank=4, uncorrected_slots=3).build(H, V, block_size=4)
+    assert DominoHead(gru_hidden=6, rank=4, uncorrected_slots=3).build(H, V, block_size=5).is_built
+
+
 def test_dspark_starts_as_deepspec_starts_it():
     """W1, W2 and the per-dimension gate ~ N(0, 0.02) (DeepSpec's HF init), gate bias 0: a tiny bias at first."""
     torch.manual_seed(0)
@@ -623,7 +632,7 @@ def test_domino_curriculum_spans_the_whole_run_of_a_trainer(tmp_path):
     assert recorder.seen == pytest.approx([1 - t / 6 for t in range(6)])
 
 
-def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_path):
+def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_path, capsys):
     """A Domino checkpoint written before the reference's form became the default records no uncorrected_slots; it is
     rebuilt as trained (every slot corrected, biases, layer-normed GRU input) and drafts what it drafted. Rebuilt
     with the new defaults it was refused (its bias tensors unexpected), or would have drafted something else."""
@@ -660,6 +669,25 @@ def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_
     new = DraftSystem.from_checkpoint(ckpt, load_target=False).head
     for (name, a), (_, b) in zip(head.state_dict().items(), new.state_dict().items()):
         assert torch.equal(a, b), name
+    # Loaded into a system its config builds (validate --ckpt_path, perf --ckpt): that config builds the reference's
+    # form now, and the advice to pass the run's own -c files could not help; the message names the options.
+    from conftest import user_error
+
+    now = tmp_path / "domino-now.yaml"
+    now.write_text(yaml.safe_dump({"model": {
+        "head": {"class_path": "lilicorr_pl.heads.DominoHead", "init_args": {"gru_hidden": 8, "rank": 4}},
+        "losses": [{"class_path": "lilicorr_pl.losses.CorrectorCE", "init_args": {"weight": 1.0}}]}}))
+    common = ["-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(now)]
+    flags = ("add --model.head.init_args.uncorrected_slots=0 --model.head.init_args.bias=true "
+             "--model.head.init_args.input_norm=true")
+    err = user_error(capsys, ["validate", *common, f"--trainer.default_root_dir={root}", f"--ckpt_path={old}",
+                              "--trainer.enable_progress_bar=false"])
+    assert f"--ckpt_path {old}: the checkpoint holds a Domino head of its first form" in err and flags in err, err
+    err = user_error(capsys, ["perf", *common, f"--trainer.default_root_dir={root}", "--ckpt", str(old),
+                              "--steps", "1", "--warmup", "0"])
+    assert f"--ckpt {old} holds a Domino head of its first form" in err and flags in err, err
+    cli_main(["validate", *common, f"--trainer.default_root_dir={root}", f"--ckpt_path={old}", *flags[4:].split(),
+              "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1"])
 
 
 def test_a_first_form_domino_run_resumes_with_its_form_named():

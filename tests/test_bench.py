@@ -629,3 +629,4 @@ def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_fro
         assert measured["selectors"][name]["per_prompt_tau"] == trained["selectors"][name]["per_prompt_tau"], name
         assert measured["selectors"][name]["lossless"] is True
     assert measured["checkpoint"]["path"] == str(served) and measured["same_target_as_training"] is None
+    assert measured["target_dtype"] == trained["target_dtype"] == "float32"  # what the numbers were measured in

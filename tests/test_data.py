@@ -800,6 +800,32 @@ def test_an_empty_or_tool_calling_assistant_turn_supervises_only_assistant_text(
     assert "<tool>weather</tool>" in tokenizer.decode(ids) and "weather</tool>" in called and "SECRET" not in called
 
 
+def test_a_template_that_refuses_a_conversation_is_one_line_naming_the_record(tmp_path):
+    """Tool calls reach the template now, and a template that refuses their shape (Llama 3.1's raise_exception on
+    parallel calls) was Jinja's traceback naming no record; a template that does not parse was one too."""
+    from helpers import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    single = ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 1 %}{{ raise_exception("
+              "'This model only supports single tool-calls at once!') }}{% endif %}<|im_start|>{{ m.role }}\n"
+              "{{ m.content or '' }}<|im_end|>\n{% endfor %}")
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    record = {"messages": [{"role": "user", "content": "weather in Oslo and Bergen?"},
+                           {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                           {"role": "assistant", "content": "both sunny"}]}
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"messages": record["messages"][:1] + record["messages"][2:]}) + "\n"
+                     + json.dumps(record) + "\n")
+    with pytest.raises(formats.DataFormatError) as err:
+        list(formats.iter_examples([train], tokenizer, chat_template=single))
+    assert str(err.value).startswith("train.jsonl line 2: the chat template cannot render it (This model only "
+                                     "supports single tool-calls at once!); fix the record's turns"), err.value
+    assert "\n" not in str(err.value)
+    with pytest.raises(formats.DataFormatError, match=r"^the chat template does not parse \(template line 1: .*fix "
+                                                      r"data.chat_template"):
+        formats.tokenize_record(record, tokenizer, chat_template="{% for m in messages %}{{ m.role }")
+
+
 def test_a_template_file_is_read_once_and_its_text_is_what_the_run_records(tmp_path, target_dir):
     """data.chat_template given as a file: checkpoints recorded the path, which `bench` read again from its own
     folder later (an edited file, another one, or none). The data module keeps the text it rendered with."""

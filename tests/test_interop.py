@@ -531,7 +531,7 @@ def test_an_export_that_overflows_its_dtype_is_refused(tiny_target, tmp_path):
     assert not (tmp_path / "nan").exists()
 
 
-def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path):
+def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
     """DraftSystem.from_export (bench --ckpt DIR) built the drafter with the target's MLP width and heads, so a drafter
     exported with its own was refused, naming settings the user never set; a config.json without its sizes was a
     KeyError, or Qwen3Config's 4096-wide defaults filled in."""
@@ -549,8 +549,28 @@ def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_
     assert served.drafter.dims == narrow.dims
     for name, value in narrow.state_dict().items():
         assert torch.equal(served.drafter.state_dict()[name], value), name
+    # The target's dtype: the directory's torch_dtype unless given (it was float32 whatever the export's), and the
+    # weights file read once (it was read three times: the drafter, its warm start, the head).
+    import lilicorr_pl.interop as interop
+
+    reads = []
+    real = interop.load_file
+    monkeypatch.setattr(interop, "load_file", lambda *a, **k: reads.append(a) or real(*a, **k))
+    half = export_drafter(narrow, tmp_path / "half", dtype=torch.bfloat16)
+    assert DraftSystem.from_export(half, target_dir).target_spec.dtype == "bfloat16" and len(reads) == 1
+    assert DraftSystem.from_export(half, target_dir, dtype="float32").target_spec.dtype == "float32"
+    assert served.target_spec.dtype == "float32"
     config = json.loads((out / "config.json").read_text())
     del config["num_hidden_layers"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"lacks \['num_hidden_layers'\]"):
         DraftSystem.from_export(out, target_dir)
+    # The head's loader too (a warm start's init_head_from reads it alone): its sizes were indexed, a KeyError.
+    from lilicorr_pl.interop import served_head
+
+    config["num_hidden_layers"] = 2
+    del config["hidden_size"]
+    config["architectures"] = ["LiLiCorrDraftModel"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"lacks \['hidden_size'\]"):
+        served_head(out)

@@ -301,6 +301,39 @@ def test_an_output_recorded_before_whole_content_digests_resumes_on_its_own_targ
         run(str(target), input_file, out)
 
 
+def test_an_output_recorded_before_prompt_format_resumes_only_where_its_prompts_render_alike(target_dir, tmp_path):
+    """Prompt format 2 passes a message's tool-call and name fields to the template; an output begun by format 1
+    (recorded as nothing) resumed with no check, so a prompt whose user turn has a name would render otherwise than
+    its first half did. It resumes where no prompt carries such a field, and is one line where one does."""
+    from lilicorr_pl.data.regenerate import PROMPT_FORMAT, prompt_passes_fields, provenance_path
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path / "out.jsonl"
+    run(target_dir, plain, out, limit=2)
+    record = json.loads(provenance_path(out).read_text())
+    assert record.pop("prompt_format") == PROMPT_FORMAT == 2
+    provenance_path(out).write_text(json.dumps(record))  # as format 1 wrote it
+    assert run(target_dir, plain, out, limit=3).skipped == 2
+    named = [{"messages": [{"role": "user", "content": "Hi, who am I?", "name": "ada"}]}, *RECORDS]
+    assert prompt_passes_fields(named[0]) and not any(prompt_passes_fields(r) for r in RECORDS)
+    assert prompt_passes_fields({"prompt": named[0]["messages"]})  # a prompt-only chat record (TRL's)
+    assert not prompt_passes_fields({"messages": [{"role": "user", "content": "q"},
+                                                  {"role": "assistant", "content": None, "tool_calls": []},
+                                                  {"role": "user", "content": "r", "name": "ada"}]})  # after the answer
+    (tmp_path / "named.jsonl").write_text("".join(json.dumps(r) + "\n" for r in named))
+    other = tmp_path / "other.jsonl"
+    shutil.copy(out, other)
+    json_record = json.loads(provenance_path(out).read_text()) | {"input_sha256": file_sha256(tmp_path / "named.jsonl")}
+    provenance_path(other).write_text(json.dumps(json_record))
+    before = other.read_text()
+    with pytest.raises(ValueError, match=r"written by an earlier lilicorr version, whose prompts left the messages' "
+                                         r"tool_calls, tool_call_id, name, reasoning_content out of the chat template, "
+                                         r"and --input's prompts carry them; resuming would mix two renderings"):
+        run(target_dir, tmp_path / "named.jsonl", other)
+    assert other.read_text() == before
+
+
 def test_a_run_that_wrote_nothing_leaves_no_settings_behind_for_the_next(target_dir, input_file, tmp_path,
                                                                           monkeypatch):
     """A first run killed before its first line (here: every record failed) left its settings as the output's; a

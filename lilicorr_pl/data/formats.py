@@ -312,15 +312,31 @@ def render_chat(
     enable_thinking: bool = False,
     chat_template: str | None = None,
     add_generation_prompt: bool = False,
+    where: str = "a conversation",
 ) -> str:
-    """Render messages to text with the chat template, passing ``enable_thinking`` to the template."""
-    return tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=chat_template,
-        enable_thinking=enable_thinking,
-    )
+    """Render messages to text with the chat template, passing ``enable_thinking`` to the template.
+
+    A template that refuses the conversation (its ``raise_exception``, e.g. Llama 3.1's on parallel tool calls, or an
+    undefined field) is a :class:`DataFormatError` naming ``where`` (the record), not Jinja's traceback."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            enable_thinking=enable_thinking,
+        )
+    except TemplateSyntaxError as err:
+        raise DataFormatError(f"the chat template does not parse (template line {err.lineno}: {err.message}); fix "
+                              "data.chat_template, or the tokenizer's chat_template") from None
+    except TemplateError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataFormatError(
+            f"{where}: the chat template cannot render it ({reason}); fix the record's turns (roles, tool_calls "
+            "shape) or pass a template that renders them (data.chat_template)"
+        ) from None
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -344,7 +360,7 @@ _PLACEHOLDERS = ("", "\u2603\u2603")  # differ at their first character from eac
 
 def assistant_char_spans(
     tokenizer: Any, messages: list[dict[str, str]], rendered: str, **render_kwargs: Any
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int]]:  # render_kwargs: render_chat's
     """Character spans of ``rendered`` where each assistant turn's content was placed (see module doc)."""
     spans = []
     for i, message in enumerate(messages):
@@ -382,14 +398,16 @@ def tokenize_chat(
     *,
     enable_thinking: bool = False,
     chat_template: str | None = None,
+    where: str = "a conversation",
 ) -> tuple[list[int], list[bool]]:
-    """Render and tokenize a conversation; the mask covers assistant content plus its end-of-turn token."""
+    """Render and tokenize a conversation; the mask covers assistant content plus its end-of-turn token
+    (``where``: the record, for a template's refusal)."""
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"chat loss masks need a fast tokenizer (character offsets); {type(tokenizer).__name__} is not one. "
             "Load the target's tokenizer with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
-    kwargs = {"enable_thinking": enable_thinking, "chat_template": chat_template}
+    kwargs = {"enable_thinking": enable_thinking, "chat_template": chat_template, "where": where}
     rendered = render_chat(tokenizer, messages, **kwargs)
     spans = assistant_char_spans(tokenizer, messages, rendered, **kwargs)
     enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
@@ -452,7 +470,8 @@ def tokenize_record(
             "chat template; pass data.chat_template (a Jinja template or a .jinja file) or use a chat "
             "model's tokenizer"
         )
-    ids, mask = tokenize_chat(tokenizer, messages, enable_thinking=enable_thinking, chat_template=template)
+    ids, mask = tokenize_chat(tokenizer, messages, enable_thinking=enable_thinking, chat_template=template,
+                              where=where)
     return ids, mask, fmt
 
 

@@ -55,6 +55,7 @@ from lilicorr_pl.target import (
     tokenizer_of,
 )
 from lilicorr_pl.data.formats import (
+    PASSED_MESSAGE_FIELDS,
     SUPPORTED_SUFFIXES,
     DataFormatError,
     _require_pyarrow,
@@ -65,6 +66,11 @@ from lilicorr_pl.data.formats import (
     render_chat,
     resolve_chat_template,
 )
+
+
+PROMPT_FORMAT = 2
+"""How prompts are rendered, recorded with an output so a resume renders the rest alike (2: a chat prompt's
+:data:`PASSED_MESSAGE_FIELDS` reach the template; 1, recorded as nothing, left them out). Raise it when that changes."""
 
 
 @dataclass
@@ -213,9 +219,27 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
                         folder.rmdir()
             raise
 
-def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: Callable[[], str] | None = None) -> None:
+def prompt_passes_fields(record: Any) -> bool:
+    """Whether a chat record's prompt turns (those before its first answer) carry a field the chat template has been
+    given since prompt format 2 (:data:`PASSED_MESSAGE_FIELDS`, e.g. a user's ``name``): only such a prompt renders
+    otherwise than format 1 rendered it."""
+    if not isinstance(record, dict):
+        return False
+    turns = record["prompt"] if isinstance(record.get("prompt"), list) else record.get("messages")
+    for turn in turns if isinstance(turns, list) else ():  # ShareGPT turns and text prompts pass no fields
+        if not isinstance(turn, dict) or turn.get("role") == "assistant":
+            return False
+        if any(turn.get(k) is not None for k in PASSED_MESSAGE_FIELDS):
+            return True
+    return False
+
+
+def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: Callable[[], str] | None = None,
+                     renders_as_before: Callable[[], bool] | None = None) -> None:
     """Refuse to append to an output produced from another input, target or sampling settings. ``sampled_target``:
-    the target's fingerprint by the sampled-window rule, for an output recorded before whole-content digests."""
+    the target's fingerprint by the sampled-window rule, for an output recorded before whole-content digests.
+    ``renders_as_before``: whether the input's prompts render as prompt format 1 rendered them, for an output recorded
+    before ``prompt_format``."""
     if not output.exists() or output.stat().st_size == 0:
         return
     record = provenance_path(output)
@@ -230,6 +254,15 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
         provenance = {k: v for k, v in provenance.items() if k != "target_hash"}
         if sampled_target is not None and saved.get("target_fingerprint") is not None:
             provenance["target_fingerprint"] = sampled_target()
+    if "prompt_format" in provenance and "prompt_format" not in saved:  # recorded by format 1
+        if renders_as_before is None or not renders_as_before():
+            raise ValueError(
+                f"--output {output} was written by an earlier lilicorr version, whose prompts left the messages' "
+                f"{', '.join(PASSED_MESSAGE_FIELDS)} out of the chat template, and --input's prompts carry them; "
+                "resuming would mix two renderings: choose a new --output (the finished lines stay usable as training "
+                "data)"
+            )
+        provenance = {k: v for k, v in provenance.items() if k != "prompt_format"}
     unrecorded = sorted(set(provenance) - set(saved))
     if unrecorded:
         raise ValueError(
@@ -310,7 +343,8 @@ def _make_job(
             )
         head = prompt_messages(record_messages(record, fmt, where), where)
         text = render_chat(
-            tokenizer, head, enable_thinking=enable_thinking, chat_template=chat_template, add_generation_prompt=True
+            tokenizer, head, enable_thinking=enable_thinking, chat_template=chat_template, add_generation_prompt=True,
+            where=where,
         )
         ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         return _Job(index, record, "chat", ids, prompt_messages=head)
@@ -475,6 +509,7 @@ def regenerate(
         "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
         "prefix_chars": prefix_chars,
         "seed": int(seed) if temperature > 0 else None,
+        "prompt_format": PROMPT_FORMAT,
     }
     if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
         provenance["target_revision"] = hub_revision(str(target))
@@ -486,7 +521,8 @@ def regenerate(
                                               include_layers=False, file_hash=sampled_sha256))
 
     with _appending_alone(output_path) as out:  # locked before the model is loaded, and for the whole run
-        check_provenance(output_path, provenance, sampled_target)  # before the model is loaded
+        check_provenance(output_path, provenance, sampled_target,  # before the model is loaded
+                         lambda: not any(prompt_passes_fields(r) for _, _, r in _iter_input(input_path)))
         context = getattr(config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} "

@@ -251,10 +251,12 @@ def load_prompts(
         refuse_chat_records(name, texts, has_template)
     ids: list[list[int]] = []
     rendered_texts: list[str] = []
-    for text in texts:
+    for number, text in enumerate(texts, 1):
         if isinstance(text, list):  # a chat record's turns before its first answer
-            rendered = tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True,
-                                                     enable_thinking=enable_thinking, **render)
+            from lilicorr_pl.data.formats import render_chat
+
+            rendered = render_chat(tokenizer, text, add_generation_prompt=True, enable_thinking=enable_thinking,
+                                   chat_template=template, where=f"{name} prompt {number}")
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
             rendered_texts.append(rendered)
             continue

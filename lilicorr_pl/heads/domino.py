@@ -36,6 +36,19 @@ def as_trained(head_config: Any) -> Any:
     return head_config
 
 
+def first_form_refusal(recorded: Any, head: Any, where: str) -> str | None:
+    """Why a checkpoint (``where``) whose recorded head is a Domino head of the first form cannot load into ``head``,
+    a Domino head built in another form (the config that trained it builds the reference's now), with the options
+    that build it; None where nothing stands in the way."""
+    if as_trained(recorded) is recorded or not isinstance(head, DominoHead):
+        return None
+    if {"uncorrected_slots": head.uncorrected_slots, "bias": head.bias, "input_norm": head.input_norm} == FIRST_FORM:
+        return None
+    flags = " ".join(f"--model.head.init_args.{k}={str(v).lower()}" for k, v in FIRST_FORM.items())
+    return (f"{where} holds a Domino head of its first form (every slot corrected, biases in the correction MLP, the "
+            f"GRU's input layer-normed), which DominoHead's defaults no longer build; add {flags}")
+
+
 class DominoHead(CorrectorHead):
     """Domino: GRU over previous-token embeddings + low-rank MLP residual on the slot logits.
 
@@ -83,6 +96,19 @@ class DominoHead(CorrectorHead):
         self.uncorrected_slots = uncorrected_slots
         self.bias = bias
         self.input_norm = input_norm
+
+    def build(self, hidden_size: int, vocab_size: int, *, block_size: int | None = None,
+              rms_norm_eps: float | None = None) -> DominoHead:
+        """:meth:`Selector.build`; a block whose draft slots (``block_size - 1``) are all left uncorrected is refused
+        (the head would never be trained, and DDP stops on its unused parameters)."""
+        if block_size is not None and self.uncorrected_slots >= block_size - 1:
+            raise ValueError(
+                f"DominoHead uncorrected_slots {self.uncorrected_slots} leaves none of the {block_size - 1} draft slots "
+                f"of block_size {block_size} corrected, so the head would never train; lower it (the reference's 1) "
+                "or use the top1 selector"
+            )
+        super().build(hidden_size, vocab_size, block_size=block_size, rms_norm_eps=rms_norm_eps)
+        return self
 
     def _build_layers(self, hidden_size: int, vocab_size: int) -> None:
         self.gru = nn.GRU(hidden_size, self.gru_hidden, num_layers=1, bias=False, batch_first=True)
