@@ -185,7 +185,7 @@ def run_bench(
             "selectors": {},
         }
         # Compared under the checkpoint's own digest rule (sampled windows for one written before whole-file digests).
-        meta = getattr(system, "checkpoint_meta", None) or {}
+        meta = system.checkpoint_meta
         compared = system.compared_target(meta)
         trained = compared["target_weights_trained"]
         out["target_weights"], out["target_weights_trained"] = compared["target_weights"], trained  # by the same rule
@@ -487,7 +487,7 @@ def bench(
         serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
         if (lattice_k is not None or walk is not None) and not any(c is system.head for c in chosen):
             raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
-                             f"{','.join(names)} does not decode with it; add {getattr(system.head, 'name', 'it')} "
+                             f"{','.join(names)} does not decode with it; add {system.head.name} "
                              "to --selectors or drop them")
         from lilicorr_pl.data.formats import resolve_chat_template
 

@@ -283,6 +283,8 @@ class LilicorrCLI(LightningCLI):
         if unknown:
             raise TypeError(f"reporting takes callbacks and enable_progress_bar, not {', '.join(unknown)}")
         self.reporting = dict(reporting or {})
+        self._verified_first: Any = None  # --ckpt_path's first read (hashed once), for Lightning's restore
+        self._loop_started: _LoopStarted | None = None  # set when the Trainer is built
         if "callbacks" in self.reporting:
             self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
         counts_before_fractions(kwargs.get("trainer_class", Trainer))
@@ -501,7 +503,7 @@ class LilicorrCLI(LightningCLI):
         ctrl_c: list[bool] = []
         previous = self._stop_fit_on_ctrl_c(ctrl_c) if subcommand == "fit" else None
         try:
-            with verified_first(getattr(self, "_verified_first", None)):
+            with verified_first(self._verified_first):
                 super()._run_subcommand(subcommand)
         except (CacheError, StateMismatchError) as err:
             # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message
@@ -535,7 +537,7 @@ class LilicorrCLI(LightningCLI):
         def on_ctrl_c(signum: int, frame: Any) -> None:
             if os.getpid() != installer:  # a forked DataLoader worker: its process stops with the fit's
                 return
-            loop = getattr(self, "_loop_started", None)
+            loop = self._loop_started
             if pressed or (loop is not None and not loop.started):  # again, or before the loop runs (data, target
                 raise KeyboardInterrupt  # load): at once, nothing trained yet (Lightning clears the flag at its start)
             pressed.append(True)
@@ -708,7 +710,7 @@ class LilicorrCLI(LightningCLI):
             else:  # per slot: the rate over supervised slots
                 summary[f"{key}_rate"] = float(values[supervised].float().mean()) if supervised.any() else float("nan")
         path = _predict_output(self.config["predict"])
-        checked = getattr(self.model, "checked_target", None) or {"target": str(getattr(self.model, "target_path", ""))}
+        checked = self.model.checked_target or {"target": str(self.model.target_path)}
         resolved = getattr(self.trainer, "ckpt_path", None)  # --ckpt_path=last resolved to the file it read
         write_results_json(path, {
             "ckpt_path": self.config["predict"].get("ckpt_path"),
@@ -757,8 +759,8 @@ def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
     way is refused or warned about, naming the model setting that decided."""
     offline = dm.feature_cache
     dm.require_logit_cache(system.needs_logit_cache(offline_features=offline), system.logit_cache_reason(offline))
-    rows = getattr(getattr(system.drafter, "target_config", None), "vocab_size", None)  # its output rows, from its config
-    if dm.logit_cache and isinstance(rows, int) and dm.logit_top_m > rows:  # was found after tokenizing and loading
+    rows = system.drafter.target_config.vocab_size  # its output rows, from the target's config
+    if dm.logit_cache and dm.logit_top_m > rows:  # was found after tokenizing and loading
         raise ValueError(f"data.logit_top_m {dm.logit_top_m} is more than the target's {rows} output rows; keep the top "
                          f"M <= {rows} logits (the recipes keep 32)")
 

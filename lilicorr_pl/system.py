@@ -336,6 +336,8 @@ class DraftSystem(L.LightningModule):
         self.profiler: Profiler | None = None
         self.checkpoint_meta: dict[str, Any] = {}
         self.checkpoint_step: int | None = None  # from_checkpoint: the global step it was written at
+        # from_checkpoint / from_export: the file or directory rebuilt, and how its target was named (for messages)
+        self._checkpoint_origin: tuple[Path | None, str | None] = (None, None)
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
         self.checked_target: dict[str, Any] | None = None  # validate/test/predict: the target compared with the ckpt's
 
@@ -738,7 +740,7 @@ class DraftSystem(L.LightningModule):
     def load_target(self) -> None:
         """Load the target of a system rebuilt with ``from_checkpoint(load_target=False)``; a target that cannot be
         loaded is one line naming the checkpoint, as it is when ``from_checkpoint`` loads it."""
-        path, named = getattr(self, "_checkpoint_origin", (None, None))
+        path, named = self._checkpoint_origin
         self.warn_if_other_target({"lilicorr": self.checkpoint_meta}, "using it measures or serves")
         with _rebuild_errors(path, named) if path is not None else contextlib.nullcontext():
             self.configure_model()
