@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 import torch
@@ -56,6 +56,9 @@ from lilicorr_pl.target import (
     refuse_builtin_name,
     refuse_drafter,
 )
+
+if TYPE_CHECKING:
+    from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 
 TARGET_PREFIX = "target."
 # Profiler action names of the step's phases: "[DraftSystem]target", "[DraftSystem]drafter", "[DraftSystem]head",
@@ -298,7 +301,6 @@ class DraftSystem(L.LightningModule):
                 f"hub model ({type(err).__name__}); pass a directory saved with save_pretrained or a hub name"
             ) from None
         refuse_drafter(config, target.name_or_path, "model.target.name_or_path")
-        self._target_config = config  # the target's sizes, before its weights are loaded
         if getattr(config, "model_type", None) not in SUPPORTED_TARGET_TYPES:
             raise ValueError(
                 f"model.target {target.name_or_path!r} is a {getattr(config, 'model_type', '?')!r} model; lilicorr_pl "
@@ -383,7 +385,7 @@ class DraftSystem(L.LightningModule):
             )
         self.drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in theirs.items()})
 
-    def _warm_start_head(self, directory: str, loaded: Selector | None = None) -> None:
+    def _warm_start_head(self, directory: str, loaded: LiLiCorrHead | None = None) -> None:
         """The LiLiCorr head's weights from a serving directory (``loaded``: its head, already read)."""
         from lilicorr_pl.heads.lilicorr import LiLiCorrHead
         from lilicorr_pl.interop import head_geometry, load_head
@@ -710,17 +712,17 @@ class DraftSystem(L.LightningModule):
         """A system that measures a serving directory — a ``DFlashDraftModel`` or ``LiLiCorrDraftModel``, ours
         (``lilicorr export``) or a released one — against ``target_path``: its drafter and head with their weights
         (checked against the directory's config and the target's sizes, as a warm start is), the target not loaded
-        yet (:meth:`load_target`). ``dtype``: the target's; default the directory's ``torch_dtype`` (an export's is
-        the dtype its target trained in), float32 where it records none. A serving directory records no training:
-        no thinking flag (the benchmark's default, off, applies) and no target to compare with."""
-        from lilicorr_pl.interop import load_drafter, load_head, read_config, read_weights, served_head
+        yet (:meth:`load_target`). ``dtype``: the target's; default the directory's weights' (its ``torch_dtype``: an
+        export's is the dtype its target trained in), float32 for any other. A serving directory records no
+        training: no thinking flag (the benchmark's default, off, applies) and no target to compare with."""
+        from lilicorr_pl.interop import load_drafter, load_head, read_weights, served_head
 
         weights = read_weights(directory)  # read once: the drafter and the head are both in it
-        served = load_drafter(directory, weights=weights)  # the directory's own geometry, read and checked
+        served = load_drafter(directory, weights=weights)  # the directory's own geometry and dtype, read and checked
         trained = load_head(directory, weights=weights)
         if dtype is None:
-            recorded = read_config(Path(directory)).get("torch_dtype")
-            dtype = recorded if isinstance(recorded, str) and recorded in ("bfloat16", "float16", "float32") else "float32"
+            stored = str(next(served.parameters()).dtype).removeprefix("torch.")
+            dtype = stored if stored in ("bfloat16", "float16", "float32") else "float32"
         dims = served.dims  # its own widths and heads, which need not be the target's
         system = cls(
             target={"name_or_path": str(target_path), "dtype": dtype, "layer_ids": list(served.target_layer_ids),
@@ -731,7 +733,7 @@ class DraftSystem(L.LightningModule):
                                   num_key_value_heads=dims.num_key_value_heads, head_dim=dims.head_dim),
             head=served_head(directory), lr_scheduler=None,
         )
-        system._warm_start(str(directory), system._target_config, loaded=served)  # checked against the target
+        system._warm_start(str(directory), system.drafter.target_config, loaded=served)  # checked against the target
         if trained is not None:
             system._warm_start_head(str(directory), loaded=trained)
         system._checkpoint_origin = (Path(directory), f"--target {target_path}")
