@@ -19,7 +19,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import CHECKSUM_KEY, UserInputError, check_checkpoint_file, first_line
 from lilicorr_pl.files import check_output_paths, write_results_json
-from lilicorr_pl.target import CompileModeName, DeviceName, check_device
+from lilicorr_pl.target import CompileModeName, DeviceName, check_device, resolve_dtype
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
 DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
@@ -422,8 +422,8 @@ def bench(
             head's own.
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
-        dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, a served directory's torch_dtype (an
-            export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on a CPU without bf16 matmuls.
+        dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, the dtype a served directory's weights are
+            stored in (an export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on a CPU without bf16 matmuls.
     """
     from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 
@@ -513,7 +513,7 @@ def bench(
         run["checkpoint"] = {"path": str(path), "state_sha256": meta.get(CHECKSUM_KEY),
                              "global_step": system.checkpoint_step}
         run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
-        run["target_dtype"] = system.target_spec.dtype
+        run["target_dtype"] = str(resolve_dtype(system.target_spec.dtype)).removeprefix("torch.")  # bf16: bfloat16
         print(format_table(run))
     if output:  # before the plots: a plotting failure must not lose what was measured
         payload = runs[0] if len(runs) == 1 else {"runs": runs}

@@ -39,6 +39,7 @@ from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import check_output_paths, write_results_json
+from lilicorr_pl.heads.domino import first_form_refusal
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import DraftSystem, StateMismatchError, _short, check_resume_settings, plain_data
 
@@ -425,6 +426,10 @@ class LilicorrCLI(LightningCLI):
                           fix="name the same components in this run's config (-c or --model.*): the modules a run's "
                               "own config names are trusted")
         del checkpoint
+        # A first-form Domino head: named now, not after the data and the target (its tensors are not this head's).
+        refusal = first_form_refusal(saved.get("head"), current.get("head"), f"--ckpt_path {ckpt}")
+        if refusal:
+            raise UserInputError(refusal)
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)

@@ -632,7 +632,7 @@ def test_domino_curriculum_spans_the_whole_run_of_a_trainer(tmp_path):
     assert recorder.seen == pytest.approx([1 - t / 6 for t in range(6)])
 
 
-def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_path, capsys):
+def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_path, capsys, monkeypatch):
     """A Domino checkpoint written before the reference's form became the default records no uncorrected_slots; it is
     rebuilt as trained (every slot corrected, biases, layer-normed GRU input) and drafts what it drafted. Rebuilt
     with the new defaults it was refused (its bias tensors unexpected), or would have drafted something else."""
@@ -680,9 +680,21 @@ def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_
     common = ["-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(now)]
     flags = ("add --model.head.init_args.uncorrected_slots=0 --model.head.init_args.bias=true "
              "--model.head.init_args.input_norm=true")
-    err = user_error(capsys, ["validate", *common, f"--trainer.default_root_dir={root}", f"--ckpt_path={old}",
-                              "--trainer.enable_progress_bar=false"])
-    assert f"--ckpt_path {old}: the checkpoint holds a Domino head of its first form" in err and flags in err, err
+    # Before the data are prepared and the target loaded (Lightning's load hook runs after both), by every command
+    # that loads a checkpoint into this config's system (`test` has no split to measure: refused before it).
+    from lilicorr_pl.data.datamodule import DraftDataModule
+
+    monkeypatch.setattr(DraftDataModule, "prepare_data", lambda self: pytest.fail("the data were prepared first"))
+    for command in ("validate", "predict", "fit"):
+        err = user_error(capsys, [command, *common, f"--trainer.default_root_dir={root}", f"--ckpt_path={old}",
+                                  "--trainer.enable_progress_bar=false"])
+        assert f"--ckpt_path {old} holds a Domino head of its first form" in err and flags in err, (command, err)
+    monkeypatch.undo()
+    # Loaded outside the CLI (Lightning's load_from_checkpoint), the load hook says the same before any weight loads.
+    from lilicorr_pl.system import StateMismatchError
+
+    with pytest.raises(StateMismatchError, match="the checkpoint holds a Domino head of its first form"):
+        DraftSystem.load_from_checkpoint(old, weights_only=True)
     err = user_error(capsys, ["perf", *common, f"--trainer.default_root_dir={root}", "--ckpt", str(old),
                               "--steps", "1", "--warmup", "0"])
     assert f"--ckpt {old} holds a Domino head of its first form" in err and flags in err, err

@@ -533,6 +533,18 @@ def test_a_prompts_file_of_chat_records_is_read_as_the_training_data_is(tiny_run
     own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
     with_own = load_prompts(path, tokenizer, enable_thinking=False, template=own)
     assert tokenizer.decode(with_own.input_ids[0]) == "[system] be brief\n[user] def add(a, b):\n[assistant]"
+    # A template that does not parse, or refuses a text prompt wrapped as a user turn, was Jinja's traceback from
+    # `bench` (its `except ValueError` missed both): one line naming the setting, or the prompt.
+    from lilicorr_pl.data.formats import ChatTemplateError, DataFormatError
+
+    texts = write(tmp_path / "texts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    with pytest.raises(ChatTemplateError, match=r"^the chat template does not parse \(template line 1: .*; fix the "
+                                                r"run's data.chat_template, or the target tokenizer's chat_template$"):
+        load_prompts(texts, tokenizer, chat_template=True, enable_thinking=False, template="{{ messages[0] }")
+    refuses = "{% for m in messages %}{% if m.role == 'user' %}{{ raise_exception('no user turns') }}{% endif %}{% endfor %}"
+    with pytest.raises(DataFormatError, match=r"texts.jsonl prompt 1: the chat template cannot render it \(no user "
+                                              r"turns\)"):
+        load_prompts(texts, tokenizer, chat_template=True, enable_thinking=False, template=refuses)
     empty = write(tmp_path / "answer-only.jsonl", json.dumps({"messages": [answer]}) + "\n")
     with pytest.raises(ValueError, match=r"answer-only.jsonl:1: a chat record whose turns before the first assistant "
                                          r"turn hold no user message"):
@@ -610,7 +622,8 @@ def test_keep_within_context_cuts_only_what_does_not_fit_and_keeps_the_end():
         keep_within_context(prompts, 4, 4)
 
 
-def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_from(tiny_run, tmp_path):
+def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_from(tiny_run, tmp_path,
+                                                                                  monkeypatch):
     """`bench --ckpt EXPORT_DIR --target T`: a served drafter (ours, or a released DFlashDraftModel /
     LiLiCorrDraftModel) against the target it drafts for; it refused directories, so a served drafter could only be
     measured by warm-starting a fit. The export decodes exactly as its training checkpoint does."""
@@ -630,3 +643,23 @@ def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_fro
         assert measured["selectors"][name]["lossless"] is True
     assert measured["checkpoint"]["path"] == str(served) and measured["same_target_as_training"] is None
     assert measured["target_dtype"] == trained["target_dtype"] == "float32"  # what the numbers were measured in
+
+    # --dtype: the served directory's target ran in float32 whatever its weights' dtype. Now the target runs in the
+    # dtype its weights were exported in by default, and in the one asked for; the JSON names the one it ran in.
+    from lilicorr_pl.target import FrozenTarget
+
+    ran_in: list[torch.dtype] = []
+    real_init = FrozenTarget.__init__
+
+    def init(self, model, *args, **kwargs):
+        ran_in.append(next(model.parameters()).dtype)
+        real_init(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(FrozenTarget, "__init__", init)
+    half = tmp_path / "served-bf16"
+    cli_main(["export", "--ckpt", str(ckpt), "--output", str(half), "--dtype", "bfloat16"])
+    for argv, dtype in (([str(half), "--target", target], torch.bfloat16),
+                        ([str(ckpt), "--dtype", "float16"], torch.float16)):
+        run = cli_main(["bench", "--ckpt", *argv, *common, "--output", str(tmp_path / "c.json")])[0]
+        assert ran_in[-1] == dtype and run["target_dtype"] == str(dtype).removeprefix("torch."), argv
+        assert all(run["selectors"][name]["lossless"] for name in ("top1", "lilicorr")), argv

@@ -821,9 +821,17 @@ def test_a_template_that_refuses_a_conversation_is_one_line_naming_the_record(tm
     assert str(err.value).startswith("train.jsonl line 2: the chat template cannot render it (This model only "
                                      "supports single tool-calls at once!); fix the record's turns"), err.value
     assert "\n" not in str(err.value)
-    with pytest.raises(formats.DataFormatError, match=r"^the chat template does not parse \(template line 1: .*fix "
-                                                      r"data.chat_template"):
-        formats.tokenize_record(record, tokenizer, chat_template="{% for m in messages %}{{ m.role }")
+    broken = "{% for m in messages %}{{ m.role }"
+    # Not a record's fault (a regeneration would have said "fix it in --input"): the setting that chose it, named.
+    with pytest.raises(formats.ChatTemplateError, match=r"^the chat template does not parse \(template line 1: .*fix "
+                                                        r"data.chat_template") as err:
+        formats.tokenize_record(record, tokenizer, chat_template=broken)
+    assert not isinstance(err.value, formats.DataFormatError)
+    # Checked once before any model loads, by the option's name; a template that parses passes, whatever it refuses.
+    with pytest.raises(formats.ChatTemplateError, match=r"does not parse .*; fix --chat-template$"):
+        formats.check_chat_template(tokenizer, broken, "--chat-template")
+    formats.check_chat_template(tokenizer, single, "--chat-template")
+    formats.check_chat_template(tokenizer, "{{ raise_exception('system turn first') }}", "--chat-template")
 
 
 def test_a_template_file_is_read_once_and_its_text_is_what_the_run_records(tmp_path, target_dir):

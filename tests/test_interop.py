@@ -560,6 +560,12 @@ def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_
     assert DraftSystem.from_export(half, target_dir).target_spec.dtype == "bfloat16" and len(reads) == 1
     assert DraftSystem.from_export(half, target_dir, dtype="float32").target_spec.dtype == "float32"
     assert served.target_spec.dtype == "float32"
+    trained = _system(target_dir, seed=1)  # a LiLiCorr export: the head is read from the same tensors, not the file
+    trained_like(trained.head, seed=2)
+    both = export_drafter(trained.drafter, tmp_path / "both", head=trained.head)
+    reads.clear()
+    served_both = DraftSystem.from_export(both, target_dir)
+    assert len(reads) == 1 and _same(served_both.drafter, trained.drafter) and _same(served_both.head, trained.head)
     config = json.loads((out / "config.json").read_text())
     del config["num_hidden_layers"]
     (out / "config.json").write_text(json.dumps(config))

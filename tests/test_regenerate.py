@@ -321,6 +321,10 @@ def test_an_output_recorded_before_prompt_format_resumes_only_where_its_prompts_
     assert not prompt_passes_fields({"messages": [{"role": "user", "content": "q"},
                                                   {"role": "assistant", "content": None, "tool_calls": []},
                                                   {"role": "user", "content": "r", "name": "ada"}]})  # after the answer
+    # The turns _make_job renders: a record's messages over a list prompt beside them; a list prompt with a
+    # completion is never rendered.
+    assert prompt_passes_fields({"prompt": [{"role": "user", "content": "q"}], **named[0]})
+    assert not prompt_passes_fields({"prompt": named[0]["messages"], "completion": "a"})
     (tmp_path / "named.jsonl").write_text("".join(json.dumps(r) + "\n" for r in named))
     other = tmp_path / "other.jsonl"
     shutil.copy(out, other)
@@ -332,6 +336,9 @@ def test_an_output_recorded_before_prompt_format_resumes_only_where_its_prompts_
                                          r"and --input's prompts carry them; resuming would mix two renderings"):
         run(target_dir, tmp_path / "named.jsonl", other)
     assert other.read_text() == before
+    # Another input is named as such (the cheaper check first), not as a rendering the input carries.
+    with pytest.raises(ValueError, match=r"other settings \(input_sha256: "):
+        run(target_dir, tmp_path / "named.jsonl", out)
 
 
 def test_a_run_that_wrote_nothing_leaves_no_settings_behind_for_the_next(target_dir, input_file, tmp_path,
@@ -701,3 +708,23 @@ def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(target_dir
     with pytest.raises(ValueError, match="--device cuda: CUDA is not available on this machine; use --device cpu"):
         run(target_dir, input_file, tmp_path / "out.jsonl", device="cuda")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_chat_template_that_does_not_parse_is_one_line_before_the_model_loads(target_dir, input_file, tmp_path,
+                                                                              monkeypatch):
+    """With a text record to answer (so not "none can be answered"), it was a failure per chat record after the
+    model loaded, each advised "fix it in --input; a rerun answers it then" (the input was fine), and naming
+    data.chat_template, an option regenerate does not have."""
+    import importlib
+
+    regen = importlib.import_module("lilicorr_pl.data.regenerate")  # the package's name for the function shadows it
+    monkeypatch.setattr(regen, "load_causal_lm", lambda *a, **k: pytest.fail("the model loaded first"))
+    broken = "{% for m in messages %}{{ m.content }"
+    with pytest.raises(ValueError, match=r"^the chat template does not parse \(template line 1: .*; fix "
+                                         r"--chat-template, or the target tokenizer's chat_template$"):
+        run(target_dir, input_file, tmp_path / "out.jsonl", chat_template=broken)
+    assert not (tmp_path / "out.jsonl").exists()
+    text_only = tmp_path / "text.jsonl"  # prompts the template never renders: not refused for it
+    text_only.write_text(json.dumps(RECORDS[2]) + "\n")
+    with pytest.raises(pytest.fail.Exception, match="the model loaded first"):
+        run(target_dir, text_only, tmp_path / "text-out.jsonl", chat_template=broken)

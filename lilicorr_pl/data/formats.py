@@ -305,6 +305,32 @@ def effective_chat_template(tokenizer: Any, chat_template: str | None = None) ->
     return own
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that does not parse: the setting that chose it is to fix, not a record."""
+
+
+def _does_not_parse(err: Any, option: str) -> ChatTemplateError:
+    return ChatTemplateError(f"the chat template does not parse (template line {err.lineno}: {err.message}); fix "
+                             f"{option}")
+
+
+def check_chat_template(tokenizer: Any, chat_template: str | None, option: str) -> None:
+    """Refuse a chat template that does not parse (the override, else the tokenizer's own), naming ``option``, the
+    setting that chose it: before a model loads, not once per record. Rendering one user turn compiles it; what a
+    template that parses refuses is a record's to answer (:func:`render_chat`)."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    if effective_chat_template(tokenizer, chat_template) is None:
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True,
+                                      chat_template=chat_template)
+    except TemplateSyntaxError as err:
+        raise _does_not_parse(err, option) from None
+    except TemplateError:  # it parses; this turn is not one it renders, which says nothing of the records
+        pass
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, str]],
@@ -313,11 +339,13 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = False,
     where: str = "a conversation",
+    option: str = "data.chat_template, or the tokenizer's chat_template",
 ) -> str:
     """Render messages to text with the chat template, passing ``enable_thinking`` to the template.
 
     A template that refuses the conversation (its ``raise_exception``, e.g. Llama 3.1's on parallel tool calls, or an
-    undefined field) is a :class:`DataFormatError` naming ``where`` (the record), not Jinja's traceback."""
+    undefined field) is a :class:`DataFormatError` naming ``where`` (the record), not Jinja's traceback; one that does
+    not parse is a :class:`ChatTemplateError` naming ``option``, the setting that chose the template."""
     from jinja2 import TemplateError, TemplateSyntaxError
 
     try:
@@ -329,13 +357,12 @@ def render_chat(
             enable_thinking=enable_thinking,
         )
     except TemplateSyntaxError as err:
-        raise DataFormatError(f"the chat template does not parse (template line {err.lineno}: {err.message}); fix "
-                              "data.chat_template, or the tokenizer's chat_template") from None
+        raise _does_not_parse(err, option) from None
     except TemplateError as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataFormatError(
             f"{where}: the chat template cannot render it ({reason}); fix the record's turns (roles, tool_calls "
-            "shape) or pass a template that renders them (data.chat_template)"
+            f"shape) or pass a template that renders them ({option})"
         ) from None
 
 

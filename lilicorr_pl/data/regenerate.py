@@ -58,6 +58,7 @@ from lilicorr_pl.data.formats import (
     PASSED_MESSAGE_FIELDS,
     SUPPORTED_SUFFIXES,
     DataFormatError,
+    check_chat_template,
     _require_pyarrow,
     detect_format,
     effective_chat_template,
@@ -219,13 +220,26 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
                         folder.rmdir()
             raise
 
+TEMPLATE_OPTION = "--chat-template, or the target tokenizer's chat_template"
+
+
+def _as_chat_prompt(record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A record as regeneration reads it, and whether it is a text prompt with no completion yet. A list of messages
+    as the prompt, with nothing else to answer from (TRL's conversational prompt-only record), is a chat prompt: the
+    record is returned with those turns as its ``messages``."""
+    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion", "text"))
+    if prompt_only and isinstance(record["prompt"], list):
+        return {**{k: v for k, v in record.items() if k != "prompt"}, "messages": record["prompt"]}, False
+    return record, prompt_only
+
+
 def prompt_passes_fields(record: Any) -> bool:
     """Whether a chat record's prompt turns (those before its first answer) carry a field the chat template has been
     given since prompt format 2 (:data:`PASSED_MESSAGE_FIELDS`, e.g. a user's ``name``): only such a prompt renders
     otherwise than format 1 rendered it."""
     if not isinstance(record, dict):
         return False
-    turns = record["prompt"] if isinstance(record.get("prompt"), list) else record.get("messages")
+    turns = _as_chat_prompt(record)[0].get("messages")  # the turns _make_job renders
     for turn in turns if isinstance(turns, list) else ():  # ShareGPT turns and text prompts pass no fields
         if not isinstance(turn, dict) or turn.get("role") == "assistant":
             return False
@@ -254,14 +268,8 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
         provenance = {k: v for k, v in provenance.items() if k != "target_hash"}
         if sampled_target is not None and saved.get("target_fingerprint") is not None:
             provenance["target_fingerprint"] = sampled_target()
-    if "prompt_format" in provenance and "prompt_format" not in saved:  # recorded by format 1
-        if renders_as_before is None or not renders_as_before():
-            raise ValueError(
-                f"--output {output} was written by an earlier lilicorr version, whose prompts left the messages' "
-                f"{', '.join(PASSED_MESSAGE_FIELDS)} out of the chat template, and --input's prompts carry them; "
-                "resuming would mix two renderings: choose a new --output (the finished lines stay usable as training "
-                "data)"
-            )
+    format_1 = "prompt_format" in provenance and "prompt_format" not in saved  # checked last: it reads the input
+    if format_1:
         provenance = {k: v for k, v in provenance.items() if k != "prompt_format"}
     unrecorded = sorted(set(provenance) - set(saved))
     if unrecorded:
@@ -280,6 +288,13 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
         raise ValueError(
             f"--output {output} was produced with other settings ({detail}){why}; resuming would mix sources: "
             "choose a new --output, or rerun with the original settings"
+        )
+    if format_1 and (renders_as_before is None or not renders_as_before()):
+        raise ValueError(
+            f"--output {output} was written by an earlier lilicorr version, whose prompts left the messages' "
+            f"{', '.join(PASSED_MESSAGE_FIELDS)} out of the chat template, and --input's prompts carry them; "
+            "resuming would mix two renderings: choose a new --output (the finished lines stay usable as training "
+            "data)"
         )
 
 
@@ -328,12 +343,8 @@ def _make_job(
     where: str | None = None,
 ) -> _Job:
     where = where or f"record {index + 1}"
-    # A prompt with no completion yet is what regeneration answers (bench reads the same records); a list of
-    # messages as the prompt (TRL's conversational prompt-only records) is a chat prompt.
-    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion", "text"))
-    if prompt_only and isinstance(record["prompt"], list):
-        record = {**{k: v for k, v in record.items() if k != "prompt"}, "messages": record["prompt"]}
-        prompt_only = False
+    # A prompt with no completion yet is what regeneration answers (bench reads the same records).
+    record, prompt_only = _as_chat_prompt(record)
     fmt = "prompt_completion" if prompt_only else detect_format(record, where)
     if fmt in ("messages", "sharegpt"):
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -344,7 +355,7 @@ def _make_job(
         head = prompt_messages(record_messages(record, fmt, where), where)
         text = render_chat(
             tokenizer, head, enable_thinking=enable_thinking, chat_template=chat_template, add_generation_prompt=True,
-            where=where,
+            where=where, option=TEMPLATE_OPTION,
         )
         ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         return _Job(index, record, "chat", ids, prompt_messages=head)
@@ -551,6 +562,10 @@ def regenerate(
                 break
             where_of[index] = where
             entries.append((index, None if index in done else record))
+        # A template that does not parse is this run's setting to fix, said once before the model loads (not once per
+        # chat record after it, as if each were the input's to fix).
+        if any(isinstance(e, dict) and {"messages", "conversations"} & _as_chat_prompt(e)[0].keys() for _, e in entries):
+            check_chat_template(tokenizer, template, TEMPLATE_OPTION)
         # Before the model loads, records are made into jobs until one can be answered: a file none of whose records
         # can be is one line now, not a failure per record after the load.
         answerable = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,6 @@ def load_prompts(
     if not texts:
         raise ValueError(f"benchmark {name!r} yielded no prompts")
     has_template = template is not None or getattr(tokenizer, "chat_template", None) is not None
-    render = {"chat_template": template} if template is not None else {}
     use_template = (kind in ("math", "chat", "code") and has_template) if chat_template is None else chat_template
     if use_template and enable_thinking is None:
         raise ThinkingFlagUnknown(
@@ -249,14 +249,18 @@ def load_prompts(
                          "--chat_template no)")
     if not use_template:
         refuse_chat_records(name, texts, has_template)
+    from lilicorr_pl.data.formats import check_chat_template, render_chat
+
+    option = "the run's data.chat_template, or the target tokenizer's chat_template"
+    if use_template:  # one line before any prompt renders (a record's refusal names the prompt, below)
+        check_chat_template(tokenizer, template, option)
     ids: list[list[int]] = []
     rendered_texts: list[str] = []
     for number, text in enumerate(texts, 1):
+        render = partial(render_chat, tokenizer, add_generation_prompt=True, enable_thinking=bool(enable_thinking),
+                         chat_template=template, where=f"{name} prompt {number}", option=option)
         if isinstance(text, list):  # a chat record's turns before its first answer
-            from lilicorr_pl.data.formats import render_chat
-
-            rendered = render_chat(tokenizer, text, add_generation_prompt=True, enable_thinking=enable_thinking,
-                                   chat_template=template, where=f"{name} prompt {number}")
+            rendered = render(text)
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
             rendered_texts.append(rendered)
             continue
@@ -266,11 +270,7 @@ def load_prompts(
                 text = text + MATH_SUFFIX
             elif name == "humaneval":
                 text = HUMANEVAL_WRAP.format(prompt=text.strip())
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
-                enable_thinking=enable_thinking, **render,
-            )
-            ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+            ids.append(tokenizer(render([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"])
         else:  # as regeneration and training tokenize text: with the tokenizer's own special tokens (a BOS)
             ids.append(tokenizer(text)["input_ids"])
     if any(len(x) == 0 for x in ids):

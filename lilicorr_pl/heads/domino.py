@@ -12,6 +12,7 @@ embeddings as they are, the correction MLP has no biases, and the first slot kee
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -37,16 +38,29 @@ def as_trained(head_config: Any) -> Any:
 
 
 def first_form_refusal(recorded: Any, head: Any, where: str) -> str | None:
-    """Why a checkpoint (``where``) whose recorded head is a Domino head of the first form cannot load into ``head``,
-    a Domino head built in another form (the config that trained it builds the reference's now), with the options
-    that build it; None where nothing stands in the way."""
-    if as_trained(recorded) is recorded or not isinstance(head, DominoHead):
+    """Why a checkpoint (``where``) whose recorded head is a Domino head of the first form cannot load into ``head``
+    (a built head, or a run's head config before anything is built), a Domino head of another form (the config that
+    trained it builds the reference's now), with the options that build it; None where nothing stands in the way."""
+    if as_trained(recorded) is recorded:
         return None
-    if {"uncorrected_slots": head.uncorrected_slots, "bias": head.bias, "input_norm": head.input_norm} == FIRST_FORM:
+    form = _form_of(head)
+    if form is None or form == FIRST_FORM:
         return None
     flags = " ".join(f"--model.head.init_args.{k}={str(v).lower()}" for k, v in FIRST_FORM.items())
     return (f"{where} holds a Domino head of its first form (every slot corrected, biases in the correction MLP, the "
             f"GRU's input layer-normed), which DominoHead's defaults no longer build; add {flags}")
+
+
+def _form_of(head: Any) -> dict[str, Any] | None:
+    """The options :data:`FIRST_FORM` names as ``head`` has them: a built :class:`DominoHead`, or a head config
+    (``class_path``/``init_args``, its defaults filled in); None for any other head."""
+    if isinstance(head, DominoHead):
+        return {k: getattr(head, k) for k in FIRST_FORM}
+    if isinstance(head, dict) and str(head.get("class_path", "")).endswith(".DominoHead"):
+        given = head.get("init_args") or {}
+        defaults = inspect.signature(DominoHead.__init__).parameters
+        return {k: given.get(k, defaults[k].default) for k in FIRST_FORM}
+    return None
 
 
 class DominoHead(CorrectorHead):
