@@ -422,8 +422,9 @@ def bench(
             head's own.
         target: load the target from this directory or hub name instead of the one the checkpoint recorded (the
             same model, moved or cached elsewhere, e.g. a checkpoint trained on another machine).
-        dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, the dtype a served directory's weights are
-            stored in (an export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on a CPU without bf16 matmuls.
+        dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, the dtype a served directory's
+            weights are stored in (an export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on
+            a CPU without bf16 matmuls.
     """
     from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 

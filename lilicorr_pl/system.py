@@ -712,9 +712,10 @@ class DraftSystem(L.LightningModule):
         """A system that measures a serving directory — a ``DFlashDraftModel`` or ``LiLiCorrDraftModel``, ours
         (``lilicorr export``) or a released one — against ``target_path``: its drafter and head with their weights
         (checked against the directory's config and the target's sizes, as a warm start is), the target not loaded
-        yet (:meth:`load_target`). ``dtype``: the target's; default the dtype the directory's weights are stored in (an
-        export's is the dtype its target trained in; a config's ``torch_dtype`` is not read), float32 for any other. A serving directory records no
-        training: no thinking flag (the benchmark's default, off, applies) and no target to compare with."""
+        yet (:meth:`load_target`). ``dtype``: the target's; default the dtype the directory's weights are stored in
+        (an export's is the dtype its target trained in; a config's ``torch_dtype`` is not read), float32 for any
+        other. A serving directory records no training: no thinking flag (the benchmark's default, off, applies) and
+        no target to compare with."""
         from lilicorr_pl.interop import load_drafter, load_head, read_weights, served_head
 
         weights = read_weights(directory)  # read once: the drafter and the head are both in it

@@ -227,7 +227,8 @@ def _as_chat_prompt(record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """A record as regeneration reads it, and whether it is a text prompt with no completion yet. A list of messages
     as the prompt, with nothing else to answer from (TRL's conversational prompt-only record), is a chat prompt: the
     record is returned with those turns as its ``messages``."""
-    prompt_only = "prompt" in record and not any(k in record for k in ("messages", "conversations", "completion", "text"))
+    answered = ("messages", "conversations", "completion", "text")
+    prompt_only = "prompt" in record and not any(k in record for k in answered)
     if prompt_only and isinstance(record["prompt"], list):
         return {**{k: v for k, v in record.items() if k != "prompt"}, "messages": record["prompt"]}, False
     return record, prompt_only
@@ -564,7 +565,8 @@ def regenerate(
             entries.append((index, None if index in done else record))
         # A template that does not parse is this run's setting to fix, said once before the model loads (not once per
         # chat record after it, as if each were the input's to fix).
-        if any(isinstance(e, dict) and {"messages", "conversations"} & _as_chat_prompt(e)[0].keys() for _, e in entries):
+        chat_keys = {"messages", "conversations"}
+        if any(isinstance(e, dict) and chat_keys & _as_chat_prompt(e)[0].keys() for _, e in entries):
             check_chat_template(tokenizer, template, TEMPLATE_OPTION)
         # Before the model loads, records are made into jobs until one can be answered: a file none of whose records
         # can be is one line now, not a failure per record after the load.

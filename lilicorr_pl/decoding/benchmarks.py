@@ -254,13 +254,14 @@ def load_prompts(
     option = "the run's data.chat_template, or the target tokenizer's chat_template"
     if use_template:  # one line before any prompt renders (a record's refusal names the prompt, below)
         check_chat_template(tokenizer, template, option)
+    render = partial(render_chat, tokenizer, add_generation_prompt=True, enable_thinking=bool(enable_thinking),
+                     chat_template=template, option=option)  # only where use_template, so enable_thinking is known
     ids: list[list[int]] = []
     rendered_texts: list[str] = []
     for number, text in enumerate(texts, 1):
-        render = partial(render_chat, tokenizer, add_generation_prompt=True, enable_thinking=bool(enable_thinking),
-                         chat_template=template, where=f"{name} prompt {number}", option=option)
+        where = f"{name} prompt {number}"
         if isinstance(text, list):  # a chat record's turns before its first answer
-            rendered = render(text)
+            rendered = render(text, where=where)
             ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
             rendered_texts.append(rendered)
             continue
@@ -270,7 +271,8 @@ def load_prompts(
                 text = text + MATH_SUFFIX
             elif name == "humaneval":
                 text = HUMANEVAL_WRAP.format(prompt=text.strip())
-            ids.append(tokenizer(render([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"])
+            rendered = render([{"role": "user", "content": text}], where=where)
+            ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
         else:  # as regeneration and training tokenize text: with the tokenizer's own special tokens (a BOS)
             ids.append(tokenizer(text)["input_ids"])
     if any(len(x) == 0 for x in ids):
