@@ -38,10 +38,11 @@ from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySign
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.data.store import CacheError
-from lilicorr_pl.files import check_output_paths, write_results_json
+from lilicorr_pl.files import atomic_file, check_output_paths, check_writable_dir, write_results_json
 from lilicorr_pl.heads.domino import first_form_refusal
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
-from lilicorr_pl.system import DraftSystem, StateMismatchError, _short, check_resume_settings, plain_data
+from lilicorr_pl.system import (DraftSystem, StateMismatchError, _short, check_evaluation_settings, check_resume_settings,
+                                plain_data)
 
 # Lightning's ckpt_path keywords (not files).
 CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
@@ -286,6 +287,7 @@ class LilicorrCLI(LightningCLI):
         self.reporting = dict(reporting or {})
         self._verified_first: Any = None  # --ckpt_path's first read (hashed once), for Lightning's restore
         self._loop_started: _LoopStarted | None = None  # set when the Trainer is built
+        self._resumed_step: int | None = None  # --ckpt_path's global step, read when it is checked
         if "callbacks" in self.reporting:
             self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
         counts_before_fractions(kwargs.get("trainer_class", Trainer))
@@ -308,6 +310,7 @@ class LilicorrCLI(LightningCLI):
         """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
         try:
             self._place_outputs_under_the_root(config)
+            self._check_output_folders(config)
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
             self._check_training(config, subcommand)
@@ -336,6 +339,17 @@ class LilicorrCLI(LightningCLI):
             init = logger.get("init_args") if isinstance(logger, Namespace) else None
             if init is not None and "save_dir" in init and init.get("save_dir") in (None, "."):
                 init["save_dir"] = str(root)
+
+    @staticmethod
+    def _check_output_folders(config: Any) -> None:
+        """The run's folder and its data stores' can be made and written: a path under a file failed with a traceback
+        once the target was loaded, when the first store was written."""
+        trainer, data = config.get("trainer"), config.get("data")
+        for setting, section, key in (("trainer.default_root_dir", trainer, "default_root_dir"),
+                                      ("data.cache_dir", data, "cache_dir")):
+            folder = section.get(key) if section is not None else None
+            if folder:
+                check_writable_dir(Path(os.path.expanduser(str(folder))), f"{setting} {folder}")
 
     @staticmethod
     def _resolve_builtin_data(config: Any) -> None:
@@ -419,12 +433,19 @@ class LilicorrCLI(LightningCLI):
         # Verified now, before anything is built (Lightning would see it only after loading the target), and not
         # hashed again when Lightning restores it (_run_subcommand).
         checkpoint, self._verified_first = read_verified(ckpt)
+        missing = [k for k in ("state_dict", "hyper_parameters", "pytorch-lightning_version") if k not in checkpoint]
+        if missing:  # a bare state dict, or another tool's file: Lightning failed on it once the target was loaded
+            raise UserInputError(
+                f"--ckpt_path {ckpt} is not a checkpoint of lilicorr fit (it has no {', '.join(missing)}); pass a .ckpt "
+                "that lilicorr fit wrote (a served drafter directory is read with --model.init_drafter_from)")
         saved = checkpoint.get("hyper_parameters") or {}
         current = plain_data(self.config[subcommand].get("model"))
         # The model is built from this run's config, whose components are the user's choice: their modules are trusted.
         check_class_paths(saved, ckpt, config_modules(current),
                           fix="name the same components in this run's config (-c or --model.*): the modules a run's "
                               "own config names are trusted")
+        saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
+        self._resumed_step = checkpoint.get("global_step")
         del checkpoint
         # A first-form Domino head: named now, not after the data and the target (its tensors are not this head's).
         refusal = first_form_refusal(saved.get("head"), current.get("head"), f"--ckpt_path {ckpt}")
@@ -433,6 +454,9 @@ class LilicorrCLI(LightningCLI):
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)
+        elif subcommand in VALIDATION_STAGES:
+            check_evaluation_settings(saved, current, saved_data, plain_data(self.config[subcommand].get("data") or {}),
+                                      ckpt, subcommand)
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
         """The checkpoint ``ckpt_path="last"`` will resume from, found before anything is built: as Lightning finds
@@ -463,6 +487,9 @@ class LilicorrCLI(LightningCLI):
                 found += [p for p in folder.iterdir()  # not a link whose checkpoint is gone
                           if p.name.startswith("last") and p.name.endswith(".ckpt") and p.exists()]
         newest = max(found, key=lambda p: p.stat().st_mtime) if found else None
+        if newest is not None and newest.is_dir() and not any(newest.iterdir()):
+            raise UserInputError(f"--ckpt_path=last: the newest last checkpoint, {newest}, is an empty folder; remove "
+                                 "it, or pass the checkpoint file to resume from")
         return str(newest) if newest is not None and newest.is_file() else None
 
     # ------------------------------------------------------------------ building
@@ -607,8 +634,7 @@ class LilicorrCLI(LightningCLI):
         # not make this folder's record its own: that one replaced the record and moved later --ckpt_path=last here.
         from_elsewhere = bool(ckpt_path) and str(ckpt_path) not in CKPT_SHORTCUTS and not any(
             _inside(str(ckpt_path), folder) for folder in {str(log_dir), str(self.trainer.default_root_dir)})
-        if ckpt_path and not nothing_to_resume and not from_elsewhere:
-            return
+        resuming = bool(ckpt_path) and not nothing_to_resume and not from_elsewhere
         record = os.path.join(log_dir, callback.fit_config_filename)
         if not os.path.isfile(record):
             return
@@ -623,6 +649,9 @@ class LilicorrCLI(LightningCLI):
         differing = sorted(k for k in set(saved) | set(current) if k != "ckpt_path" and saved.get(k) != current.get(k))
         if not differing:
             return
+        if resuming:
+            self._keep_the_record_of_the_steps_before(record, saved, current, differing)
+            return
         key = differing[0]
         elsewhere = "another --trainer.default_root_dir"
         if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
@@ -636,6 +665,28 @@ class LilicorrCLI(LightningCLI):
             f"{record} records another run (its {key}: {_short(saved.get(key), 80)}, this run's: "
             f"{_short(current.get(key), 80)}); {fix} {elsewhere}"
         )
+
+    def _keep_the_record_of_the_steps_before(self, record: str, saved: dict[str, Any], current: dict[str, Any],
+                                             differing: list[str]) -> None:
+        """A resume with changed settings: the changes are listed (those of ``model.*`` the system lists itself, as it
+        applies them), and the record of how the steps before were trained is kept beside the one this resume writes,
+        as ``<name>-until-step<N>.<ext>`` (N: the checkpoint's step), never over an earlier such file."""
+        others = [k for k in differing if not k.startswith("model.")]
+        if others and self.trainer.is_global_zero:
+            print("lilicorr: resuming with changed settings (applied from this run's config): " + "; ".join(
+                f"{k}: {_short(saved.get(k), 60)} -> {_short(current.get(k), 60)}" for k in others), file=sys.stderr)
+        if not self.trainer.is_global_zero:
+            return
+        stem, ext = os.path.splitext(record)
+        step = self._resumed_step if self._resumed_step is not None else "unknown"
+        kept, n = f"{stem}-until-step{step}{ext}", 0
+        while os.path.lexists(kept):
+            n += 1
+            kept = f"{stem}-until-step{step}-v{n}{ext}"
+        with open(record, "rb") as fh, atomic_file(Path(kept), "wb") as out:
+            out.write(fh.read())
+        print(f"lilicorr: the record of steps 0-{step} is kept as {kept}; {record} records this resume's settings",
+              file=sys.stderr)
 
     def _last_checkpoints(self) -> set[Any]:
         """What ``--ckpt_path=last`` can resume from, found as Lightning finds it once the Trainer is built: the
@@ -679,8 +730,27 @@ class LilicorrCLI(LightningCLI):
         )
 
     def before_validate(self) -> None:
+        self._refuse_replacing_a_foreign_record("validate")
         self._check_callbacks()
         self._wire_data()
+
+    def before_predict(self) -> None:
+        self._refuse_replacing_a_foreign_record("predict")
+
+    def _refuse_replacing_a_foreign_record(self, stage: str) -> None:
+        """``validate``/``test``/``predict`` rewrite their own ``<stage>-config.yaml`` on every run (the record of the
+        latest evaluation); a file of that name that no lilicorr command wrote (one without the header the config
+        callback writes, or not a config) is the user's, and is refused before the data are prepared."""
+        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
+        if callback is None or not callback.save_to_log_dir:
+            return
+        record = Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{stage}-{callback.fit_config_filename}"
+        if not os.path.lexists(record) or _written_by_the_config_callback(record):
+            return
+        raise UserInputError(
+            f"{record} exists and is not a record lilicorr {stage} wrote, so it is not replaced; move that file, or "
+            f"write this {stage} elsewhere with another --trainer.default_root_dir"
+        )
 
     def after_validate(self) -> None:
         """The in-loop acceptance evaluation's τ printed too: it goes to the loggers and the monitors, and Lightning's
@@ -733,6 +803,7 @@ class LilicorrCLI(LightningCLI):
         print(f"wrote {path}")
 
     def before_test(self) -> None:
+        self._refuse_replacing_a_foreign_record("test")
         self._wire_data()
 
     def _wire_data(self) -> None:
@@ -743,6 +814,22 @@ class LilicorrCLI(LightningCLI):
                 wire_logit_cache(self.model, dm)
             except ValueError as err:  # model and data settings that contradict each other: one line
                 raise UserInputError(str(err)) from None
+
+
+def _written_by_the_config_callback(path: Path) -> bool:
+    """Whether ``path`` is a config record as :class:`LoggerSaveConfigCallback` writes them: a plain file whose first
+    line is Lightning's version header and whose YAML is a mapping with the run's sections."""
+    import yaml
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(1 << 22)
+        saved = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return text.startswith("# lightning.pytorch==") and isinstance(saved, dict) and {"model", "trainer"} <= set(saved)
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -820,8 +907,15 @@ def prepare_command(argv: Sequence[str]) -> Any:
     cli = run_lightning(argv, description=prepare_command.__doc__ or "", cli_class=PrepareCLI, prog="lilicorr prepare",
                         run=False, save_config_callback=None)
     trainer = cli.config["trainer"]
-    return prepare(cli.datamodule, accelerator=trainer["accelerator"], devices=trainer["devices"],
-                   num_nodes=trainer["num_nodes"])
+    try:
+        return prepare(cli.datamodule, accelerator=trainer["accelerator"], devices=trainer["devices"],
+                       num_nodes=trainer["num_nodes"])
+    except (DataFormatError, CacheError) as err:  # what fit says in one line, too
+        raise UserInputError(first_line(err)) from None
+    except MisconfigurationException as err:  # e.g. no such accelerator here
+        raise UserInputError(f"{first_line(err)} (trainer.accelerator {trainer['accelerator']}, trainer.devices "
+                             f"{trainer['devices']}); set them to what this machine has, e.g. "
+                             "--trainer.accelerator=cpu") from None
 
 
 CLI_KWARGS: dict[str, Any] = {

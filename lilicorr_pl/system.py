@@ -119,6 +119,49 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
     return [f"model.{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in differing]
 
 
+# What the validation split is drawn from when no data.val_files are given (DraftDataModule.setup): other values
+# draw another split from the same examples, part of which the checkpoint trained on.
+SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples")
+
+
+def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, Any], saved_data: Mapping[str, Any],
+                              current_data: Mapping[str, Any], ckpt: Any, subcommand: str) -> None:
+    """``validate``/``predict`` measure a checkpoint as it was trained: raise (one line) where this run's drafter or
+    head settings, the target layers the drafter reads, or the validation split differ from the checkpoint's. The
+    losses, the target's place and dtype and other data files are the measurement's own choice (recorded in its
+    ``<subcommand>-config.yaml``)."""
+    saved, current = plain_data(dict(saved)), plain_data(dict(current))
+    if "head" in saved:
+        saved["head"] = as_trained(saved["head"])
+    found: list[tuple[str, Any, Any]] = []
+    for key in ("drafter", "head"):
+        if key in saved and saved.get(key) != current.get(key):
+            found += _differences(saved.get(key), current.get(key), key)
+    for key in ("layer_ids", "num_features"):
+        was, now = (saved.get("target") or {}).get(key), (current.get("target") or {}).get(key)
+        if "target" in saved and was != now:
+            found.append((f"target.{key}", was, now))
+    if found:
+        detail = "; ".join(f"model.{path}: checkpoint {_short(was)} vs now {_short(now)}" for path, was, now in found[:3])
+        raise CheckpointError(
+            f"--ckpt_path {ckpt} was trained with other settings ({detail}); lilicorr {subcommand} measures a checkpoint "
+            "as it was trained: pass its run's settings (-c <its run>/config.yaml), or measure decoding options with "
+            "lilicorr bench (--walk, --lattice_k)"
+        )
+    saved_data, current_data = plain_data(dict(saved_data)), plain_data(dict(current_data))
+    same_examples = (not saved_data.get("val_files") and not current_data.get("val_files")
+                     and saved_data.get("train_files") == current_data.get("train_files"))
+    split = [(k, saved_data.get(k), current_data.get(k)) for k in SPLIT_KEYS
+             if k in saved_data and saved_data.get(k) != current_data.get(k)]
+    if same_examples and split and saved_data:
+        detail = "; ".join(f"data.{k}: checkpoint {_short(was)} vs now {_short(now)}" for k, was, now in split)
+        raise CheckpointError(
+            f"--ckpt_path {ckpt} trained beside another validation split of the same data.train_files ({detail}), so "
+            f"this {subcommand} would measure it on examples it trained on; use the checkpoint's values, or measure "
+            "other data with data.val_files"
+        )
+
+
 def _differences(saved: Any, current: Any, path: str) -> list[tuple[str, Any, Any]]:
     """The leaves where two settings differ, as ``(dotted path, saved, current)``: a whole head config printed to 160
     characters could end before the field that differs."""

@@ -19,7 +19,7 @@ import torch
 
 from conftest import user_error
 from helpers import make_tiny_target_dir
-from lilicorr_pl.checkpoint import CheckpointError, read_checkpoint, state_checksum
+from lilicorr_pl.checkpoint import CheckpointError, UserInputError, read_checkpoint, state_checksum
 from lilicorr_pl.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -551,6 +551,19 @@ def test_a_resume_from_last_is_checked_before_any_work_like_a_named_checkpoint(t
 
 
 
+def test_a_file_without_lightnings_records_is_named_before_any_work(tiny_run, tmp_path, capsys):
+    """A bare state dict (or another tool's file) as --ckpt_path: validate failed with Lightning's KeyError traceback
+    once the target was loaded, and fit with a 1,300-character line blaming the drafter settings."""
+    _, good = tiny_run
+    bare = tmp_path / "bare.ckpt"
+    torch.save({"state_dict": torch.load(good, map_location="cpu", weights_only=True)["state_dict"]}, bare)
+    for argv in (_resume_argv(tmp_path, bare), ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"),
+                                                f"--ckpt_path={bare}", f"--trainer.default_root_dir={tmp_path / 'v'}"]):
+        err = user_error(capsys, argv)
+        assert (f"--ckpt_path {bare} is not a checkpoint of lilicorr fit (it has no hyper_parameters, "
+                "pytorch-lightning_version); pass a .ckpt that lilicorr fit wrote") in err, err
+
+
 def test_the_early_check_finds_what_lightning_resumes_from_on_exception_files_and_sharded_folders(tmp_path):
     """`--ckpt_path=last` is resolved as Lightning resolves it: the newest of the ModelCheckpoint folders' last*.ckpt
     and the OnExceptionCheckpoint files; when that newest is a folder (a sharded checkpoint) nothing older is checked
@@ -576,5 +589,11 @@ def test_the_early_check_finds_what_lightning_resumes_from_on_exception_files_an
         os.utime(path, (1000 + age, 1000 + age))
     assert last(cli, "fit") == str(crashes / "crash.ckpt")
     (ckpts / "last-v1.ckpt").mkdir()
+    os.utime(ckpts / "last-v1.ckpt", (2000, 2000))
+    # An empty folder is no sharded checkpoint: Lightning's IsADirectoryError once the data were prepared.
+    with pytest.raises(UserInputError, match=r"--ckpt_path=last: the newest last checkpoint, .*last-v1.ckpt, is an empty "
+                                             r"folder; remove it, or pass the checkpoint file to resume from"):
+        last(cli, "fit")
+    (ckpts / "last-v1.ckpt" / "checkpoint").mkdir()  # a sharded checkpoint's layout: left to its strategy
     os.utime(ckpts / "last-v1.ckpt", (2000, 2000))
     assert last(cli, "fit") is None

@@ -206,8 +206,18 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     with pytest.warns(UserWarning, match=r"this run's final weights are in .*last-v1.ckpt; last.ckpt beside it holds "
                                          r"an earlier run's .*pass .*last-v1.ckpt to bench and export"):
         fit_tiny(tmp_path, steps=1)  # the same run again: Lightning numbers its last checkpoint
-    cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=2)  # resumed: its own record is rewritten
+    before = (root / "config.yaml").read_bytes()
+    capsys.readouterr()
+    cli = fit_tiny(tmp_path, "--ckpt_path=last", "--trainer.gradient_clip_val=100", steps=2)  # its record rewritten
     assert cli.trainer.global_step == 2 and "ckpt_path: last" in (root / "config.yaml").read_text()
+    # ... with every changed setting listed (a trainer's or the data's were applied silently), and the record of how
+    # the steps before were trained kept beside it (it was replaced by this resume's).
+    err = capsys.readouterr().err
+    assert ("lilicorr: resuming with changed settings (applied from this run's config): trainer.gradient_clip_val: "
+            "1.0 -> 100; trainer.max_steps: 1 -> 2") in err
+    kept = root / "config-until-step1.yaml"
+    assert kept.read_bytes() == before and f"the record of steps 0-1 is kept as {kept}" in err
+    assert yaml.safe_load((root / "config.yaml").read_text())["trainer"]["gradient_clip_val"] == 100.0
     # ... from the run's own newest last checkpoint (the run again wrote last-v1.ckpt beside the first run's
     # last.ckpt); Lightning alone looked in the logger's folder, found none and started over at step 0.
     assert Path(cli.trainer.ckpt_path).resolve() == (root / "checkpoints" / "last-v1.ckpt").resolve()
@@ -374,11 +384,35 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert (saved.parent / "predict.json").read_text() == "my notes"
     # Evaluating the run kept fit's record of how it was trained; each subcommand wrote its own config beside it.
     assert saved.read_bytes() == trained_with
-    # A --ckpt_path trained with another head config: one line naming the checkpoint (it was a traceback).
+    # A --ckpt_path trained with another head config: one line naming the checkpoint and the setting, before the data
+    # and the target (it was a traceback, then a line about missing tensors once both were ready).
     err = user_error(capsys, ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
                               "--model.head.init_args.num_layers=2", "--trainer.enable_progress_bar=false"])
-    assert f"--ckpt_path {ckpt}: checkpoint does not match the system: missing ['head.layers.1." in err
-    assert "Traceback" not in err and "was it trained with a different drafter/head config?" in err
+    assert (f"--ckpt_path {ckpt} was trained with other settings (model.head.init_args.num_layers: checkpoint 1 vs now "
+            "2); lilicorr validate measures a checkpoint as it was trained") in err and "Traceback" not in err
+    # A decode-time head option, or another validation split of the same examples, measured silently and wrote a
+    # predict.json under the checkpoint's name: refused the same way.
+    scale = yaml.safe_load(trained_with)["model"]["head"]["init_args"]["logit_scale"]
+    (saved.parent / "predict.json").write_bytes(before)  # predict's own results again
+    err = user_error(capsys, ["predict", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                              f"--model.head.init_args.logit_scale={scale / 2}"])
+    assert f"(model.head.init_args.logit_scale: checkpoint {scale!r} vs now {scale / 2!r})" in err
+    assert "lilicorr predict measures a checkpoint as it was trained" in err
+    seed = yaml.safe_load(trained_with)["data"]["seed"]
+    err = user_error(capsys, ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}",
+                              f"--data.seed={seed + 7}"])
+    assert (f"trained beside another validation split of the same data.train_files (data.seed: checkpoint {seed} vs now "
+            f"{seed + 7}), so this validate would measure it on examples it trained on") in err
+    # Measuring other data is the user's choice: held-out files are read with any seed.
+    # A user's own file where validate and predict write their record of the run is never replaced.
+    for stage in ("validate", "predict"):
+        record = saved.parent / f"{stage}-config.yaml"
+        kept = record.read_bytes()
+        record.write_text("my notes on this run\n")
+        err = user_error(capsys, [stage, "-c", str(ROOT / "configs" / "tiny.yaml"), root, f"--ckpt_path={ckpt}"])
+        assert f"{record} exists and is not a record lilicorr {stage} wrote, so it is not replaced" in err
+        assert record.read_text() == "my notes on this run\n"
+        record.write_bytes(kept)
     # A data store damaged after fit built it, found while the subcommand runs: one line naming it and the fix.
     shard = sorted((tmp_path / "runs" / "tiny" / "cache").rglob("shard-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-16])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -10,6 +11,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import user_error
 from helpers import make_tiny_target_dir
 from transformers import AutoTokenizer
 
@@ -155,6 +157,16 @@ def test_thinking_flag_reaches_the_template(tmp_path, tok):
                                               r"data.enable_thinking: true"):
         load_examples([regenerated], tok, chat_template=template, enable_thinking=False)
     assert load_examples([regenerated], tok, chat_template=template, enable_thinking=True)[0].input_ids == on.input_ids
+    # Regenerated with one chat template and trained with another: the same, by the template's recorded digest.
+    digest = hashlib.sha256(template.encode()).hexdigest()
+    written = write_jsonl(tmp_path / "w.jsonl", [{"messages": CHAT[:3], "generation": {
+        "enable_thinking": True, "chat_template_sha256": digest}}])
+    other = template.replace("[thinking on]", "[on]")
+    with pytest.raises(DataFormatError, match=r"w.jsonl line 1: regenerated with another chat template \(its "
+                                              rf"\"generation\" entry's chat_template_sha256 {digest[:12]}\.\.\., "
+                                              r"this run's [0-9a-f]{12}\.\.\.\).*set data.chat_template"):
+        load_examples([written], tok, chat_template=other, enable_thinking=True)
+    assert load_examples([written], tok, chat_template=str(tpl_file), enable_thinking=True)[0].input_ids == on.input_ids
 
 
 def test_truncation_and_packing_preserve_masks(tmp_path, tok):
@@ -687,6 +699,27 @@ def test_lilicorr_prepare_writes_the_stores_fit_reads(tmp_path, monkeypatch, cap
     monkeypatch.setattr(FrozenTarget, "from_spec", lambda *a, **k: pytest.fail("the target loaded with nothing to do"))
     assert main(["prepare", "-c", str(saved)])["train"] == paths
     assert f"[lilicorr] prepare: train logits store {paths['logits']} (reused)" in capsys.readouterr().out
+
+
+def test_lilicorr_prepare_says_what_fit_says_in_one_line(tmp_path, capsys):
+    """prepare's data, store and device errors were tracebacks (its precompute ran outside the command's error
+    handling); a run folder or data store under a file was a traceback once the target was loaded, in every command."""
+    root = Path(__file__).resolve().parents[1]
+    args = ["-c", str(root / "configs" / "tiny.yaml"), f"--data.cache_dir={tmp_path / 'cache'}", "--data.progress=false"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "def f():\\n    return 1\\n"}\n{"text": \n')
+    err = user_error(capsys, ["prepare", *args, f"--data.train_files=[{bad}]", f"--data.val_files=[{bad}]"])
+    assert "bad.jsonl line 2" in err
+    err = user_error(capsys, ["prepare", *args, "--trainer.accelerator=gpu"])
+    assert "(trainer.accelerator gpu, trainer.devices " in err and "--trainer.accelerator=cpu" in err
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for command, setting in (("prepare", "data.cache_dir"), ("fit", "trainer.default_root_dir"),
+                             ("validate", "data.cache_dir")):
+        err = user_error(capsys, [command, "-c", str(root / "configs" / "tiny.yaml"), f"--{setting}={a_file / 'sub'}",
+                                  *(["--ckpt_path=x.ckpt"] if command == "validate" else [])])
+        assert f"{setting} {a_file / 'sub'}: {a_file} is a file, so the directory cannot be created" in err, err
+    assert a_file.read_text() == "mine"
 
 
 class _FakeStore:

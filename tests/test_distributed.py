@@ -178,7 +178,7 @@ def test_ddp_two_processes_train_on_strides_resume_exactly_and_validate_like_one
 
 
 # ---------------------------------------------------------------------- lilicorr prepare over two processes
-def _datamodule(cache_dir: Path):
+def _datamodule(cache_dir: Path, shard_tokens: int = 512):
     from lilicorr_pl.builtin import resolve_data_file, resolve_target_path
     from lilicorr_pl.data.datamodule import DraftDataModule
 
@@ -186,7 +186,7 @@ def _datamodule(cache_dir: Path):
     target = {"name_or_path": resolve_target_path("builtin:tiny"), "dtype": "float32", "layer_ids": [1, 2]}
     # 64 examples of 64 tokens in shards of 512 tokens: 8 shards, 4 per process.
     return DraftDataModule(train_files=[resolve_data_file("builtin:stdlib-train:64")], max_length=64, logit_top_m=16,
-                           feature_cache=True, precompute_batch_size=3, shard_tokens=512, cache_dir=str(cache_dir),
+                           feature_cache=True, precompute_batch_size=3, shard_tokens=shard_tokens, cache_dir=str(cache_dir),
                            target=target, progress=False)
 
 
@@ -227,3 +227,21 @@ def test_prepare_over_two_processes_writes_the_bytes_of_prepare_data(tmp_path, m
         ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
         assert ma.pop("provenance")["processes"] == 1 and mb.pop("provenance")["processes"] == (1 if name.startswith("tokens") else 2)
         assert ma == mb  # fingerprint, parts, shards with sizes and sha256, meta
+
+
+def test_prepare_with_more_processes_than_shards_leaves_the_idle_one_waiting(tmp_path):
+    """One shard for two processes (a small store, or a resumed prepare with one shard left): the process without a
+    shard failed ("DataLoader within local rank has zero length"), leaving a partial store behind."""
+    from lilicorr_pl.data.prepare import prepare
+
+    _datamodule(tmp_path / "single", shard_tokens=1 << 16).prepare_data()
+    paths = prepare(_datamodule(tmp_path / "prepared", shard_tokens=1 << 16), accelerator="cpu", devices=2,
+                    strategy="ddp_fork")["train"]
+    names = sorted(p.name for p in (tmp_path / "single").iterdir())
+    assert sorted(p.name for p in (tmp_path / "prepared").iterdir()) == names == sorted(p.name for p in paths.values())
+    for name in names:
+        a, b = tmp_path / "single" / name, tmp_path / "prepared" / name
+        files = sorted(p.name for p in a.iterdir())
+        assert sorted(p.name for p in b.iterdir()) == files and len(files) == 2  # 1 shard + manifest
+        shard = next(f for f in files if f.endswith(".safetensors"))
+        assert (a / shard).read_bytes() == (b / shard).read_bytes(), name

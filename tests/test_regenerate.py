@@ -679,10 +679,25 @@ def test_a_resume_with_only_unanswerable_records_left_counts_them_as_the_first_r
     out = tmp_path / "out.jsonl"
     first = run(target_dir, inp, out)
     assert (first.succeeded, first.failed) == (1, 1)
-    assert "failed, fix it in --input; a rerun answers it then: in.jsonl line 2: unknown record format" in \
+    assert "failed, fix it in --input and regenerate into a new --output: in.jsonl line 2: unknown record format" in \
         capsys.readouterr().err
     again = run(target_dir, inp, out)
     assert (again.succeeded, again.failed, again.skipped) == (0, 1, 1)
+    # The advice holds: the fixed input is another input, refused onto this output (it said "a rerun answers it
+    # then", and the rerun was refused) and answered whole into a new one.
+    inp.write_text(json.dumps({"text": "def f(x):"}) + "\n" + json.dumps({"text": "def g(y):"}) + "\n")
+    with pytest.raises(ValueError, match=r"was produced with other settings \(input_sha256: "):
+        run(target_dir, inp, out)
+    fixed = run(target_dir, inp, tmp_path / "fixed.jsonl")
+    assert (fixed.succeeded, fixed.failed) == (2, 0)
+    # A record of what produced the output that is not the object regenerate writes: one line naming it (a damaged
+    # one was a bare JSON error, a list an AttributeError).
+    record = tmp_path / "fixed.jsonl.provenance.json"
+    for damaged in (record.read_text()[:50], "[1, 2]"):
+        record.write_text(damaged)
+        with pytest.raises(ValueError, match=rf"--output .*fixed.jsonl: .*{record.name} is not the JSON object "
+                                             r"lilicorr regenerate writes there \(damaged or replaced\)"):
+            run(target_dir, inp, tmp_path / "fixed.jsonl")
 
 
 def test_a_prompt_beside_text_stays_a_text_record_and_a_list_prompt_is_a_chat_prompt(target_dir, tmp_path):

@@ -39,9 +39,11 @@ never sees).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
-import re
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +296,13 @@ def resolve_chat_template(chat_template: str | None, option: str = "data.chat_te
     return chat_template
 
 
+@functools.lru_cache(maxsize=8)
+def _template_digest(template: str) -> str:
+    """sha256 of a template's text, as ``lilicorr regenerate`` records it (``fingerprint.text_sha256``); memoised:
+    every chat record of a file compares against it."""
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
 def effective_chat_template(tokenizer: Any, chat_template: str | None = None) -> str | None:
     """The template text that will be used: the override, else the tokenizer's own (None if neither)."""
     template = resolve_chat_template(chat_template)
@@ -491,6 +500,16 @@ def tokenize_record(
             f"answers unlike it wrote them; set data.enable_thinking: {str(recorded).lower()}"
         )
     template = resolve_chat_template(chat_template)
+    written_with = generation.get("chat_template_sha256") if isinstance(generation, dict) else None
+    if isinstance(written_with, str):
+        used = effective_chat_template(tokenizer, template)
+        if used is None or _template_digest(used) != written_with:
+            raise DataFormatError(
+                f"{where}: regenerated with another chat template (its \"generation\" entry's chat_template_sha256 "
+                f"{written_with[:12]}..., this run's {_template_digest(used)[:12] + '...' if used else 'none'}), so the "
+                "target's answers would be rendered unlike it wrote them; set data.chat_template to the template "
+                "`lilicorr regenerate` used (its --chat-template, else the target tokenizer's own)"
+            )
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataFormatError(
             f"{where}: chat data ({fmt}) but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "

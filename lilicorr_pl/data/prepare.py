@@ -31,6 +31,9 @@ class _PrecomputeData(L.LightningDataModule):
         super().__init__()
         self.datamodule = datamodule
         self.job: PrecomputeJob | None = None
+        # More processes than shards left to compute (a small store, or a resumed run with its last few to do): the
+        # processes without one run no batch and wait at the barrier, where Lightning would raise on them.
+        self.allow_zero_length_dataloader_with_multiple_devices = True
 
     def prepare_data(self) -> None:
         self.datamodule.prepare_tokens()

@@ -263,7 +263,15 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
             f"--output {output} exists but has no {record.name} saying what produced it; resuming onto it could "
             "mix sources: choose a new --output (or move the file away)"
         )
-    saved = json.loads(record.read_text())
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"--output {output}: {record} is not the JSON object lilicorr regenerate writes there (damaged or replaced), "
+            "so resuming cannot be checked; choose a new --output (or move both files away)"
+        )
     if "target_hash" in provenance and "target_hash" not in saved:
         # Recorded before whole-content digests: its target compared by the sampled rule it was recorded with.
         provenance = {k: v for k, v in provenance.items() if k != "target_hash"}
@@ -605,7 +613,9 @@ def regenerate(
             if len(stats.errors) < 50:
                 stats.errors.append((index, msg))
             # A record that cannot be read or answered fails the same way every time: it is the input's to fix.
-            retry = ("fix it in --input; a rerun answers it then" if isinstance(err, DataFormatError)
+            # Fixing it changes --input, which this output's record names by its hash: a run on the fixed input
+            # writes a new --output (resuming this one would mix two inputs, and is refused).
+            retry = ("fix it in --input and regenerate into a new --output" if isinstance(err, DataFormatError)
                      else "retried by the next run")
             print(f"[lilicorr] regenerate: failed, {retry}: {msg}", file=sys.stderr)
 
