@@ -98,6 +98,23 @@ class ModelCheckpoint(LightningModelCheckpoint):
             remove_gone_writers(Path(self.dirpath), ".*.tmp")
         super().setup(trainer, pl_module, stage)
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._resumed_from = getattr(trainer, "ckpt_path", None)  # read by load_state_dict, which Lightning calls next
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        recorded = state_dict.get("dirpath", self.dirpath)
+        super().load_state_dict(state_dict)
+        # A run folder copied or moved, resumed from its own `last` in the new place: Lightning forgets `last` when
+        # the folder's path changed, so the resume wrote `last-v1.ckpt` beside the file it resumed from (and the run's
+        # end called that one "an earlier run's"). Only the very file resumed from is taken as the run's `last` again.
+        last, resumed = state_dict.get("last_model_path"), getattr(self, "_resumed_from", None)
+        if self.dirpath is None or recorded == self.dirpath or not last or not resumed:
+            return
+        here = Path(self.dirpath) / Path(last).name
+        if here.exists() and os.path.realpath(resumed) in (os.path.realpath(here), str(here.absolute())):
+            self.last_model_path = str(here)
+
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         # `fit(ckpt_path="last")` looks for them before `setup`: without this, Lightning would look in the logger's
         # folder, find nothing and train from step 0 with only a warning.

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
-from lilicorr_pl.checkpoint import CHECKSUM_KEY, UserInputError, check_checkpoint_file, first_line
+from lilicorr_pl.checkpoint import (CHECKSUM_KEY, UserInputError, check_checkpoint_file, first_line, read_verified,
+                                    verified_first)
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import CompileModeName, DeviceName, check_device, resolve_dtype
 
@@ -166,7 +167,8 @@ def run_bench(
             "chat_template": prompts.chat_template,
             "enable_thinking": prompts.enable_thinking,
             "seed": seed,
-            "target": system.target_spec.name_or_path,
+            # A local directory by its absolute path (a relative one says nothing once the JSON is moved).
+            "target": os.path.abspath(name) if os.path.isdir(name := str(system.target_spec.name_or_path)) else name,
             # Which target weights were measured, against the ones the checkpoint trained with (a hash of the config
             # and weight files; None where unreadable): a false match says the drafter ran against another model.
             "target_weights": None,
@@ -467,9 +469,12 @@ def bench(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lilicorr_pl.system import DraftSystem
 
+    first = None
     if target is not None:
-        from lilicorr_pl.builtin import resolve_target_option
+        from lilicorr_pl.builtin import is_builtin, resolve_target_option
 
+        if is_builtin(target) and not served:  # its build may take minutes: a damaged checkpoint is named first
+            first = read_verified(path)[1]
         target = resolve_target_option(target)
     if served:
         try:  # the directory's config and weights against the target's sizes: one line, before the target loads
@@ -478,11 +483,17 @@ def bench(
         except (ValueError, FileNotFoundError, OSError) as err:
             raise UserInputError(f"--ckpt {path}: {first_line(err)}") from None
     else:
-        system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
-                                             allow_modules=list(allow_module),  # CheckpointError: one line
-                                             target_path=target, load_target=False,  # after the checks below
-                                             target_dtype=None if dtype == "auto" else dtype)
+        with verified_first(first):  # not hashed a second time
+            system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
+                                                 allow_modules=list(allow_module),  # CheckpointError: one line
+                                                 target_path=target, load_target=False,  # after the checks below
+                                                 target_dtype=None if dtype == "auto" else dtype)
     meta = system.checkpoint_meta
+    weights_digest = None
+    if served:
+        from lilicorr_pl.data.fingerprint import content_sha256
+
+        weights_digest = content_sha256(path / "model.safetensors")
     try:
         chosen = [selector_for(name, system) for name in names]
         serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
@@ -511,8 +522,10 @@ def bench(
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None
     for run in runs:  # what produced the numbers: the file, its weights' checksum and step, the head's serving options
-        run["checkpoint"] = {"path": str(path), "state_sha256": meta.get(CHECKSUM_KEY),
+        run["checkpoint"] = {"path": os.path.abspath(path), "state_sha256": meta.get(CHECKSUM_KEY),
                              "global_step": system.checkpoint_step}
+        if served:  # no training checksum: which weights, by their file's digest (a later --overwrite is told apart)
+            run["checkpoint"]["weights_sha256"] = weights_digest
         run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
         run["target_dtype"] = str(resolve_dtype(system.target_spec.dtype)).removeprefix("torch.")  # bf16: bfloat16
         print(format_table(run))

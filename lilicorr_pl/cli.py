@@ -9,6 +9,7 @@ line on stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -131,6 +132,20 @@ def run(argv: Sequence[str]) -> Any:
     return None
 
 
+def _out_of_space(err: BaseException) -> str | None:
+    """`` writing PATH`` (or ``""``) when ``err``, or what caused it, is a full disk or quota; else None. safetensors
+    reports one as its own error type, ``... (os error 28)``."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f" writing {err.filename}" if err.filename else ""
+        if type(err).__name__ == "SafetensorError" and f"(os error {errno.ENOSPC})" in str(err):
+            return ""
+        err = err.__cause__  # what raised it on purpose, not an error met while handling another
+    return None
+
+
 def main(args: Sequence[str] | None = None) -> Any:
     """Entry point of ``lilicorr`` and ``python -m lilicorr_pl``; tests call it with an argument list.
 
@@ -149,6 +164,15 @@ def main(args: Sequence[str] | None = None) -> Any:
         print(f"lilicorr{' ' + name if name else ''}: {err.what}{AFTER_A_STOP.get(name or '', '')} (exit status "
               f"{err.code})", file=sys.stderr)
         raise SystemExit(err.code) from None
+    except Exception as err:  # noqa: BLE001 - only a full disk is answered here; everything else is re-raised
+        full = _out_of_space(err)
+        if full is None:
+            raise
+        # A full disk is the machine's, not a bug: one line, naming where (what was being written was removed by its
+        # atomic writer, and nothing of the user's was touched).
+        print(f"lilicorr{' ' + name if name else ''}: error: no space left on the device{full}; free space there, or "
+              "write elsewhere (--output, trainer.default_root_dir, data.cache_dir, LILICORR_CACHE)", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C outside a fit's loop (which stops at a step's end): one line, not a traceback
         after = AFTER_A_STOP.get(name or "", "") if name != "fit" else ""
         print(f"\nlilicorr{' ' + name if name else ''}: interrupted (Ctrl-C){after} (exit status 130)", file=sys.stderr)

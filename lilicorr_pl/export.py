@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file
+from lilicorr_pl.checkpoint import UserInputError, check_checkpoint_file, read_verified, verified_first
 from lilicorr_pl.interop import (
     DFLASH_ARCHITECTURE,
     LILICORR_ARCHITECTURE,
@@ -56,13 +56,17 @@ def export(
     from lilicorr_pl.heads.lilicorr import LiLiCorrHead
     from lilicorr_pl.system import DraftSystem
 
+    first = None
     if target is not None:
-        from lilicorr_pl.builtin import resolve_target_option
+        from lilicorr_pl.builtin import is_builtin, resolve_target_option
 
+        if is_builtin(target):  # its build may take minutes: a damaged checkpoint is named first
+            first = read_verified(ckpt)[1]
         target = resolve_target_option(target)
-    system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
-                                         allow_modules=list(allow_module),  # CheckpointError: one line
-                                         target_path=target, load_target=False)  # the drafter and head only
+    with verified_first(first):  # not hashed a second time
+        system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
+                                             allow_modules=list(allow_module),  # CheckpointError: one line
+                                             target_path=target, load_target=False)  # the drafter and head only
     # Not loaded, but its weight files are read (once per version: a memo) to say whether they are the ones the
     # drafter trained against, as an engine will serve it with them.
     system.warn_if_other_target({"lilicorr": system.checkpoint_meta}, "using it measures or serves")

@@ -60,6 +60,9 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
     named ``output`` / ``plot``, and ``output_fix`` / ``plot_fix`` the fixes, for the messages)."""
     if output:
         out = Path(output)
+        if out.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
+            raise ValueError(f"{output_flag} {out} is a symbolic link (to {os.readlink(out)}), which a run's atomic write "
+                             f"would replace; pass the path it points to, or another file name")
         if out.is_dir():
             raise ValueError(f"{output_flag} {out} is a directory; " + (
                 f"pass a file name such as {out / 'results.json'}" if output_fix == "choose another file name"
@@ -78,14 +81,18 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
         check_writable_dir(directory, f"{plot_flag} {directory}")
 
 
-def check_writable_dir(directory: Path, what: str) -> None:
-    """Raise ``ValueError`` unless ``directory`` exists or can be created, and is writable (``what`` names it)."""
+def check_writable_dir(directory: Path, what: str, writable: bool = True) -> None:
+    """Raise ``ValueError`` unless ``directory`` exists or can be created, and is writable (``what`` names it;
+    ``writable=False``: a folder that may already hold everything a command reads, write access left to its writer)."""
     probe = directory
     while not probe.exists():
+        if probe.is_symlink():  # a link to nothing: creating the folder failed with FileExistsError, at the end
+            raise ValueError(f"{what}: {probe} is a broken symbolic link (to {os.readlink(probe)}); choose another "
+                             "path, or create what it points to")
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
-    if not os.access(probe, os.W_OK):
+    if writable and not os.access(probe, os.W_OK):
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
 
 

@@ -27,6 +27,7 @@ size).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -37,14 +38,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from lilicorr_pl.checkpoint import state_checksum
 from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_writers, writer_tag
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
 
 EXPORT_MARKER = "lilicorr_pl"
 """The ``config.json`` key every ``lilicorr export`` writes (the package version, the target's name)."""
+EXPORT_ID = "export_id"
+"""The key of the id one export writes into its ``config.json`` (under :data:`EXPORT_MARKER`) and its
+``model.safetensors`` metadata (``lilicorr_pl.export_id``): a digest of what it exported."""
 HEAD_PREFIX = "lilicorr."
 """Key prefix of the LiLiCorr head's tensors inside ``model.safetensors``."""
 LILICORR_ARCHITECTURE = "LiLiCorrDraftModel"
@@ -220,6 +226,8 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
     Nothing the exporter did not write is ever deleted: with ``overwrite`` only the files it writes are
     replaced; everything else in the directory stays.
     """
+    if not str(output).strip():
+        raise ExportError("--output is empty; pass the directory to write the export into")
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ExportError(f"--output {output} is a file, not a directory; choose a new directory name")
@@ -257,6 +265,24 @@ def _refuse_another_model(output: Path) -> None:
         f"--output {output} holds {held} (config.json / model.safetensors, not written by lilicorr export); "
         "--overwrite replaces only an earlier lilicorr export's, so choose another directory"
     )
+
+
+def _order_metadata(path: Path) -> None:
+    """Write a safetensors file's ``__metadata__`` keys in sorted order, in place: safetensors writes them in a hash
+    map's order, which changes from one save to the next, so the same export came out as other bytes (and a demo stage
+    keyed by its drafter's checksum was trained again). The header keeps its length (the same JSON reordered, padded
+    with the spaces safetensors pads it with)."""
+    with open(path, "r+b") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+        if len(header.get("__metadata__") or {}) < 2:
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > size:  # never: the same keys and values (a header it cannot rewrite is left as written)
+            return
+        fh.seek(8)
+        fh.write(text.ljust(size, b" "))
 
 
 def _publish(files: dict[str, Path], output: Path) -> None:
@@ -297,11 +323,18 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     try:
         cfg = drafter_config(drafter, head, dtype)
         # Every export says it is one (what --overwrite may replace; a released drafter has no such key).
+        # One id in both files: the two renames into place are two steps, and a reader holding the config of one
+        # export and the weights of another (an --overwrite killed between them) is told so (read_weights). The id is
+        # a digest of what is exported, so the same weights and config export to the same bytes.
+        state = export_state(drafter, head, dtype, head_mlp_names)
         cfg[EXPORT_MARKER] = {"version": __import__("lilicorr_pl").__version__, **(extra or {})}
+        export_id = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode() + state_checksum(state).encode()).hexdigest()
+        cfg[EXPORT_MARKER][EXPORT_ID] = export_id[:32]
         files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
         files["config.json"].write_text(json.dumps(cfg, indent=2))
-        save_file(export_state(drafter, head, dtype, head_mlp_names), str(files["model.safetensors"]),
-                  metadata={"format": "pt"})
+        save_file(state, str(files["model.safetensors"]), metadata={"format": "pt", f"{EXPORT_MARKER}.{EXPORT_ID}":
+                                                                    export_id[:32]})
+        _order_metadata(files["model.safetensors"])
         _publish(files, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -326,7 +359,14 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{directory} is not a DFlash drafter directory (needs config.json and model.safetensors)"
         )
-    return json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{cfg_path} is not valid JSON ({type(err).__name__}); is it a damaged export? re-export "
+                         "it") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not a model config; re-export it")
+    return cfg
 
 
 def _require_sizes(cfg: dict[str, Any], cfg_path: Path) -> None:
@@ -344,8 +384,27 @@ def _block_size(cfg: dict[str, Any]) -> int | None:
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a serving directory's ``model.safetensors``, read once for :func:`load_drafter` and
-    :func:`load_head` (each reads the file itself when not given it)."""
-    return load_file(str(Path(directory) / "model.safetensors"))
+    :func:`load_head` (each reads the file itself when not given it). A file that is not safetensors, and weights of
+    another export than the config's (the id both files of one export carry), are one line each."""
+    directory = Path(directory)
+    marker = read_config(directory).get(EXPORT_MARKER)  # first: a folder without the two files is said so
+    path = directory / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            metadata = fh.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} cannot be read as safetensors ({first}); is it truncated? re-export it") from None
+    expected = marker.get(EXPORT_ID) if isinstance(marker, dict) else None
+    found = metadata.get(f"{EXPORT_MARKER}.{EXPORT_ID}")
+    # Weights re-saved by another tool (a cast, a save_pretrained) carry no id: nothing to compare them with.
+    if expected is not None and found is not None and found != expected:
+        raise ValueError(
+            f"{directory}: config.json and model.safetensors come from two different exports (ids {expected} and "
+            f"{found}: an export --overwrite stopped between its two renames?); export it again"
+        )
+    return tensors
 
 
 def load_drafter(directory: str | Path, attention: str = "auto",

@@ -342,14 +342,15 @@ class LilicorrCLI(LightningCLI):
 
     @staticmethod
     def _check_output_folders(config: Any) -> None:
-        """The run's folder and its data stores' can be made and written: a path under a file failed with a traceback
-        once the target was loaded, when the first store was written."""
+        """The run's folder can be made and written, and its data stores' folder made: a path under a file failed with
+        a traceback once the target was loaded, when the first store was written. (The stores' folder may be another
+        run's, read-only and complete: write access is its writer's to check, for a store still missing.)"""
         trainer, data = config.get("trainer"), config.get("data")
-        for setting, section, key in (("trainer.default_root_dir", trainer, "default_root_dir"),
-                                      ("data.cache_dir", data, "cache_dir")):
+        for setting, section, key, writable in (("trainer.default_root_dir", trainer, "default_root_dir", True),
+                                                ("data.cache_dir", data, "cache_dir", False)):
             folder = section.get(key) if section is not None else None
             if folder:
-                check_writable_dir(Path(os.path.expanduser(str(folder))), f"{setting} {folder}")
+                check_writable_dir(Path(os.path.expanduser(str(folder))), f"{setting} {folder}", writable)
 
     @staticmethod
     def _resolve_builtin_data(config: Any) -> None:
@@ -381,6 +382,11 @@ class LilicorrCLI(LightningCLI):
         if subcommand != "fit":
             return
         trainer, model = config.get("trainer"), config.get("model")
+        max_steps = trainer.get("max_steps") if trainer is not None else None
+        if max_steps == 0 or trainer is not None and trainer.get("max_epochs") == 0:  # it exited 0, nothing saved
+            which = "max_steps" if max_steps == 0 else "max_epochs"
+            raise ValueError(f"trainer.{which} 0 trains nothing (the run would prepare the data, save no checkpoint and "
+                             f"exit as finished); set trainer.{which} >= 1, or -1 for no limit")
         accumulate = trainer.get("accumulate_grad_batches") if trainer is not None else None
         if isinstance(accumulate, int) and accumulate < 1:
             raise ValueError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
@@ -678,15 +684,21 @@ class LilicorrCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         stem, ext = os.path.splitext(record)
-        step = self._resumed_step if self._resumed_step is not None else "unknown"
-        kept, n = f"{stem}-until-step{step}{ext}", 0
+        tag = f"until-step{self._resumed_step}" if self._resumed_step is not None else "before-resume"
+        with open(record, "rb") as fh:
+            before = fh.read()
+        kept, n = f"{stem}-{tag}{ext}", 0
         while os.path.lexists(kept):
+            if os.path.isfile(kept) and Path(kept).read_bytes() == before:  # a retry of this resume: kept already
+                break
             n += 1
-            kept = f"{stem}-until-step{step}-v{n}{ext}"
-        with open(record, "rb") as fh, atomic_file(Path(kept), "wb") as out:
-            out.write(fh.read())
-        print(f"lilicorr: the record of steps 0-{step} is kept as {kept}; {record} records this resume's settings",
-              file=sys.stderr)
+            kept = f"{stem}-{tag}-v{n}{ext}"
+        else:
+            with atomic_file(Path(kept), "wb") as out:
+                out.write(before)
+        upto = f" up to step {self._resumed_step}" if self._resumed_step is not None else ""
+        print(f"lilicorr: the record the steps{upto} trained with is kept as {kept}; {record} records this resume's "
+              "settings", file=sys.stderr)
 
     def _last_checkpoints(self) -> set[Any]:
         """What ``--ckpt_path=last`` can resume from, found as Lightning finds it once the Trainer is built: the
@@ -913,9 +925,10 @@ def prepare_command(argv: Sequence[str]) -> Any:
     except (DataFormatError, CacheError) as err:  # what fit says in one line, too
         raise UserInputError(first_line(err)) from None
     except MisconfigurationException as err:  # e.g. no such accelerator here
-        raise UserInputError(f"{first_line(err)} (trainer.accelerator {trainer['accelerator']}, trainer.devices "
-                             f"{trainer['devices']}); set them to what this machine has, e.g. "
-                             "--trainer.accelerator=cpu") from None
+        about_devices = any(w in str(err).lower() for w in ("accelerator", "gpu", "cuda", "device", "backend", "tpu"))
+        raise UserInputError(first_line(err) + (f" (trainer.accelerator {trainer['accelerator']}, trainer.devices "
+                                                f"{trainer['devices']}); set them to what this machine has, e.g. "
+                                                "--trainer.accelerator=cpu" if about_devices else "")) from None
 
 
 CLI_KWARGS: dict[str, Any] = {

@@ -25,6 +25,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
+from lilicorr_pl.checkpoint import CHECKSUM_KEY
 from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_results_json
@@ -443,7 +444,7 @@ def load_round_modules(
     from transformers import AutoConfig
 
     from lilicorr_pl.builtin import resolve_target_path
-    from lilicorr_pl.target import default_layer_ids
+    from lilicorr_pl.target import default_layer_ids, refuse_drafter
 
     model = _model_section(configs)
     target = model.get("target") or {}
@@ -457,6 +458,8 @@ def load_round_modules(
             f"could not read the target config {source!r} ({type(err).__name__}); pass --target-config with a "
             "config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
         ) from None
+    # A drafter's config here was costed as a target with the drafter's sizes (or refused for its mask token).
+    refuse_drafter(config, str(source), "--target_config" if target_config else "model.target.name_or_path")
     layers = int(config.num_hidden_layers)
     overrides = dict(target_overrides or {})
     for key, value in overrides.items():
@@ -811,31 +814,35 @@ class PerfCLI(LilicorrCLI):
         add_saved_fit_arguments(parser, "perf (weights come from --ckpt)")
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
+        # perf's own files first: fit's checks end by resolving a `builtin:` target, which may build it (minutes).
+        self._check_perf_files(config)
         if not (config.get("cost_model") or config.get("round_timing")):  # shapes only: no data is built
             super().check_before_building(config, subcommand)
 
-    def before_instantiate_classes(self) -> None:
+    def _check_perf_files(self, config: Any) -> None:
+        """``--json`` and ``--ckpt``, before anything is built or a target resolved."""
         from lilicorr_pl.checkpoint import UserInputError
         from lilicorr_pl.command import expand_home
         from lilicorr_pl.files import check_output_paths
 
         for name in ("json", "ckpt", "target_config"):  # a leading ~ is the user's home, as in a shell: expanded
-            self.config[name] = expand_home(name, self.config.get(name))  # before the output check below
+            config[name] = expand_home(name, config.get(name))  # before the output check below
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
-            check_output_paths(self.config.get("json"), None, "--json", command="perf")
+            check_output_paths(config.get("json"), None, "--json", command="perf")
         except ValueError as err:
             raise UserInputError(str(err)) from None
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
-        if self.config.get("ckpt") and not (self.config.get("cost_model") or self.config.get("round_timing")):
+        if config.get("ckpt") and not (config.get("cost_model") or config.get("round_timing")):
             from lilicorr_pl.checkpoint import check_class_paths, config_modules, read_checkpoint
             from lilicorr_pl.system import plain_data
 
-            self.checkpoint = read_checkpoint(self.config.ckpt)
+            self.checkpoint = read_checkpoint(config.ckpt)
             # perf builds from the -c files: the modules they name are trusted, as in fit; others need --allow-module.
-            allowed = [*(self.config.get("allow_module") or ()),
-                       *config_modules(plain_data(self.config.get("model")))]
-            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, self.config.ckpt, allowed)
+            allowed = [*(config.get("allow_module") or ()), *config_modules(plain_data(config.get("model")))]
+            check_class_paths(self.checkpoint.get("hyper_parameters") or {}, config.ckpt, allowed)
+
+    def before_instantiate_classes(self) -> None:
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
         if self.config.get("ckpt_path"):
@@ -868,6 +875,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if (options.compile or options.compile_mode != "default") and not options.round_timing:
         raise UserInputError("--compile and --compile_mode set how --round_timing runs the head; add --round_timing "
                              "true or drop them")
+    if (options.cost_model or options.round_timing) and options.ckpt:
+        raise UserInputError(f"--ckpt is not read by --{'cost_model' if options.cost_model else 'round_timing'}, "
+                             "which times the config's shapes with fresh weights; drop --ckpt (it is read by the "
+                             "training-step timing and --penalty_error)")
     if options.cost_model or options.round_timing:
         from lilicorr_pl.system import plain_data
 
@@ -922,12 +933,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dm.prepare_data()
     dm.setup("fit")
     batches = [b for _, b in zip(range(max(4, options.steps)), dm.train_dataloader())]
+    # What the JSON's numbers were measured with (it held the numbers alone): the weights, steps and threads.
+    measured_with = {"ckpt": os.path.abspath(options.ckpt) if options.ckpt else None,
+                     "state_sha256": (cli.checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY) if cli.checkpoint else None,
+                     "steps": options.steps, "threads": torch.get_num_threads()}
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
         if options.json:
-            write_results_json(Path(options.json), result, "perf")
+            write_results_json(Path(options.json), {**result, "measured_with": measured_with}, "perf")
         return result
     result = profile_steps(system, batches, options.steps, options.warmup)
     total = result["step_total"]
@@ -939,5 +954,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"context memo: on, timed in its steady state ({100 * result['context_memo_hit_rate']:.0f} % of the "
               "timed steps' examples served from it; model.context_memo_mb=0 times the plain drafter forward)")
     if options.json:
-        write_results_json(Path(options.json), result, "perf")
+        write_results_json(Path(options.json), {**result, "measured_with": {**measured_with, "warmup": options.warmup}},
+                           "perf")
     return result

@@ -120,8 +120,11 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
 
 
 # What the validation split is drawn from when no data.val_files are given (DraftDataModule.setup): other values
-# draw another split from the same examples, part of which the checkpoint trained on.
-SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples")
+# draw another split from the same examples, part of which the checkpoint trained on (max_length: records left without
+# a supervised token are dropped, and packing follows it). A smaller val_fraction alone keeps a subset of the split.
+SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples", "max_length")
+# How a module computes, not what: the same numbers (the attention kernel; dropout, off in evaluation).
+_COMPUTE_ONLY = ("attention", "dropout")
 
 
 def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, Any], saved_data: Mapping[str, Any],
@@ -129,17 +132,22 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
     """``validate``/``predict`` measure a checkpoint as it was trained: raise (one line) where this run's drafter or
     head settings, the target layers the drafter reads, or the validation split differ from the checkpoint's. The
     losses, the target's place and dtype and other data files are the measurement's own choice (recorded in its
-    ``<subcommand>-config.yaml``)."""
+    ``<subcommand>-config.yaml``). Only values both sides state are compared: an option the checkpoint predates, or
+    one left to be derived (None), is not a difference; a shape that still differs is named when the weights load."""
     saved, current = plain_data(dict(saved)), plain_data(dict(current))
     if "head" in saved:
         saved["head"] = as_trained(saved["head"])
     found: list[tuple[str, Any, Any]] = []
     for key in ("drafter", "head"):
         if key in saved and saved.get(key) != current.get(key):
-            found += _differences(saved.get(key), current.get(key), key)
-    for key in ("layer_ids", "num_features"):
-        was, now = (saved.get("target") or {}).get(key), (current.get("target") or {}).get(key)
-        if "target" in saved and was != now:
+            found += [(path, was, now) for path, was, now in _differences(saved.get(key), current.get(key), key)
+                      if was is not None and now is not None and path.rsplit(".", 1)[-1] not in _COMPUTE_ONLY]
+    target_was, target_now = saved.get("target") or {}, current.get("target") or {}
+    both_listed = target_was.get("layer_ids") is not None and target_now.get("layer_ids") is not None
+    for key in ("layer_ids",) if both_listed else ("num_features",) if target_was.get("layer_ids") is None and \
+            target_now.get("layer_ids") is None else ():
+        was, now = target_was.get(key), target_now.get(key)
+        if was is not None and now is not None and was != now:
             found.append((f"target.{key}", was, now))
     if found:
         detail = "; ".join(f"model.{path}: checkpoint {_short(was)} vs now {_short(now)}" for path, was, now in found[:3])
@@ -149,11 +157,20 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
             "lilicorr bench (--walk, --lattice_k)"
         )
     saved_data, current_data = plain_data(dict(saved_data)), plain_data(dict(current_data))
-    same_examples = (not saved_data.get("val_files") and not current_data.get("val_files")
-                     and saved_data.get("train_files") == current_data.get("train_files"))
+    if not saved_data or current_data.get("val_files") or saved_data.get("train_files") != current_data.get("train_files"):
+        return  # held-out files, or other training files: the measurement's own data
+    if saved_data.get("val_files"):  # it held out files; now a share of the files it trained on is split off
+        raise CheckpointError(
+            f"--ckpt_path {ckpt} was validated on data.val_files {_short(saved_data.get('val_files'), 80)} and trained on "
+            f"every example of data.train_files, so this {subcommand} would measure it on examples it trained on; pass "
+            "the same data.val_files (or other held-out files)"
+        )
     split = [(k, saved_data.get(k), current_data.get(k)) for k in SPLIT_KEYS
              if k in saved_data and saved_data.get(k) != current_data.get(k)]
-    if same_examples and split and saved_data:
+    if [k for k, *_ in split] == ["val_fraction"] and (current_data.get("val_fraction") or 0) <= (
+            saved_data.get("val_fraction") or 0):
+        split = []  # the same permutation's first k' <= k examples: part of the same held-out split
+    if split:
         detail = "; ".join(f"data.{k}: checkpoint {_short(was)} vs now {_short(now)}" for k, was, now in split)
         raise CheckpointError(
             f"--ckpt_path {ckpt} trained beside another validation split of the same data.train_files ({detail}), so "

@@ -642,6 +642,11 @@ def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_fro
         assert measured["selectors"][name]["per_prompt_tau"] == trained["selectors"][name]["per_prompt_tau"], name
         assert measured["selectors"][name]["lossless"] is True
     assert measured["checkpoint"]["path"] == str(served) and measured["same_target_as_training"] is None
+    # A served directory has no training checksum: its weights are named by their file's digest (the JSON said null).
+    import hashlib
+
+    assert measured["checkpoint"]["weights_sha256"] == hashlib.sha256((served / "model.safetensors").read_bytes()).hexdigest()
+    assert "weights_sha256" not in trained["checkpoint"]
     assert measured["target_dtype"] == trained["target_dtype"] == "float32"  # what the numbers were measured in
 
     # --dtype: the served directory's target ran in float32 whatever its weights' dtype. Now the target runs in the
@@ -663,3 +668,17 @@ def test_bench_measures_a_served_directory_as_the_checkpoint_it_was_exported_fro
         run = cli_main(["bench", "--ckpt", *argv, *common, "--output", str(tmp_path / "c.json")])[0]
         assert ran_in[-1] == dtype and run["target_dtype"] == str(dtype).removeprefix("torch."), argv
         assert all(run["selectors"][name]["lossless"] for name in ("top1", "lilicorr")), argv
+
+
+def test_a_folder_named_like_a_prompt_file_is_called_a_folder(tmp_path):
+    """It was said not to exist."""
+    from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file
+
+    folder = tmp_path / "dir.jsonl"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"--benchmark: prompt file .*dir.jsonl is a directory; pass a .jsonl"):
+        check_benchmark(str(folder), "--benchmark")
+    with pytest.raises(FileNotFoundError, match=r"prompt file .*dir.jsonl is a directory"):
+        read_prompt_file(folder)
+    with pytest.raises(FileNotFoundError, match=r"prompt file .*nope.jsonl does not exist"):
+        check_benchmark(str(tmp_path / "nope.jsonl"))

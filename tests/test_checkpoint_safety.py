@@ -178,8 +178,16 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     args = ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1", "--warmup", "0"]
     err = user_error(capsys, args)
     assert "outside the trusted packages" in err and "no_such_heads_pkg" in err and "--allow-module" in err
-    numbers = cli_main([*args, "--allow-module", "no_such_heads_pkg"])
+    out = tmp_path / "perf.json"
+    numbers = cli_main([*args, "--allow-module", "no_such_heads_pkg", "--json", str(out), "--threads", "1"])
     assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
+    # ... and the JSON says with what (it held the phase times alone).
+    assert json.loads(out.read_text())["measured_with"] == {
+        "ckpt": str(path), "state_sha256": state["lilicorr"]["state_sha256"], "steps": 1, "threads": 1, "warmup": 0}
+    # --ckpt beside the round reports, which time fresh weights, was ignored without a word.
+    err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--cost_model", "true", "--ckpt",
+                              str(path)])
+    assert "--ckpt is not read by --cost_model, which times the config's shapes with fresh weights; drop --ckpt" in err
 
 
 def test_perf_refuses_a_checkpoint_of_another_config_before_building_any_data(tiny_run, tmp_path, capsys,
@@ -597,3 +605,71 @@ def test_the_early_check_finds_what_lightning_resumes_from_on_exception_files_an
     (ckpts / "last-v1.ckpt" / "checkpoint").mkdir()  # a sharded checkpoint's layout: left to its strategy
     os.utime(ckpts / "last-v1.ckpt", (2000, 2000))
     assert last(cli, "fit") is None
+
+
+def test_a_damaged_checkpoint_is_named_before_a_builtin_target_is_built(tiny_run, tmp_path, capsys, monkeypatch):
+    """export/bench --target builtin:... and perf with a builtin target in its config built the target (minutes; about
+    20 for builtin:full) before they read the checkpoint they would then refuse."""
+    from lilicorr_pl import builtin
+
+    _, good = tiny_run
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+    def no_build(*a, **k):
+        raise AssertionError("the target was resolved before the checkpoint was read")
+
+    monkeypatch.setattr(builtin, "resolve_target_path", no_build)
+    for argv in (["export", "--ckpt", str(cut), "--output", str(tmp_path / "ex"), "--target", "builtin:quick"],
+                 ["bench", "--ckpt", str(cut), "--target", "builtin:quick", "--benchmark", "stdlib-heldout",
+                  "--num_prompts", "1", "--max_new_tokens", "2"],
+                 ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(cut)],
+                 ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(tmp_path / "nope.ckpt")]):
+        err = user_error(capsys, argv)
+        assert ("truncated" in err and str(cut) in err) or "does not exist" in err, err
+    assert not (tmp_path / "ex").exists()
+
+
+def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that():
+    """validate/predict refuse another drafter/head setting or another split of the data the checkpoint trained on;
+    how a module computes (attention kernel, dropout), an option the checkpoint predates or leaves derived (None), a
+    smaller share of the same split, or other held-out files are not refused."""
+    from lilicorr_pl.system import check_evaluation_settings
+
+    head = {"class_path": "lilicorr_pl.heads.LiLiCorrHead", "init_args": {"top_k": 4, "logit_scale": 8.0,
+                                                                         "dropout": 0.0, "block_size": None}}
+    drafter = {"class_path": "lilicorr_pl.models.DFlashDrafter", "init_args": {"num_layers": 1, "attention": "flex"}}
+    model = {"drafter": drafter, "head": head, "target": {"name_or_path": "t", "layer_ids": None, "num_features": 3}}
+    data = {"train_files": ["a.jsonl"], "val_files": None, "val_fraction": 0.1, "seed": 0, "pack": False,
+            "max_examples": None, "max_length": 64}
+
+    def check(model_now=None, data_now=None, saved_data=None):
+        check_evaluation_settings(model, model_now or model, saved_data or data, data_now or data, "c.ckpt", "validate")
+
+    def changed(section, key, value, base=None):
+        base = json.loads(json.dumps(base or model))
+        base[section]["init_args"][key] = value
+        return base
+
+    check()
+    check(changed("drafter", "attention", "sdpa"))
+    check(changed("head", "dropout", 0.1))
+    check(changed("head", "block_size", 8))  # derived when None: a shape that differs is named when it loads
+    newer = changed("head", "a_later_option", 1.0)
+    check(newer)  # an option the checkpoint predates
+    with pytest.raises(CheckpointError, match=r"model.head.init_args.logit_scale: checkpoint 8.0 vs now 4.0"):
+        check(changed("head", "logit_scale", 4.0))
+    with pytest.raises(CheckpointError, match=r"model.drafter.init_args.num_layers: checkpoint 1 vs now 2"):
+        check(changed("drafter", "num_layers", 2))
+    with pytest.raises(CheckpointError, match=r"model.target.num_features: checkpoint 3 vs now 5"):
+        check({**model, "target": {**model["target"], "num_features": 5}})
+    check({**model, "target": {**model["target"], "layer_ids": [0, 1, 2]}})  # None: derived, compared when it loads
+    check(data_now={**data, "val_fraction": 0.05})  # part of the same held-out split
+    check(data_now={**data, "seed": 7, "val_files": ["held.jsonl"]})  # other held-out files: any seed
+    check(data_now={**data, "seed": 7, "train_files": ["b.jsonl"]})  # other data
+    for key, value in (("seed", 7), ("val_fraction", 0.2), ("pack", True), ("max_length", 128)):
+        with pytest.raises(CheckpointError, match=rf"another validation split .*data.{key}: checkpoint"):
+            check(data_now={**data, key: value})
+    with pytest.raises(CheckpointError, match=r"was validated on data.val_files \['held.jsonl'\] and trained on every "
+                                              r"example of data.train_files"):
+        check(saved_data={**data, "val_files": ["held.jsonl"]})

@@ -216,7 +216,7 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     assert ("lilicorr: resuming with changed settings (applied from this run's config): trainer.gradient_clip_val: "
             "1.0 -> 100; trainer.max_steps: 1 -> 2") in err
     kept = root / "config-until-step1.yaml"
-    assert kept.read_bytes() == before and f"the record of steps 0-1 is kept as {kept}" in err
+    assert kept.read_bytes() == before and f"the record the steps up to step 1 trained with is kept as {kept}" in err
     assert yaml.safe_load((root / "config.yaml").read_text())["trainer"]["gradient_clip_val"] == 100.0
     # ... from the run's own newest last checkpoint (the run again wrote last-v1.ckpt beside the first run's
     # last.ckpt); Lightning alone looked in the logger's folder, found none and started over at step 0.
@@ -1001,6 +1001,9 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
 @pytest.mark.parametrize("flag, message", [
     ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be >= 1, got 0"),
     ("--model.optimizer.init_args.lr=-1", "model.optimizer.init_args.lr must be >= 0, got -1"),
+    # Not refused late: it exited 0 as a finished run, with the data prepared and no checkpoint.
+    ("--trainer.max_steps=0", "trainer.max_steps 0 trains nothing (the run would prepare the data, save no checkpoint "
+                              "and exit as finished); set trainer.max_steps >= 1, or -1 for no limit"),
 ])
 def test_training_settings_torch_refuses_late_are_one_line_up_front(flag, message, capsys, tmp_path):
     """A ZeroDivisionError and the optimizer's ValueError, each after the data were prepared and the target loaded."""
@@ -1008,3 +1011,44 @@ def test_training_settings_torch_refuses_late_are_one_line_up_front(flag, messag
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), flag, f"--trainer.default_root_dir={root}"])
     assert message in err, err
     assert not (root / "cache").exists()
+
+
+def test_a_full_disk_is_one_line_naming_where(monkeypatch, capsys):
+    """A full disk during an export or at the end of a benchmark was a traceback (OSError, or safetensors' own error
+    type); other errors keep theirs."""
+    import errno
+
+    from lilicorr_pl import cli as cli_module
+
+    class SafetensorError(Exception):  # safetensors' type, by name: its message carries the errno
+        pass
+
+    for raised, where in ((OSError(errno.ENOSPC, "No space left on device", "/full/b.json"), " writing /full/b.json"),
+                          (SafetensorError("Error while serializing: IoError(No space left on device (os error 28))"),
+                           "")):
+        monkeypatch.setattr(cli_module, "run", lambda argv, e=raised: (_ for _ in ()).throw(e))
+        with pytest.raises(SystemExit) as stop:
+            cli_module.main(["export", "--ckpt", "x.ckpt", "--output", "out"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err == (f"lilicorr export: error: no space left on the device{where}; free space "
+                                                "there, or write elsewhere (--output, trainer.default_root_dir, "
+                                                "data.cache_dir, LILICORR_CACHE)\n")
+    monkeypatch.setattr(cli_module, "run", lambda argv: (_ for _ in ()).throw(OSError(errno.EACCES, "denied")))
+    with pytest.raises(PermissionError):
+        cli_module.main(["export"])
+
+
+def test_a_copied_run_folder_resumes_into_its_own_last_checkpoint(tmp_path, recwarn):
+    """Resumed in a copy of its folder (a run moved to other storage), a run wrote `last-v1.ckpt` beside the file it
+    resumed from, and at its end called that file "an earlier run's (a run started over in the same folder)"."""
+    fit_tiny(tmp_path / "a", steps=2)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    root = tmp_path / "b" / "runs" / "tiny"
+    cli = fit_tiny(tmp_path / "b", "--ckpt_path=last", steps=3)
+    assert cli.trainer.global_step == 3
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
+    assert not [w for w in recwarn if "holds an earlier run's" in str(w.message)]
+    # The original folder is untouched.
+    original = tmp_path / "a" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert torch.load(original, map_location="cpu", weights_only=True)["global_step"] == 2

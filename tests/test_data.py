@@ -710,8 +710,9 @@ def test_lilicorr_prepare_says_what_fit_says_in_one_line(tmp_path, capsys):
     bad.write_text('{"text": "def f():\\n    return 1\\n"}\n{"text": \n')
     err = user_error(capsys, ["prepare", *args, f"--data.train_files=[{bad}]", f"--data.val_files=[{bad}]"])
     assert "bad.jsonl line 2" in err
-    err = user_error(capsys, ["prepare", *args, "--trainer.accelerator=gpu"])
-    assert "(trainer.accelerator gpu, trainer.devices " in err and "--trainer.accelerator=cpu" in err
+    if not torch.cuda.is_available():  # on a GPU machine it runs
+        err = user_error(capsys, ["prepare", *args, "--trainer.accelerator=gpu"])
+        assert "(trainer.accelerator gpu, trainer.devices " in err and "--trainer.accelerator=cpu" in err
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     for command, setting in (("prepare", "data.cache_dir"), ("fit", "trainer.default_root_dir"),

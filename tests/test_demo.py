@@ -283,6 +283,11 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     (taken / "plots").write_text("x")
     err = user_error(capsys, ["demo", "--quick", "--workdir", str(taken)])
     assert "the demo's plots folder" in err and err.strip().endswith("is a file; choose another --workdir")
+    # A file as --workdir, or under one: named as the workdir (it blamed --output, which the user never passed).
+    err = user_error(capsys, ["demo", "--quick", "--workdir", str(taken / "plots")])
+    assert err.strip().endswith(f"--workdir {taken / 'plots'} is a file; pass a folder (it is made if missing)")
+    err = user_error(capsys, ["demo", "--quick", "--workdir", str(taken / "plots" / "sub")])
+    assert f"--workdir {taken / 'plots' / 'sub'}: {taken / 'plots'} is a file, so the directory cannot be created" in err
 
 
 def test_prompts_longer_than_the_targets_context_are_refused_before_regeneration(tmp_path, capsys, monkeypatch):
@@ -459,7 +464,16 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     frozen = FrozenTarget.from_pretrained(target, load_tokenizer=False, num_features=3)
     broken = export_drafter(DFlashDrafter(num_layers=2, block_size=16).build(frozen.config, frozen.layer_ids),
                             tmp_path / "broken-drafter")
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 8)  # a crash, not a user's setting
+    # A crash, not a user's setting (a file that is no safetensors is now one line naming it): a tensor of another
+    # shape under a drafter's name, which torch's load_state_dict refuses with a RuntimeError.
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(broken / "model.safetensors"), framework="pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["fc.weight"] = torch.zeros(3, 5)
+    save_file(tensors, str(broken / "model.safetensors"), metadata=metadata)
     with pytest.raises(RuntimeError) as err:
         run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, broken, "k", steps=2, head_steps=2,
                        seed=0, jobs=2)
@@ -468,7 +482,7 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     stage = "dflash" if message.startswith("the dflash stage") else "domino"
     start = f"k-{run.file_digest(broken / 'model.safetensors')}"  # the start stage's key and its drafter's checksum
     log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, start, 2, 0)}" / "train.log"
-    assert f"its output is in {log_file}" in message and "SafetensorError" in log_file.read_text()
+    assert f"its output is in {log_file}" in message and "size mismatch for fc.weight" in log_file.read_text()
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     if children.exists():  # Linux: the other stage's process was stopped, not left training
         def cmdline(pid: str) -> bytes:

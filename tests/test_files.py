@@ -260,3 +260,21 @@ def test_first_line_of_an_exception_never_fails_on_an_empty_message():
     assert first_line(OSError("gone\nmore"), with_type=True) == "OSError: gone"
     assert first_line(KeyError(), with_type=True) == "KeyError"
 
+
+
+def test_links_in_an_output_path_are_named_before_any_work(tmp_path):
+    """A link to nothing on the way to --output or --plot passed the check and failed with FileExistsError when the
+    results were written, after the whole run; a link as --output was replaced by a plain file, the user's link gone."""
+    (tmp_path / "dout").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"--output .*dout/r.json: .*dout is a broken symbolic link \(to .*nowhere\); "
+                                         r"choose another path"):
+        check_output_paths(str(tmp_path / "dout" / "r.json"), None)
+    with pytest.raises(ValueError, match=r"--plot .*dout: .*dout is a broken symbolic link"):
+        check_output_paths(None, str(tmp_path / "dout"))
+    mine = tmp_path / "mine.json"
+    write_results_json(mine, {"rows": []}, "bench")
+    (tmp_path / "link.json").symlink_to(mine)
+    with pytest.raises(ValueError, match=r"--output .*link.json is a symbolic link \(to .*mine.json\), which a run's "
+                                         r"atomic write would replace; pass the path it points to"):
+        check_output_paths(str(tmp_path / "link.json"), None)
+    assert (tmp_path / "link.json").is_symlink()

@@ -406,6 +406,52 @@ def test_a_killed_exports_folder_is_removed_and_does_not_block_its_retry(tiny_ta
     assert live.is_dir()
 
 
+def test_an_overwrite_stopped_between_its_renames_or_a_damaged_export_is_refused_by_the_loaders(tiny_target, tmp_path,
+                                                                                                 monkeypatch):
+    """An export renames config.json, then model.safetensors, into place: a kill between the two left the new config
+    beside the old weights (another dtype here), which bench then measured without a word. Both files now carry one
+    export's id. A truncated weights file or a config that is not an object: one line, not a traceback."""
+    import os
+
+    from lilicorr_pl import interop
+    from lilicorr_pl.interop import read_weights
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out = export_drafter(drafter, tmp_path / "mix", dtype=torch.bfloat16)
+    assert load_drafter(out).fc.weight.dtype == torch.bfloat16
+    replace = os.replace
+
+    def killed_after_the_config(src, dst):
+        replace(src, dst)
+        if str(dst).endswith("config.json"):
+            raise KeyboardInterrupt  # stands in for the SIGKILL: the second rename never happens
+
+    monkeypatch.setattr(interop.os, "replace", killed_after_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        export_drafter(drafter, out, overwrite=True, dtype=torch.float32)
+    monkeypatch.setattr(interop.os, "replace", replace)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"  # the new config, old weights
+    with pytest.raises(ValueError, match=r"mix: config.json and model.safetensors come from two different exports "
+                                         r"\(ids [0-9a-f]{32} and [0-9a-f]{32}: .*export it again"):
+        load_drafter(out)
+    export_drafter(drafter, out, overwrite=True, dtype=torch.float32)  # the export again: whole, and read
+    assert load_drafter(out).fc.weight.dtype == torch.float32 and read_weights(out)
+    # Weights re-saved by another tool (a cast, a save_pretrained) carry no id: read as they are, not refused.
+    from safetensors.torch import save_file
+
+    recast = {k: v.to(torch.float16) for k, v in load_file(str(out / "model.safetensors")).items()}
+    save_file(recast, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert load_drafter(out).fc.weight.dtype == torch.float16
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors cannot be read as safetensors \(.*\); is it truncated\? "
+                                         r"re-export it"):
+        load_drafter(out)
+    (out / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not a model config; re-export it"):
+        load_drafter(out)
+
+
 def test_export_cli_refuses_the_checkpoint_folder_before_loading(tmp_path, capsys):
     from lilicorr_pl.cli import main
 
@@ -580,3 +626,19 @@ def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"lacks \['hidden_size'\]"):
         served_head(out)
+
+
+def test_the_same_export_is_the_same_bytes(tiny_target, tmp_path):
+    """safetensors writes its metadata in a hash map's order: with the export id beside "format", the same weights
+    came out as other bytes on some saves (a demo stage keyed by its drafter's checksum then trained again)."""
+    from safetensors import safe_open
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    outs = [export_drafter(drafter, tmp_path / f"e{i}") for i in range(6)]
+    first = (outs[0] / "model.safetensors").read_bytes()
+    assert all((o / "model.safetensors").read_bytes() == first for o in outs[1:])
+    assert all((o / "config.json").read_bytes() == (outs[0] / "config.json").read_bytes() for o in outs[1:])
+    with safe_open(str(outs[0] / "model.safetensors"), framework="pt") as fh:  # the id is there, and read
+        assert fh.metadata()["lilicorr_pl.export_id"] == json.loads((outs[0] / "config.json").read_text())[
+            "lilicorr_pl"]["export_id"]
+    assert torch.equal(load_drafter(outs[0]).fc.weight, drafter.fc.weight)

@@ -211,6 +211,15 @@ def test_cost_model_refuses_a_config_without_a_lilicorr_head(tmp_path, capsys):
     assert "could not read the target config" in user_error(capsys, [
         "perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"), "--target-config",
         str(tmp_path / "missing")])
+    # A drafter's config (an export's) costed as the target: its own sizes, or a mask token "outside the vocabulary".
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    cfg = json.loads(QWEN3_8B.read_text())
+    (drafter / "config.json").write_text(json.dumps({**cfg, "architectures": ["LiLiCorrDraftModel"],
+                                                      "dflash_config": {"mask_token_id": 151669}}))
+    err = user_error(capsys, ["perf", "--cost-model", "-c", str(RECIPES / "base.yaml"), "-c", str(RECIPES / "lilicorr.yaml"),
+                              "--target-config", str(drafter)])
+    assert f"--target_config {drafter} is a drafter (LiLiCorrDraftModel), not a target model" in err
 
 
 def test_cost_model_applies_the_command_lines_model_overrides(capsys):

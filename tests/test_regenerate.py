@@ -623,6 +623,22 @@ def test_an_input_none_of_whose_records_can_be_answered_is_one_line_before_the_m
                                          r"format; keys seen: \['question'\]"):
         run(target_dir, inp, out)
     assert not out.exists() and not out.parent.exists()  # nothing left behind
+    # An empty or blank input: the model loaded, wrote an empty output and its record, and said it succeeded.
+    inp.write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"--input .*in.jsonl holds no records \(it is empty or blank\); nothing to "
+                                         r"regenerate"):
+        run(target_dir, inp, out)
+    assert not out.exists() and not out.parent.exists()
+    # A folder as --input and a training checkpoint as --target: named as what they are (both "did not exist").
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"regeneration input .*/sub' is a directory; pass the .jsonl file in it"):
+        run(target_dir, tmp_path / "sub", out)
+    (tmp_path / "sub").rmdir()
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match=r"--target .*last.ckpt is a file, not a model directory; a training "
+                                                r"checkpoint drafts, it does not generate"):
+        run(str(ckpt), inp, out)
 
 
 def test_an_output_that_is_not_jsonl_is_refused(target_dir, input_file, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import math
 import os
 import shutil
@@ -142,6 +144,20 @@ def test_corrupted_cache_is_rebuilt(
     assert (directory / tiny_target.WEIGHTS_NAME).is_file()
     assert tiny_target._cache_problem(directory, load_build_report(directory)["fingerprint"]) is None
     assert [p.name for p in tmp_path.iterdir()] == [directory.name]  # no temp or old dirs left behind
+
+
+def test_a_damaged_build_report_is_a_reason_to_rebuild_not_a_traceback(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """A report that is not UTF-8 was a UnicodeDecodeError traceback (build-target, even with --force) or a line
+    naming neither the file nor the fix (fit, bench, export); a file list of the wrong shape a TypeError."""
+    directory = tmp_path / built[1].name
+    shutil.copytree(built[1], directory)
+    report = directory / tiny_target.REPORT_NAME
+    fingerprint = load_build_report(directory)["fingerprint"]
+    report.write_bytes(b"\xff\xfe\x00garbage")
+    assert tiny_target._cache_problem(directory, fingerprint) == "unreadable build report (UnicodeDecodeError)"
+    assert tiny_target._foreign_entries(directory) == []
+    report.write_text(json.dumps({"fingerprint": fingerprint, "files": {tiny_target.WEIGHTS_NAME: 1}}))
+    assert tiny_target._cache_problem(directory, fingerprint) == "the build report's file list is not the one a build writes"
 
 
 def test_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

