@@ -51,6 +51,7 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import (
     FrozenTarget,
     TargetSpec,
+    check_layer_ids,
     default_layer_ids,
     local_target_path,
     refuse_builtin_name,
@@ -367,7 +368,8 @@ class DraftSystem(L.LightningModule):
                 f"supports decoder-only Llama/Qwen-style targets ({', '.join(SUPPORTED_TARGET_TYPES)})"
             )
         n_layers = config.num_hidden_layers
-        layer_ids = target.layer_ids or default_layer_ids(n_layers, min(target.num_features, n_layers))
+        layer_ids = (check_layer_ids(target.layer_ids, n_layers) if target.layer_ids is not None
+                     else default_layer_ids(n_layers, min(target.num_features, n_layers)))
         if max_length is not None and max_length > getattr(config, "max_position_embeddings", max_length):
             raise ValueError(
                 f"data.max_length {max_length} exceeds the target's max_position_embeddings "

@@ -177,6 +177,9 @@ def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
     """The target layers a drafter reads, as ints: each in ``0..n_layers-1``, strictly increasing; a bad list is the
     user's to fix (one line, ``model.target.layer_ids``)."""
     ids = [int(i) for i in layer_ids]
+    if not ids:  # it fell through to the default rule in one place and was an empty feature list in another
+        raise UserInputError("model.target.layer_ids is empty; list the target layers the drafter reads (e.g. "
+                             "[1, 8, 15]), or leave it unset for the default rule")
     bad = [i for i in ids if not 0 <= i < n_layers]
     if bad:
         raise UserInputError(

@@ -126,6 +126,15 @@ def test_bad_layer_ids_are_the_users_one_line_from_the_config_before_the_weights
                        ([2, 2], r"strictly increasing without repeats, got \[2, 2\]")):
         with pytest.raises(UserInputError, match=match + r".*fix model\.target\.layer_ids"):
             FrozenTarget.from_pretrained(path, layer_ids=ids, load_tokenizer=False)
+    # An empty list: the system fell back to the default rule, unsaid (and a message about "default layer ids").
+    with pytest.raises(UserInputError, match=r"model.target.layer_ids is empty; list the target layers the drafter "
+                                             r"reads \(e.g. \[1, 8, 15\]\), or leave it unset for the default rule"):
+        FrozenTarget.from_pretrained(path, layer_ids=[], load_tokenizer=False)
+    from lilicorr_pl.models.dflash import DFlashDrafter
+    from lilicorr_pl.system import DraftSystem
+
+    with pytest.raises(UserInputError, match=r"model.target.layer_ids is empty"):
+        DraftSystem({"name_or_path": str(path), "layer_ids": []}, DFlashDrafter(num_layers=1, block_size=4))
 
 
 def test_clear_errors_for_bad_layer_ids_mask_id_and_tokenizer(tmp_path):
