@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from lilicorr_pl.checkpoint import state_checksum
+from lilicorr_pl.checkpoint import first_line, state_checksum
 from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_writers, writer_tag
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
@@ -328,12 +328,12 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
         # a digest of what is exported, so the same weights and config export to the same bytes.
         state = export_state(drafter, head, dtype, head_mlp_names)
         cfg[EXPORT_MARKER] = {"version": __import__("lilicorr_pl").__version__, **(extra or {})}
-        export_id = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode() + state_checksum(state).encode()).hexdigest()
-        cfg[EXPORT_MARKER][EXPORT_ID] = export_id[:32]
+        content = json.dumps(cfg, sort_keys=True).encode() + state_checksum(state).encode()
+        cfg[EXPORT_MARKER][EXPORT_ID] = export_id = hashlib.sha256(content).hexdigest()[:32]
         files = {"config.json": tmp / "config.json", "model.safetensors": tmp / "model.safetensors"}
         files["config.json"].write_text(json.dumps(cfg, indent=2))
-        save_file(state, str(files["model.safetensors"]), metadata={"format": "pt", f"{EXPORT_MARKER}.{EXPORT_ID}":
-                                                                    export_id[:32]})
+        save_file(state, str(files["model.safetensors"]), metadata={"format": "pt",
+                                                                    f"{EXPORT_MARKER}.{EXPORT_ID}": export_id})
         _order_metadata(files["model.safetensors"])
         _publish(files, output)
     except BaseException:
@@ -390,12 +390,12 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     marker = read_config(directory).get(EXPORT_MARKER)  # first: a folder without the two files is said so
     path = directory / "model.safetensors"
     try:
-        with safe_open(str(path), framework="pt") as fh:
+        with safe_open(str(path), framework="pt") as fh:  # what load_file does, with the metadata read in passing
             metadata = fh.metadata() or {}
-        tensors = load_file(str(path))
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except (SafetensorError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path} cannot be read as safetensors ({first}); is it truncated? re-export it") from None
+        raise ValueError(f"{path} cannot be read as safetensors ({first_line(err)}); is it truncated? re-export "
+                         "it") from None
     expected = marker.get(EXPORT_ID) if isinstance(marker, dict) else None
     found = metadata.get(f"{EXPORT_MARKER}.{EXPORT_ID}")
     # Weights re-saved by another tool (a cast, a save_pretrained) carry no id: nothing to compare them with.

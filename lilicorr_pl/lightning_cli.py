@@ -623,19 +623,26 @@ class LilicorrCLI(LightningCLI):
                 except ValueError as err:
                     raise UserInputError(str(err)) from None
 
+    def _config_record(self) -> tuple[LoggerSaveConfigCallback | None, str]:
+        """The callback that writes the run's config records and the folder it writes them to; None when there is none
+        or it writes none there."""
+        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
+        if callback is None or not callback.save_to_log_dir:
+            return None, ""
+        return callback, str(self.trainer.log_dir or self.trainer.default_root_dir)
+
     def _refuse_a_fresh_run_over_another(self) -> None:
         """A new fit (no ``ckpt_path``) whose ``config.yaml`` would replace another run's record is refused before the
         data are prepared: that record is how the folder's checkpoints were trained (``prepare``, ``perf`` and
         ``bench`` read it). The same command again — a retry, a requeued batch job that Lightning resumes by itself
         (SLURM's ``hpc_ckpt``, ``OnExceptionCheckpoint``) — writes the same record, and runs. A resumed fit rewrites
         its own. (Lightning's own check refuses all of these, which is why it is replaced by this one.)"""
-        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
         ckpt_path = self.config["fit"].get("ckpt_path")
         # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
         nothing_to_resume = ckpt_path == "last" and not self._last_checkpoints()
-        if callback is None or not callback.save_to_log_dir:
+        callback, log_dir = self._config_record()
+        if callback is None:
             return
-        log_dir = self.trainer.log_dir or self.trainer.default_root_dir
         # A resume of this folder's own run rewrites its own record; a checkpoint from elsewhere (another run's) does
         # not make this folder's record its own: that one replaced the record and moved later --ckpt_path=last here.
         from_elsewhere = bool(ckpt_path) and str(ckpt_path) not in CKPT_SHORTCUTS and not any(
@@ -677,12 +684,12 @@ class LilicorrCLI(LightningCLI):
         """A resume with changed settings: the changes are listed (those of ``model.*`` the system lists itself, as it
         applies them), and the record of how the steps before were trained is kept beside the one this resume writes,
         as ``<name>-until-step<N>.<ext>`` (N: the checkpoint's step), never over an earlier such file."""
-        others = [k for k in differing if not k.startswith("model.")]
-        if others and self.trainer.is_global_zero:
-            print("lilicorr: resuming with changed settings (applied from this run's config): " + "; ".join(
-                f"{k}: {_short(saved.get(k), 60)} -> {_short(current.get(k), 60)}" for k in others), file=sys.stderr)
         if not self.trainer.is_global_zero:
             return
+        others = [k for k in differing if not k.startswith("model.")]
+        if others:
+            print("lilicorr: resuming with changed settings (applied from this run's config): " + "; ".join(
+                f"{k}: {_short(saved.get(k), 60)} -> {_short(current.get(k), 60)}" for k in others), file=sys.stderr)
         stem, ext = os.path.splitext(record)
         tag = f"until-step{self._resumed_step}" if self._resumed_step is not None else "before-resume"
         with open(record, "rb") as fh:
@@ -753,10 +760,10 @@ class LilicorrCLI(LightningCLI):
         """``validate``/``test``/``predict`` rewrite their own ``<stage>-config.yaml`` on every run (the record of the
         latest evaluation); a file of that name that no lilicorr command wrote (one without the header the config
         callback writes, or not a config) is the user's, and is refused before the data are prepared."""
-        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
-        if callback is None or not callback.save_to_log_dir:
+        callback, log_dir = self._config_record()
+        if callback is None:
             return
-        record = Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{stage}-{callback.fit_config_filename}"
+        record = Path(log_dir) / f"{stage}-{callback.fit_config_filename}"
         if not os.path.lexists(record) or _written_by_the_config_callback(record):
             return
         raise UserInputError(

@@ -833,7 +833,11 @@ class PerfCLI(LilicorrCLI):
             raise UserInputError(str(err)) from None
         # Checked before anything is built: weights-only, checksum verified, trusted components only.
         self.checkpoint = None
-        if config.get("ckpt") and not (config.get("cost_model") or config.get("round_timing")):
+        if config.get("ckpt") and (config.get("cost_model") or config.get("round_timing")):
+            raise UserInputError(f"--ckpt is not read by --{'cost_model' if config.get('cost_model') else 'round_timing'}"
+                                 ", which times the config's shapes with fresh weights; drop --ckpt (it is read by the "
+                                 "training-step timing and --penalty_error)")
+        if config.get("ckpt"):
             from lilicorr_pl.checkpoint import check_class_paths, config_modules, read_checkpoint
             from lilicorr_pl.system import plain_data
 
@@ -875,10 +879,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if (options.compile or options.compile_mode != "default") and not options.round_timing:
         raise UserInputError("--compile and --compile_mode set how --round_timing runs the head; add --round_timing "
                              "true or drop them")
-    if (options.cost_model or options.round_timing) and options.ckpt:
-        raise UserInputError(f"--ckpt is not read by --{'cost_model' if options.cost_model else 'round_timing'}, "
-                             "which times the config's shapes with fresh weights; drop --ckpt (it is read by the "
-                             "training-step timing and --penalty_error)")
     if options.cost_model or options.round_timing:
         from lilicorr_pl.system import plain_data
 

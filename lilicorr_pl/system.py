@@ -144,9 +144,10 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
             found += [(path, was, now) for path, was, now in _differences(saved.get(key), current.get(key), key)
                       if was is not None and now is not None and path.rsplit(".", 1)[-1] not in _COMPUTE_ONLY]
     target_was, target_now = saved.get("target") or {}, current.get("target") or {}
-    both_listed = target_was.get("layer_ids") is not None and target_now.get("layer_ids") is not None
-    for key in ("layer_ids",) if both_listed else ("num_features",) if target_was.get("layer_ids") is None and \
-            target_now.get("layer_ids") is None else ():
+    listed = (target_was.get("layer_ids") is not None, target_now.get("layer_ids") is not None)
+    # Both listed: the lists; neither: how many the default rule reads; one listed: known only once the target loads.
+    key = {(True, True): "layer_ids", (False, False): "num_features"}.get(listed)
+    if key is not None:
         was, now = target_was.get(key), target_now.get(key)
         if was is not None and now is not None and was != now:
             found.append((f"target.{key}", was, now))

@@ -600,8 +600,8 @@ def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_
     import lilicorr_pl.interop as interop
 
     reads = []
-    real = interop.load_file
-    monkeypatch.setattr(interop, "load_file", lambda *a, **k: reads.append(a) or real(*a, **k))
+    real = interop.safe_open  # every read of a weights file opens it (read_weights: metadata and tensors, one open)
+    monkeypatch.setattr(interop, "safe_open", lambda *a, **k: reads.append(a) or real(*a, **k))
     half = export_drafter(narrow, tmp_path / "half", dtype=torch.bfloat16)
     assert DraftSystem.from_export(half, target_dir).target_spec.dtype == "bfloat16" and len(reads) == 1
     assert DraftSystem.from_export(half, target_dir, dtype="float32").target_spec.dtype == "float32"
