@@ -141,6 +141,47 @@ def write_results_json(path: Path, payload: dict[str, Any], command: str) -> Non
     write_json_atomic(path, {WRITTEN_BY: f"lilicorr {command} {__version__}", **jsonable(payload)})
 
 
+def _markdown_marker(command: str) -> str:
+    from lilicorr_pl import __version__
+
+    return f"<!-- {WRITTEN_BY}: lilicorr {command} {__version__} -->"
+
+
+def markdown_written_by_lilicorr(path: Path, command: str | None = None) -> bool:
+    """Whether ``path`` may be replaced as a Markdown report of this tool: an empty file, or one whose first line is
+    the comment :func:`write_markdown` puts there, naming ``lilicorr`` (and ``command``, given one)."""
+    try:
+        if path.stat().st_size == 0:
+            return True
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    prefix = f"<!-- {WRITTEN_BY}: lilicorr "
+    if not (first.startswith(prefix) and first.rstrip("\n").endswith(" -->")):
+        return False
+    return command is None or first[len(prefix):].split(" ")[:1] == [command]
+
+
+def check_markdown_file(path: Path, command: str, flag: str) -> None:
+    """Raise ``ValueError`` when ``path`` holds something ``lilicorr <command>`` did not write (``flag`` names what
+    chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
+    if path.is_symlink() or path.is_dir():
+        raise ValueError(f"{flag}: {path} is a {'directory' if path.is_dir() else 'symbolic link'} where the Markdown "
+                         "report would be written; move it, or choose another --output")
+    if path.exists() and not markdown_written_by_lilicorr(path, command):
+        raise ValueError(f"{flag}: {path} exists and is not a report `lilicorr {command}` wrote, so it is not "
+                         "overwritten; move it, or choose another --output")
+
+
+def write_markdown(path: Path, text: str, command: str) -> None:
+    """A command's Markdown report, atomically, its first line a comment saying what wrote it (so a rerun may replace
+    it and nothing else)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "wb") as fh:
+        fh.write(f"{_markdown_marker(command)}\n{text.rstrip()}\n".encode("utf-8"))
+
+
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -92,6 +92,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert all(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[12:])
     assert not any(p["text"].rstrip().endswith(('"""', "'''")) for p in prompts[:12])
     rows = result["results"]
+    # Its table as Markdown beside the JSON, in README.md's form, saying what wrote it (a rerun may replace it).
+    from lilicorr_pl.demo.run import markdown_table
+    from lilicorr_pl.files import markdown_written_by_lilicorr
+
+    report = tmp_path / "results.md"
+    assert markdown_table(rows) in report.read_text(encoding="utf-8")
+    assert markdown_written_by_lilicorr(report, "demo") and not markdown_written_by_lilicorr(report, "bench")
     # The test target's 64 positions hold no HumanEval prompt (75 tokens and more) with 8 new tokens: each is cut to
     # its last 56 tokens, and every row says how many were (it decoded past the trained positions, unsaid).
     assert {r["prompts_cut_to_context"] for r in rows if r["benchmark"] == "humaneval"} == {2}
@@ -220,6 +227,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     for _ in range(2):
         fifth = demo(tmp_path, "--temperatures", "0", "--bench-new-tokens", "1", "--jobs", "2", "--arms", "dflash,lilicorr")
         assert fifth["benchmark"]["processes"] == 2 and all(r["tau"] is None for r in fifth["results"])
+    # ... and its Markdown table says so, a dash for each undefined statistic (the rerun replaced its own file).
+    dflash_row = next(line for line in (tmp_path / "results.md").read_text(encoding="utf-8").splitlines()
+                      if line.startswith("| humaneval | 0 | dflash |"))
+    assert dflash_row.split(" | ")[3] == "—"
     assert "reusing the measured comparison" in capsys.readouterr().out
     # Measured in this process (--quick: one job), and at T = 1 under the proposal rule alone (no --point-mass).
     assert fourth["benchmark"] == {"processes": 1, "threads": torch.get_num_threads()}
@@ -278,6 +289,13 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     err = user_error(capsys, ["demo", "--quick", "--prefix-tokens", "4", "--workdir", str(tmp_path / "demo")])
     assert err.strip().endswith("--prefix-tokens 4 is too short for a code prefix; use at least 8")
     assert not (tmp_path / "demo").exists()
+    # A file of the user's where the Markdown table would go (results.json's results.md): refused, and kept.
+    (tmp_path / "results.md").write_text("# my notes\n")
+    err = user_error(capsys, ["demo", "--quick", "--output", str(tmp_path / "results.json"),
+                              "--workdir", str(tmp_path / "demo")])
+    assert err.strip().endswith(f"the table beside --output: {tmp_path / 'results.md'} exists and is not a report "
+                                "`lilicorr demo` wrote, so it is not overwritten; move it, or choose another --output")
+    assert (tmp_path / "results.md").read_text() == "# my notes\n" and not (tmp_path / "demo").exists()
     taken = tmp_path / "taken"  # a workdir whose plots folder is a file: the demo's own fix, not bench's --plot
     taken.mkdir()
     (taken / "plots").write_text("x")
@@ -726,3 +744,21 @@ def test_a_file_where_the_demo_keeps_a_folder_is_one_line_before_any_stage(tmp_p
     assert f"holds a file named {name!r} where the demo keeps its {name} folder; move that file, or choose another " \
            "--workdir" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [name] and (tmp_path / name).read_text() == "USER notes"
+
+
+def test_the_readmes_demo_table_is_the_json_it_cites():
+    """Every number of README.md's demo table is read from the results file it names, rendered by the demo's own
+    Markdown writer: a hand edit, a stale row or a table from another run than the one cited fails here."""
+    import re
+
+    from lilicorr_pl.demo.run import MARKDOWN_HEADER, markdown_table
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Embedded demo"):]
+    section = section[:section.index("\n### ")]
+    cited = re.search(r"\((docs/measurements/demo/results-[^)\s]+\.json)\)", section)
+    assert cited, "the README's demo section names no results file"
+    rows = json.loads((ROOT / cited.group(1)).read_text(encoding="utf-8"))["results"]
+    assert MARKDOWN_HEADER in section
+    table = section[section.index(MARKDOWN_HEADER):].split("\n\n")[0]
+    assert table == markdown_table(rows)

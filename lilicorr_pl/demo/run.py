@@ -800,6 +800,49 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+MARKDOWN_HEADER = (
+    "| benchmark | T | arm | τ (with bonus) | τ / DFlash [95 % CI] | slot-1 acc. (first round / later) | tokens/s | "
+    "tokens/s / DFlash [95 % CI] | speedup [95 % CI] | round / plain step | split draft / head / verify / other (ms) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The comparison as README.md shows it, one Markdown row per results row ("—" where a statistic is undefined
+    or not measured, e.g. the oracle's timings): the demo writes it beside its JSON, and a test checks that
+    README.md's table is this function of the JSON it cites."""
+    def undefined(*values: Any) -> bool:  # null in the JSON, NaN in the rows before it is written
+        return any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in values)
+
+    def number(value: Any, spec: str) -> str:
+        return "—" if undefined(value) else format(value, spec)
+
+    def interval(value: Any, low: Any, high: Any, spec: str, unit: str = "") -> str:
+        if undefined(value, low, high):
+            return "—"
+        return f"{value:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
+
+    lines = [MARKDOWN_HEADER]
+    for r in rows:
+        slot1 = number((r.get("per_position_acceptance") or [None])[0], ".2f")
+        if not undefined(r.get("slot1_first_round"), r.get("slot1_later_rounds")):
+            slot1 += f" ({r['slot1_first_round']:.2f} / {r['slot1_later_rounds']:.2f})"
+        split = [r.get(k) for k in ("draft_ms", "head_ms", "verify_ms", "bookkeeping_ms")]
+        cells = [r["benchmark"], f"{r['temperature']:g}", r["arm"], number(r.get("tau"), ".2f"),
+                 interval(r.get("ratio_to_dflash"), r.get("ci_low"), r.get("ci_high"), ".3f"), slot1,
+                 number(r.get("tokens_per_s"), ".1f"),
+                 interval(r.get("tokens_per_s_ratio_to_dflash"), r.get("tps_ci_low"), r.get("tps_ci_high"), ".2f"),
+                 interval(r.get("speedup_vs_target"), r.get("speedup_ci_low"), r.get("speedup_ci_high"), ".2f", "×"),
+                 number(r.get("round_cost_ratio"), ".2f"),
+                 "—" if undefined(*split) else " / ".join(f"{v:.1f}" for v in split)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_path(output: Path) -> Path:
+    """Where the demo writes its Markdown table: beside its JSON, ``results.json`` → ``results.md``."""
+    return output.with_name((output.stem if output.suffix == ".json" else output.name) + ".md")
+
+
 def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str] | None,
                      temperatures: Sequence[float]) -> dict[str, Any]:
     """The mode's settings with the command line's overrides (those not None) applied; validated before any work."""
@@ -859,7 +902,7 @@ def demo(
         quick: small target and budget (minutes on 2 CPU cores) instead of the full comparison.
         workdir: where data, caches, runs, checkpoints and plots go.
         output: write the comparison JSON here (default: <workdir>/results.json; with --quick,
-            <workdir>/results-quick.json).
+            <workdir>/results-quick.json), and its table as Markdown beside it (results.md).
         steps: training steps of each arm after the shared stage.
         base_steps: steps of the shared DFlash stage.
         head_steps: head-only steps of the LiLiCorr arms on the dflash arm's frozen drafter.
@@ -899,7 +942,8 @@ def demo(
     workdir = Path(workdir).resolve()
     # --quick's own default name: a toy run never replaces the full comparison's results in the same workdir.
     out = Path(output).resolve() if output else workdir / ("results-quick.json" if quick else "results.json")
-    from lilicorr_pl.files import check_output_paths, check_writable_dir, write_results_json
+    from lilicorr_pl.files import (check_markdown_file, check_output_paths, check_writable_dir, write_markdown,
+                                    write_results_json)
 
     if workdir.exists() and not workdir.is_dir():  # before --output, which lies in it by default
         raise UserInputError(f"--workdir {workdir} is a file; pass a folder (it is made if missing)")
@@ -907,6 +951,7 @@ def demo(
         check_writable_dir(workdir, f"--workdir {workdir}")
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
                            plot_fix="choose another --workdir", command="demo")
+        check_markdown_file(markdown_path(out), "demo", "the table beside --output")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     # The folders every stage writes into, checked before any stage runs: a file of one's name was found by the
@@ -1059,10 +1104,13 @@ def demo(
         plots = plot_curves(rows, workdir / "plots" / bench_key)
         result["plots"] = [str(p) for p in plots]
         write_results_json(out, result, "demo")
+        write_markdown(markdown_path(out), f"τ includes the target's bonus token; from {out.name}, written beside it.\n\n"
+                       + markdown_table(rows), "demo")
         print(format_table(rows))
         print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
               f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
-        log(f"wrote {out} and {', '.join(str(p) for p in plots)} in {result['wall_seconds']} s")
+        log(f"wrote {out}, its table as Markdown {markdown_path(out)} and {', '.join(str(p) for p in plots)} in "
+            f"{result['wall_seconds']} s")
         return result
 
 
