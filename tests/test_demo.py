@@ -762,3 +762,44 @@ def test_the_readmes_demo_table_is_the_json_it_cites():
     assert MARKDOWN_HEADER in section
     table = section[section.index(MARKDOWN_HEADER):].split("\n\n")[0]
     assert table == markdown_table(rows)
+
+
+def test_the_readmes_across_machines_table_is_the_jsons_of_its_runs():
+    """README.md's across-machines table, row by row, against each run's results file (found by the commit the row
+    names): the build's digest, LiLiCorr's τ and tokens/s ratios to DFlash with their intervals ("same τ": the first
+    run's), the best arm's speedup, DFlash's first slot and the range of a T = 0 round in plain steps."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("#### Across machines and runs"):]
+    rows = [line for line in section.split("\n\n")[2].splitlines()[2:]]
+    assert len(rows) >= 13
+    names = {"DFlash": "dflash", "LiLiCorr": "lilicorr", "Domino": "domino", "DSpark": "dspark"}
+    first_tau = None
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        commit = re.search(r"(?:\)|machine \d), ([0-9a-f]{7})\b", cells[0]).group(1)  # the run's, not a link's
+        found = sorted((ROOT / "docs" / "measurements" / "demo").glob(f"results-*{commit}.json"))
+        assert len(found) == 1, (commit, found)
+        result = json.loads(found[0].read_text(encoding="utf-8"))
+        by = {(r["benchmark"], r["arm"]): r for r in result["results"] if r["temperature"] == 0.0}
+        if "weights_sha256" in result["target"]:  # the first two runs' JSONs predate the field
+            assert cells[1] == f"`{result['target']['weights_sha256'][:8]}…`", commit
+        taus = [f"{r['ratio_to_dflash']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+                for r in (by[("stdlib-heldout", "lilicorr")], by[("humaneval", "lilicorr")])]
+        first_tau = first_tau or taus
+        for said, tau, first in zip(cells[3:5], taus, first_tau):
+            assert said == tau or (said == "same τ" and tau == first), commit
+        tps = [by[(b, "lilicorr")] for b in ("stdlib-heldout", "humaneval")]
+        assert cells[5] == " · ".join(f"{r['tokens_per_s_ratio_to_dflash']:.2f} [{r['tps_ci_low']:.2f}, "
+                                      f"{r['tps_ci_high']:.2f}]" for r in tps), commit
+        best = []  # the fastest arm of each benchmark (not the oracle, not a drafter's top-1 control row)
+        for bench, said in zip(("stdlib-heldout", "humaneval"), cells[6].split(" · ")):
+            speed, arm = max((r["speedup_vs_target"], a) for (b, a), r in by.items()
+                             if b == bench and a in names.values())
+            name = next(k for k, v in names.items() if v == arm)
+            best.append((said.split()[0] if " " in said else best[0][0], said.split()[-1]))
+            assert best[-1] == (name, f"{speed:.2f}×"), (commit, bench)
+        assert cells[7] == f"{by[('stdlib-heldout', 'dflash')]['per_position_acceptance'][0]:.2f}", commit
+        costs = [r["round_cost_ratio"] for (_, a), r in by.items() if a != "oracle"]
+        assert cells[8] == f"{min(costs):.2f}–{max(costs):.2f}", commit
