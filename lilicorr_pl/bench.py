@@ -139,8 +139,9 @@ def run_bench(
 
         arms = compile_selectors(arms, compile_mode)
     if target.tokenizer is None:  # transformers made an empty one: every prompt would tokenize to nothing
-        raise UserInputError(f"the target {target.name_or_path} holds no tokenizer; save the target's tokenizer beside "
-                             "its weights (tokenizer.save_pretrained into that directory), or pass --target")
+        raise UserInputError(f"the target {target.name_or_path} holds no tokenizer (transformers made an empty one from "
+                             "its config); save the target's tokenizer beside its weights (tokenizer.save_pretrained "
+                             "into that directory), or pass --target")
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
                            enable_thinking=enable_thinking, seed=seed, template=template)
     check_context(prompts, max_new_tokens, target)

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import hashlib
 import pickle
+import re
 import signal
 import threading
 import warnings
@@ -119,6 +120,15 @@ def check_checkpoint_file(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes); it was not written completely")
 
 
+def _unpickler_reason(err: Exception) -> str:
+    """What torch's weights-only unpickler refused (``Unsupported global: GLOBAL os.system …``), from its long
+    message, whose first line is advice to load the file unsafely (with terminal bold codes)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    reason = found.group(1).split(" Please use")[0] if found else (text.strip().splitlines() or [type(err).__name__])[0]
+    return reason.strip()[:200]
+
+
 def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint weights-only (memory-mapped) and, with ``verify``, check its recorded checksum."""
     path = Path(path)
@@ -126,10 +136,9 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     try:
         checkpoint = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        first = first_line(err)
         raise CheckpointError(
             f"checkpoint {path} holds pickled objects that are not plain data and was refused (opening it "
-            f"could run code): {first[:200]}"
+            f"could run code): {_unpickler_reason(err)}"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
         raise CheckpointError(

@@ -270,6 +270,16 @@ def counts_before_fractions(trainer_class: type) -> None:
             annotations[name] = (int | float | None) if type(None) in members else (int | float)
 
 
+def _honour_wandb_disabled(trainer: Trainer | None) -> None:
+    """``WANDB_MODE=disabled`` turns W&B off for a run whose config logs offline too: Lightning's ``offline=True`` sets
+    ``WANDB_MODE=dryrun`` over it when the run starts, and an offline run was written anyway."""
+    if trainer is None or os.environ.get("WANDB_MODE", "").lower() != "disabled":
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and getattr(logger, "_offline", False):
+            logger._offline = False  # the mode is wandb's to read: the environment's "disabled"
+
+
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.
 
@@ -508,6 +518,7 @@ class LilicorrCLI(LightningCLI):
             while err.__cause__ is not None and isinstance(err.__cause__, (ValueError, TypeError)):
                 err = err.__cause__
             raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+        _honour_wandb_disabled(getattr(self, "trainer", None))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The Trainer as configured, with :class:`StepProgressBar` (:class:`LogProgressBar` when
@@ -620,7 +631,7 @@ class LilicorrCLI(LightningCLI):
             if callable(check):
                 try:
                     check(self.model)
-                except ValueError as err:
+                except (ValueError, FileNotFoundError) as err:  # a bad setting, or a prompts file that is not there
                     raise UserInputError(str(err)) from None
 
     def _config_record(self) -> tuple[LoggerSaveConfigCallback | None, str]:
@@ -873,7 +884,7 @@ def wire_logit_cache(system: DraftSystem, dm: DraftDataModule) -> None:
     rows = system.drafter.target_config.vocab_size  # its output rows, from the target's config
     if dm.logit_cache and dm.logit_top_m > rows:  # was found after tokenizing and loading
         raise ValueError(f"data.logit_top_m {dm.logit_top_m} is more than the target's {rows} output rows; keep the top "
-                         f"M <= {rows} logits (the recipes keep 32)")
+                         f"M <= {rows} logits (the demo keeps 32, the Qwen3 recipes 64)")
 
 
 def add_saved_fit_arguments(parser: Any, command: str) -> None:

@@ -14,6 +14,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
@@ -724,12 +725,17 @@ class DraftSystem(L.LightningModule):
         named = f"--target {target_path}" if target_path is not None else f"its target {target.get('name_or_path')}"
         fc = (checkpoint.get("state_dict") or {}).get("drafter.fc.weight")  # [H, n·H]: the target's hidden size
         config_file = Path(where) / "config.json" if where is not None else None
-        if fc is not None and config_file is not None and config_file.is_file():
+        if config_file is not None and config_file.is_file():
             try:
-                hidden = json.loads(config_file.read_text()).get("hidden_size")
+                config = json.loads(config_file.read_text())
             except (ValueError, UnicodeDecodeError):
-                hidden = None  # not readable as a config: loading it says why
-            if isinstance(hidden, int) and hidden != fc.shape[0]:
+                config = None  # not readable as a config: loading it says why
+            config = config if isinstance(config, dict) else {}
+            # A drafter's folder named as the target: said with the option that named it, before anything is built.
+            refuse_drafter(SimpleNamespace(**config), str(target_path if target_path is not None else where),
+                           "--target" if target_path is not None else f"checkpoint {path}'s target")
+            hidden = config.get("hidden_size")
+            if fc is not None and isinstance(hidden, int) and hidden != fc.shape[0]:
                 raise CheckpointError(
                     f"checkpoint {path} was trained on a target of hidden size {fc.shape[0]}, and {named} has "
                     f"hidden size {hidden}; pass the target model it was trained with (--target)")

@@ -940,6 +940,23 @@ def test_an_acceptance_eval_the_context_cannot_hold_is_refused_before_the_data_a
                               f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
     assert "AcceptanceEval max_new_tokens 64 leaves no room for a prompt in the target's context of 64 positions" in err
     assert not (root / "cache").exists()  # nothing prepared
+    # A prompts file that is not there: one line too (it was a FileNotFoundError traceback, exit status 1).
+    extra.write_text("trainer:\n  callbacks+:\n    - class_path: callbacks.AcceptanceEval\n"
+                     f"      init_args: {{every_n_train_steps: 2, benchmark: {tmp_path / 'nope.jsonl'}}}\n")
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "-c", str(extra),
+                              f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
+    assert err.strip().endswith(f"AcceptanceEval benchmark: prompt file {tmp_path / 'nope.jsonl'} does not exist; pass "
+                                "a .jsonl with a 'prompt' or 'text' field per line")
+    assert not (root / "cache").exists()
+
+
+def test_wandb_disabled_in_the_environment_wins_over_a_configs_offline_logger(tiny_run):
+    """configs/tiny.yaml logs offline; Lightning's offline switch set WANDB_MODE=dryrun over a user's "disabled" (for
+    the rest of the process, too) and wrote an offline run anyway."""
+    _, ckpt = tiny_run
+    assert "offline: true" in (ROOT / "configs" / "tiny.yaml").read_text()
+    assert os.environ["WANDB_MODE"] == "disabled"  # conftest's, still
+    assert not (ckpt.parents[1] / "wandb").exists()
 
 
 def test_online_wandb_without_credentials_is_one_line_before_the_data_are_prepared(tmp_path):
@@ -976,12 +993,14 @@ def test_data_settings_the_target_cannot_meet_are_one_line_before_preparation(fl
 
 def test_a_validation_share_that_leaves_nothing_to_train_on_is_an_error_not_a_silent_success(capsys, tmp_path):
     """data.val_fraction 0.99 of a small file: Lightning stopped at once ('No training batches'), exited 0 and wrote
-    no checkpoint."""
+    no checkpoint. Told once the data are tokenized, before the target's pass over them (the logit store) and before
+    a W&B run starts."""
     root = tmp_path / "runs" / "tiny"
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--data.val_fraction=0.99",
                               "--data.train_files=[builtin:stdlib-train:8]", f"--trainer.default_root_dir={root}"])
     assert "data.val_fraction 0.99 leaves none of the 8 training examples to train on" in err, err
     assert not (root / "checkpoints").exists()
+    assert [p.name.split("-")[0] for p in (root / "cache").iterdir()] == ["tokens"]
 
 
 @pytest.mark.parametrize("command, configs", [

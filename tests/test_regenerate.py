@@ -637,8 +637,14 @@ def test_an_input_none_of_whose_records_can_be_answered_is_one_line_before_the_m
     ckpt = tmp_path / "last.ckpt"
     ckpt.write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match=r"--target .*last.ckpt is a file, not a model directory; a training "
-                                                r"checkpoint drafts, it does not generate"):
+                                                r"checkpoint drafts, it does not generate; pass the target model's "
+                                                r"directory or hub name$"):  # the advice once (it was given twice)
         run(str(ckpt), inp, out)
+    # ... and so is one named without a folder (`--target last.ckpt` in its folder), not read as a hub name
+    # (transformers then read the checkpoint as a config file).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"--target last.ckpt is a file, not a model directory; a training "):
+        run("last.ckpt", inp, out)
 
 
 def test_an_output_that_is_not_jsonl_is_refused(target_dir, input_file, tmp_path):

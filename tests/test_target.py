@@ -242,7 +242,7 @@ def test_fit_does_not_warn_about_the_frozen_targets_eval_mode_only(tmp_path, dra
         assert eval_warnings == []
 
 
-def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded_at_random(tmp_path, capsys):
+def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded_at_random(tmp_path, capsys, tiny_run):
     """A drafter export declares ``model_type: qwen3``: transformers loaded it as a target with random embeddings and
     LM head (and any model missing tensors with those at random), and built an empty tokenizer from a directory
     that has none; each is one line naming the fix."""
@@ -267,6 +267,12 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
                               f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=1"])
     assert f"model.target.name_or_path {drafter} is a drafter (DFlashDraftModel), not a target model" in err, err
     assert not (tmp_path / "runs").exists()
+    # bench and export name it by their own option, --target (not the training setting it fills).
+    _, ckpt = tiny_run
+    for command in (["bench", "--num_prompts", "1"], ["export", "--output", str(tmp_path / "out")]):
+        err = user_error(capsys, [*command, "--ckpt", str(ckpt), "--target", str(drafter)])
+        assert f"--target {drafter} is a drafter (DFlashDraftModel), not a target model" in err, err
+    assert not (tmp_path / "out").exists()
 
     partial = tmp_path / "partial"
     partial.mkdir()

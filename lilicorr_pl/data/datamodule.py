@@ -306,6 +306,11 @@ class DraftDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Tokenize the data and run the target for the stores that are missing (reusing valid ones)."""
         self.prepare_tokens()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.state.fn == "fit" and "val" not in self._splits() and self.val_fraction > 0:
+            # Told now, from the token store, not after the target's pass over the data (hours on a real target).
+            train = self.cache_paths("train")["tokens"]
+            self._refuse_an_empty_training_split(self._open("train", "tokens", train).num_examples)
         job = self.precompute_job()
         if job is not None:
             run_in_process(job, self.load_target(), progress=self.progress, written_by="prepare_data")
@@ -418,9 +423,8 @@ class DraftDataModule(L.LightningDataModule):
             if k == 0:
                 warnings.warn("only one training example: no validation split", stacklevel=2)
                 val_indices = None
-        if len(indices) == 0 and stage in (None, "fit"):  # Lightning would stop at once, exit 0, no checkpoint
-            raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
-                                 "to train on; lower it, or give data.val_files")
+        if stage in (None, "fit"):
+            self._refuse_an_empty_training_split(n_train, len(indices))
         self.train_dataset = self._dataset(train_paths, indices)
         if "val" in datasets:
             val_paths, n_val = datasets["val"]
@@ -429,6 +433,15 @@ class DraftDataModule(L.LightningDataModule):
             self.val_dataset = self._dataset(train_paths, val_indices)
         else:
             self.val_dataset = None
+
+    def _refuse_an_empty_training_split(self, n_train: int, left: int | None = None) -> None:
+        """A validation share that leaves no training example (``left``, else the share :meth:`setup` takes from
+        ``n_train``): Lightning would stop at once and exit 0 with no checkpoint."""
+        if left is None:
+            left = n_train - (int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0)
+        if left == 0:
+            raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
+                                 "to train on; lower it, or give data.val_files")
 
     @staticmethod
     def _dataset(paths: dict[str, Path], indices: np.ndarray) -> CachedDraftDataset:

@@ -491,11 +491,10 @@ def regenerate(
     where = local_target_path(target)
     if where is not None:
         if not Path(where).is_dir():
-            why = ("is a file, not a model directory" + ("; a training checkpoint drafts, it does not generate: pass "
-                                                          "the target model's directory" if Path(where).suffix == ".ckpt"
-                                                          else "")
-                   if Path(where).exists() else "does not exist")
-            raise FileNotFoundError(f"--target {target} {why}; pass a model directory or a hub name")
+            why = "is a file, not a model directory" if Path(where).exists() else "does not exist"
+            if Path(where).suffix == ".ckpt" and Path(where).exists():
+                why += "; a training checkpoint drafts, it does not generate"
+            raise FileNotFoundError(f"--target {target} {why}; pass the target model's directory or hub name")
         target = where
     template = resolve_chat_template(chat_template, option="--chat-template")
 
