@@ -121,12 +121,16 @@ def check_checkpoint_file(path: Path) -> None:
 
 
 def _unpickler_reason(err: Exception) -> str:
-    """What torch's weights-only unpickler refused (``Unsupported global: GLOBAL os.system …``), from its long
-    message, whose first line is advice to load the file unsafely (with terminal bold codes)."""
+    """What torch's weights-only unpickler refused (``Unsupported global: GLOBAL …``, ``Trying to load unsupported
+    GLOBAL posix.system whose module posix is blocked``, ``Unsupported operand 130``), from its long message, which
+    wraps the reason in advice to load the file unsafely (in terminal bold codes): that advice is never quoted."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
-    found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
-    reason = found.group(1).split(" Please use")[0] if found else (text.strip().splitlines() or [type(err).__name__])[0]
-    return reason.strip()[:200]
+    advice = ("weights_only", "two options", "Please file an issue", "Check the documentation")
+    for line in text.splitlines():
+        line = line.replace("Weights only load failed.", "").replace("WeightsUnpickler error:", "").strip()
+        if line and not any(a in line for a in advice):
+            return line.split(" Please use")[0][:200]
+    return "an object torch's weights-only loader does not allow"
 
 
 def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:

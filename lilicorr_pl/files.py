@@ -166,9 +166,12 @@ def markdown_written_by_lilicorr(path: Path, command: str | None = None) -> bool
 def check_markdown_file(path: Path, command: str, flag: str) -> None:
     """Raise ``ValueError`` when ``path`` holds something ``lilicorr <command>`` did not write (``flag`` names what
     chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
-    if path.is_symlink() or path.is_dir():
-        raise ValueError(f"{flag}: {path} is a {'directory' if path.is_dir() else 'symbolic link'} where the Markdown "
-                         "report would be written; move it, or choose another --output")
+    if path.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
+        raise ValueError(f"{flag}: {path} is a symbolic link (to {os.readlink(path)}) where the Markdown report would be "
+                         "written; move it, or choose another --output")
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a directory where the Markdown report would be written; move it, or "
+                         "choose another --output")
     if path.exists() and not markdown_written_by_lilicorr(path, command):
         raise ValueError(f"{flag}: {path} exists and is not a report `lilicorr {command}` wrote, so it is not "
                          "overwritten; move it, or choose another --output")

@@ -126,10 +126,11 @@ def is_local_path(name_or_path: str | os.PathLike[str]) -> bool:
 
 
 def local_target_path(name_or_path: str | os.PathLike[str]) -> str | None:
-    """The directory a target name names on this machine, with ``~`` expanded (transformers does not expand it), or
-    ``None`` for a hub id. A name of the hub's form that exists here (``models/qwen``, ``tgt``; a file such as
-    ``run.ckpt`` too, which transformers would read as a config file) is that path, as transformers loads it. Whether
-    a path-like name exists, and is a directory, is the caller's check, with its own message."""
+    """The path a target name names on this machine (a directory, if it is a model), with ``~`` expanded
+    (transformers does not expand it), or ``None`` for a hub id. A name of the hub's form that exists here
+    (``models/qwen``, ``tgt``; a file such as ``run.ckpt`` too, which transformers would read as a config file) is
+    that path, as transformers loads it. Whether a path-like name exists, and is a directory, is the caller's check,
+    with its own message."""
     name = os.fspath(name_or_path)
     if is_local_path(name) or (name and os.path.exists(name)):
         return os.path.expanduser(name)

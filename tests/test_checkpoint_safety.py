@@ -63,7 +63,12 @@ def _resume(tmp_path: Path, ckpt: Path | str, *extra: str) -> object:
     return cli_main(_resume_argv(tmp_path, ckpt, *extra))
 
 
-def test_reader_refuses_a_pickle_payload_with_one_line(evil):
+class SystemPayload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_reader_refuses_a_pickle_payload_with_one_line(evil, tmp_path):
     path, marker = evil
     with pytest.raises(CheckpointError, match="pickled objects that are not plain data") as err:
         read_checkpoint(path)
@@ -71,6 +76,21 @@ def test_reader_refuses_a_pickle_payload_with_one_line(evil):
     # What was refused, named; not torch's advice to load it unsafely ("two options", in terminal bold codes).
     assert "could run code): Unsupported global: GLOBAL getattr was not an allowed global" in str(err.value)
     assert "\x1b" not in str(err.value) and "two options" not in str(err.value)
+    # A blocked module (the usual payload, os.system): named the same way, without torch's weights_only advice.
+    bad = tmp_path / "system.ckpt"
+    torch.save({"state_dict": {}, "x": SystemPayload()}, bad)
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(bad)
+    assert "could run code): Trying to load unsupported GLOBAL " in str(err.value) and "blocked" in str(err.value)
+    assert "weights_only" not in str(err.value)
+    # An opcode the loader does not run (torch puts the reason on a line of its own): named, never left blank.
+    torch.save({"a": 1}, tmp_path / "plain.pt")
+    with zipfile.ZipFile(tmp_path / "plain.pt") as zin, zipfile.ZipFile(tmp_path / "opcode.ckpt", "w") as zout:
+        for item in zin.infolist():
+            zout.writestr(item, b"\x80\x02\x82\x01." if item.filename.endswith("data.pkl") else zin.read(item.filename))
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(tmp_path / "opcode.ckpt")
+    assert str(err.value).endswith("could run code): Unsupported operand 130")
     assert not marker.exists()
 
 

@@ -950,12 +950,13 @@ def test_an_acceptance_eval_the_context_cannot_hold_is_refused_before_the_data_a
     assert not (root / "cache").exists()
 
 
+@pytest.mark.skipif(os.environ.get("WANDB_MODE") != "disabled", reason="the suite runs with WANDB_MODE=disabled")
 def test_wandb_disabled_in_the_environment_wins_over_a_configs_offline_logger(tiny_run):
     """configs/tiny.yaml logs offline; Lightning's offline switch set WANDB_MODE=dryrun over a user's "disabled" (for
     the rest of the process, too) and wrote an offline run anyway."""
     _, ckpt = tiny_run
     assert "offline: true" in (ROOT / "configs" / "tiny.yaml").read_text()
-    assert os.environ["WANDB_MODE"] == "disabled"  # conftest's, still
+    assert os.environ["WANDB_MODE"] == "disabled"  # still
     assert not (ckpt.parents[1] / "wandb").exists()
 
 
@@ -993,8 +994,7 @@ def test_data_settings_the_target_cannot_meet_are_one_line_before_preparation(fl
 
 def test_a_validation_share_that_leaves_nothing_to_train_on_is_an_error_not_a_silent_success(capsys, tmp_path):
     """data.val_fraction 0.99 of a small file: Lightning stopped at once ('No training batches'), exited 0 and wrote
-    no checkpoint. Told once the data are tokenized, before the target's pass over them (the logit store) and before
-    a W&B run starts."""
+    no checkpoint. Told once the data are tokenized, before the target's pass over them (the logit store)."""
     root = tmp_path / "runs" / "tiny"
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--data.val_fraction=0.99",
                               "--data.train_files=[builtin:stdlib-train:8]", f"--trainer.default_root_dir={root}"])

@@ -245,3 +245,15 @@ def test_prepare_with_more_processes_than_shards_leaves_the_idle_one_waiting(tmp
         assert sorted(p.name for p in b.iterdir()) == files and len(files) == 2  # 1 shard + manifest
         shard = next(f for f in files if f.endswith(".safetensors"))
         assert (a / shard).read_bytes() == (b / shard).read_bytes(), name
+
+
+def test_a_validation_share_that_leaves_nothing_to_train_on_is_one_line_on_every_rank(tmp_path):
+    """Refused on one process once the data are tokenized; over two it is setup's refusal, on each rank (refused in
+    prepare_data, which local rank 0 runs alone, the other rank died at the barrier with a gloo traceback)."""
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
+           "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--data.val_fraction=0.99",
+           "--data.train_files=[builtin:stdlib-train:8]", f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.count("data.val_fraction 0.99 leaves none of the 8 training examples to train on") >= 1

@@ -42,7 +42,7 @@ from lilicorr_pl.data.formats import (
 )
 from lilicorr_pl.data.precompute import PrecomputeJob, SplitJob, count_rows, run_in_process
 from lilicorr_pl.data.sampling import ResumableLoader, ShardedEvalSampler, train_sampler
-from lilicorr_pl.data.store import SCHEMA_VERSION, CacheError, Store, StoreWriter, open_store, provenance
+from lilicorr_pl.data.store import SCHEMA_VERSION, CacheError, Store, StoreWriter, Verify, open_store, provenance
 from lilicorr_pl.target import FrozenTarget, TargetSpec
 
 def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
@@ -298,19 +298,22 @@ class DraftDataModule(L.LightningDataModule):
         kinds = ["tokens"] + ["logits"] * self.logit_cache + ["features"] * self.feature_cache
         return {kind: store_path(self.cache_dir, kind, self._parts_for(split, kind)) for kind in kinds}
 
-    def _open(self, split: str, kind: str, path: Path) -> Store:
+    def _open(self, split: str, kind: str, path: Path, verify: Verify | None = None) -> Store:
         expected = fingerprint(self._parts_for(split, kind))
-        return open_store(path, expected_fingerprint=expected, kind=kind, verify=self.cache_verify)
+        return open_store(path, expected_fingerprint=expected, kind=kind, verify=verify or self.cache_verify)
 
     # ------------------------------------------------------------------ prepare_data: writes
     def prepare_data(self) -> None:
         """Tokenize the data and run the target for the stores that are missing (reusing valid ones)."""
         self.prepare_tokens()
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.state.fn == "fit" and "val" not in self._splits() and self.val_fraction > 0:
-            # Told now, from the token store, not after the target's pass over the data (hours on a real target).
-            train = self.cache_paths("train")["tokens"]
-            self._refuse_an_empty_training_split(self._open("train", "tokens", train).num_examples)
+        # Told now, from the token store, not after the target's pass over the data (hours on a real target); on one
+        # process only: this runs on local rank 0 alone, and the others would wait for it at the barrier (setup tells
+        # every rank, later).
+        if (trainer is not None and trainer.state.fn == "fit" and trainer.world_size == 1
+                and "val" not in self._splits() and self.val_fraction > 0):
+            train = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup hashes it
+            self._refuse_an_empty_training_split(train.num_examples)
         job = self.precompute_job()
         if job is not None:
             run_in_process(job, self.load_target(), progress=self.progress, written_by="prepare_data")
@@ -417,7 +420,7 @@ class DraftDataModule(L.LightningDataModule):
         indices = np.arange(n_train)
         val_indices = None
         if "val" not in datasets and self.val_fraction > 0:
-            k = int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0
+            k = self._validation_count(n_train)
             perm = np.random.default_rng(self.seed).permutation(n_train)
             val_indices, indices = np.sort(perm[:k]), np.sort(perm[k:])
             if k == 0:
@@ -434,11 +437,15 @@ class DraftDataModule(L.LightningDataModule):
         else:
             self.val_dataset = None
 
+    def _validation_count(self, n_train: int) -> int:
+        """How many of ``n_train`` training examples ``val_fraction`` sets aside (none of a single one)."""
+        return int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0
+
     def _refuse_an_empty_training_split(self, n_train: int, left: int | None = None) -> None:
         """A validation share that leaves no training example (``left``, else the share :meth:`setup` takes from
         ``n_train``): Lightning would stop at once and exit 0 with no checkpoint."""
         if left is None:
-            left = n_train - (int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0)
+            left = n_train - self._validation_count(n_train)
         if left == 0:
             raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
                                  "to train on; lower it, or give data.val_files")

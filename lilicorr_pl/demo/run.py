@@ -902,7 +902,7 @@ def demo(
         quick: small target and budget (minutes on 2 CPU cores) instead of the full comparison.
         workdir: where data, caches, runs, checkpoints and plots go.
         output: write the comparison JSON here (default: <workdir>/results.json; with --quick,
-            <workdir>/results-quick.json), and its table as Markdown beside it (results.md).
+            <workdir>/results-quick.json), and its table as Markdown beside it (results.md, results-quick.md).
         steps: training steps of each arm after the shared stage.
         base_steps: steps of the shared DFlash stage.
         head_steps: head-only steps of the LiLiCorr arms on the dflash arm's frozen drafter.
@@ -951,7 +951,7 @@ def demo(
         check_writable_dir(workdir, f"--workdir {workdir}")
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
                            plot_fix="choose another --workdir", command="demo")
-        check_markdown_file(markdown_path(out), "demo", "the table beside --output")
+        check_markdown_file(markdown_path(out), "demo", "the demo's Markdown table")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     # The folders every stage writes into, checked before any stage runs: a file of one's name was found by the
