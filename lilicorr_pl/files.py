@@ -19,7 +19,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 
 def cache_root() -> Path:
@@ -121,16 +121,30 @@ def written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     ``lilicorr`` under :data:`WRITTEN_BY`. Given ``command`` (``bench``, ``demo``, ``perf``), only that command's: a
     benchmark's results are not replaced by a timing run. A file without that key is never guessed to be one (the
     keys results of versions before it held are keys a user's own JSON may hold too)."""
+    return _replaceable(path, command, lambda: str((_read_results(path) or {}).get(WRITTEN_BY, "")))
+
+
+def _replaceable(path: Path, command: str | None, writer: Callable[[], str]) -> bool:
+    """The rule every ``*_written_by_lilicorr`` applies: an empty file (nothing to lose: ``mktemp``), or one whose
+    ``writer()`` (what it says wrote it; "" when it says nothing, or cannot be read) names ``lilicorr`` and, given
+    ``command``, that command."""
     try:
-        if path.stat().st_size == 0:  # nothing to lose (``mktemp``)
+        if path.stat().st_size == 0:
             return True
     except OSError:
         return False
-    payload = _read_results(path)
-    if payload is None:
-        return False
-    writer = str(payload.get(WRITTEN_BY, ""))
-    return writer.startswith("lilicorr ") and (command is None or writer.split(" ")[1:2] == [command])
+    said = writer()
+    return said.startswith("lilicorr ") and (command is None or said.split(" ")[1:2] == [command])
+
+
+def _refuse_foreign(path: Path, flag: str, what: str, command: str, ours: bool, fix: str) -> None:
+    """Raise ``ValueError`` for a ``path`` where ``what`` (a plot, a report) of ``lilicorr <command>`` would be written
+    that is a directory, or exists and is not ``ours`` (``fix``: the way out, after "move it or")."""
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a directory where {what} would be written; move it or {fix}")
+    if path.exists() and not ours:
+        raise ValueError(f"{flag}: {path} exists and is not {what} `lilicorr {command}` wrote, so it is not "
+                         f"overwritten; move it or {fix}")
 
 
 def write_results_json(path: Path, payload: dict[str, Any], command: str) -> None:
@@ -150,17 +164,16 @@ def _markdown_marker(command: str) -> str:
 def markdown_written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     """Whether ``path`` may be replaced as a Markdown report of this tool: an empty file, or one whose first line is
     the comment :func:`write_markdown` puts there, naming ``lilicorr`` (and ``command``, given one)."""
-    try:
-        if path.stat().st_size == 0:
-            return True
-        with open(path, encoding="utf-8") as fh:
-            first = fh.readline(4096)
-    except (OSError, UnicodeDecodeError):
-        return False
-    prefix = f"<!-- {WRITTEN_BY}: lilicorr "
-    if not (first.startswith(prefix) and first.rstrip("\n").endswith(" -->")):
-        return False
-    return command is None or first[len(prefix):].split(" ")[:1] == [command]
+    def writer() -> str:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                first = fh.readline(4096).rstrip("\n")
+        except (OSError, UnicodeDecodeError):
+            return ""
+        found = re.fullmatch(f"<!-- {WRITTEN_BY}: (.*) -->", first)
+        return found.group(1) if found else ""
+
+    return _replaceable(path, command, writer)
 
 
 def check_markdown_file(path: Path, command: str, flag: str) -> None:
@@ -168,13 +181,9 @@ def check_markdown_file(path: Path, command: str, flag: str) -> None:
     chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
     if path.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
         raise ValueError(f"{flag}: {path} is a symbolic link (to {os.readlink(path)}) where the Markdown report would be "
-                         "written; move it, or choose another --output")
-    if path.is_dir():
-        raise ValueError(f"{flag}: {path} is a directory where the Markdown report would be written; move it, or "
-                         "choose another --output")
-    if path.exists() and not markdown_written_by_lilicorr(path, command):
-        raise ValueError(f"{flag}: {path} exists and is not a report `lilicorr {command}` wrote, so it is not "
-                         "overwritten; move it, or choose another --output")
+                         "written; move it or choose another --output")
+    _refuse_foreign(path, flag, "a report", command, markdown_written_by_lilicorr(path, command),
+                    "choose another --output")
 
 
 def write_markdown(path: Path, text: str, command: str) -> None:
@@ -224,25 +233,15 @@ def png_text(path: Path, limit: int = 1 << 20) -> dict[str, str] | None:
 def png_written_by_lilicorr(path: Path, command: str | None = None) -> bool:
     """Whether ``path`` may be replaced as a plot of this tool: an empty file, or a PNG whose ``written_by`` text
     names ``lilicorr`` (and ``command``, given one)."""
-    try:
-        if path.stat().st_size == 0:
-            return True
-    except OSError:
-        return False
-    writer = (png_text(path) or {}).get(WRITTEN_BY, "")
-    return writer.startswith("lilicorr ") and (command is None or writer.split(" ")[1:2] == [command])
+    return _replaceable(path, command, lambda: (png_text(path) or {}).get(WRITTEN_BY, ""))
 
 
 def check_plot_files(paths: Iterable[Path], command: str, flag: str = "--plot") -> None:
     """Raise ``ValueError`` for a plot path that holds something ``lilicorr <command>`` did not write (a user's file
     of that name, or another command's plot), before any work starts: a rerun replaces its own plots, nothing else."""
     for path in paths:
-        if path.is_dir():
-            raise ValueError(f"{flag}: {path} is a directory where a plot would be written; move it or choose "
-                             "another plot directory")
-        if path.exists() and not png_written_by_lilicorr(path, command):
-            raise ValueError(f"{flag}: {path} exists and is not a plot `lilicorr {command}` wrote, so it is not "
-                             "overwritten; choose another plot directory")
+        _refuse_foreign(path, flag, "a plot", command, png_written_by_lilicorr(path, command),
+                        "choose another plot directory")
 
 
 def save_figure(fig: Any, path: Path, command: str, about: dict[str, str] | None = None, dpi: int = 120) -> Path:

@@ -289,7 +289,7 @@ def write(path: Path, text: str) -> str:
         ("compile_mode_without_compile", r"--compile_mode max-autotune-no-cudagraphs sets how the heads are compiled, "
                                          r"and they are not; add --compile true"),
         ("plot_over_a_users_file", r"--plot: .*acceptance_.*_humaneval_T0\.0\.png exists and is not a plot `lilicorr "
-                                   r"bench` wrote, so it is not overwritten; choose another plot directory"),
+                                   r"bench` wrote, so it is not overwritten; move it or choose another plot directory"),
         ("cuda_graphs_on_the_cpu", r"--compile_mode reduce-overhead captures the heads in CUDA graphs, which need a "
                                    r"CUDA device \(--device cuda\); on cpu use --compile_mode default"),
     ],

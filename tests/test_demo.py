@@ -294,7 +294,7 @@ def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     err = user_error(capsys, ["demo", "--quick", "--output", str(tmp_path / "results.json"),
                               "--workdir", str(tmp_path / "demo")])
     assert err.strip().endswith(f"the demo's Markdown table: {tmp_path / 'results.md'} exists and is not a report "
-                                "`lilicorr demo` wrote, so it is not overwritten; move it, or choose another --output")
+                                "`lilicorr demo` wrote, so it is not overwritten; move it or choose another --output")
     assert (tmp_path / "results.md").read_text() == "# my notes\n" and not (tmp_path / "demo").exists()
     taken = tmp_path / "taken"  # a workdir whose plots folder is a file: the demo's own fix, not bench's --plot
     taken.mkdir()

@@ -222,13 +222,42 @@ def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path)
     assert png_written_by_lilicorr(tmp_path / "empty.png")  # nothing to lose
     check_plot_files([ours, tmp_path / "missing.png"], "bench")  # its own plot, or a new name: fine
     with pytest.raises(ValueError, match=r"theirs\.png exists and is not a plot `lilicorr bench` wrote, so it is not "
-                                         r"overwritten; choose another plot directory"):
+                                         r"overwritten; move it or choose another plot directory"):
         check_plot_files([ours, theirs], "bench")
     with pytest.raises(ValueError, match=r"ours\.png exists and is not a plot `lilicorr demo` wrote"):
         check_plot_files([ours], "demo")  # another command's plot is not taken either
     with pytest.raises(ValueError, match=r"is a directory where a plot would be written"):
         check_plot_files([tmp_path / "plots"], "bench")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ours.png", "theirs.png"]  # no temp file left
+
+
+def test_markdown_reports_say_what_wrote_them_and_only_those_are_replaced(tmp_path):
+    from lilicorr_pl.files import check_markdown_file, markdown_written_by_lilicorr, write_markdown
+
+    ours = tmp_path / "results.md"
+    write_markdown(ours, "| a | b |\n|---|---|\n| τ | 1.0× |", "demo")
+    first, *rest = ours.read_text(encoding="utf-8").splitlines()
+    assert first.startswith("<!-- written_by: lilicorr demo ") and rest == ["| a | b |", "|---|---|", "| τ | 1.0× |"]
+    assert markdown_written_by_lilicorr(ours, "demo") and markdown_written_by_lilicorr(ours)
+    assert not markdown_written_by_lilicorr(ours, "bench")  # another command's report is not taken
+    (tmp_path / "empty.md").touch()
+    assert markdown_written_by_lilicorr(tmp_path / "empty.md")  # nothing to lose
+    for name, content in (("notes.md", "# my notes\n".encode()), ("latin.md", b"\xe9t\xe9\n"),
+                          ("quoted.md", b"see <!-- written_by: lilicorr demo 1 -->\n")):
+        (tmp_path / name).write_bytes(content)
+        assert not markdown_written_by_lilicorr(tmp_path / name)
+        with pytest.raises(ValueError, match=f"{name} exists and is not a report `lilicorr demo` wrote, so it is not "
+                                             "overwritten; move it or choose another --output"):
+            check_markdown_file(tmp_path / name, "demo", "the table")
+    assert not markdown_written_by_lilicorr(tmp_path / "missing.md")
+    check_markdown_file(ours, "demo", "the table")  # its own, or a new name: fine
+    check_markdown_file(tmp_path / "missing.md", "demo", "the table")
+    (tmp_path / "folder.md").mkdir()
+    with pytest.raises(ValueError, match="folder.md is a directory where a report would be written; move it or"):
+        check_markdown_file(tmp_path / "folder.md", "demo", "the table")
+    (tmp_path / "link.md").symlink_to(ours)
+    with pytest.raises(ValueError, match=f"link.md is a symbolic link \\(to {ours}\\)"):
+        check_markdown_file(tmp_path / "link.md", "demo", "the table")
 
 
 def test_the_test_session_keeps_its_cache_out_of_the_users():
