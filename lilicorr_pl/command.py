@@ -125,10 +125,26 @@ def description(function: Callable[..., Any]) -> str:
     return "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
 
 
+class ShortUsage:
+    """A parser whose error is not buried under its usage (mixed in before the parser class): ``fit`` has hundreds of
+    options, and a mistyped value printed ninety lines of them above the one error line. The usage printed before an
+    error is cut to its first line and an ellipsis when it is longer than a few lines; ``--help`` prints every option,
+    as before."""
+
+    def format_usage(self) -> str:
+        usage = super().format_usage()  # type: ignore[misc]
+        lines = usage.splitlines()
+        return usage if len(lines) <= 4 else f"{lines[0]} …\n"
+
+
+class ToolParser(ShortUsage, ArgumentParser):
+    """The tools' parser (``bench``, ``export``, ``demo``, …): jsonargparse's, with :class:`ShortUsage`."""
+
+
 def function_parser(function: Callable[..., Any], prog: str) -> ArgumentParser:
     """``--help`` from the signature and docstring, ``-c/--config``, ``--print_config``, typed options."""
     # Options are named in full (allow_abbrev off): `--max_new 2` was taken for --max_new_tokens.
-    parser = ArgumentParser(prog=prog, description=description(function), allow_abbrev=False)
+    parser = ToolParser(prog=prog, description=description(function), allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help=CONFIG_HELP)
     parser.add_function_arguments(function, as_group=False, fail_untyped=True, sub_configs=True)
     return parser

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lilicorr_pl import builtin
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
                                     config_modules, first_line, read_verified, verified_first)
+from lilicorr_pl.command import ShortUsage
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files
 from lilicorr_pl.data.store import CacheError
@@ -280,6 +281,10 @@ def _honour_wandb_disabled(trainer: Trainer | None) -> None:
             logger._offline = False  # the mode is wandb's to read: the environment's "disabled"
 
 
+class ShortUsageParser(ShortUsage, LightningArgumentParser):
+    """LightningCLI's parser with :class:`~lilicorr_pl.command.ShortUsage`."""
+
+
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.
 
@@ -301,6 +306,7 @@ class LilicorrCLI(LightningCLI):
         if "callbacks" in self.reporting:
             self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
         counts_before_fractions(kwargs.get("trainer_class", Trainer))
+        kwargs.setdefault("parser_class", ShortUsageParser)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

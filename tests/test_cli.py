@@ -478,6 +478,23 @@ def test_top_level_help_lists_every_subcommand_with_a_plain_description(capsys):
     assert user_error(capsys, ["frobnicate"])  # an unknown subcommand: usage and exit status 2
 
 
+@pytest.mark.parametrize("argv, key", [
+    (["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.head=lilicor"], 'Parser key "model.head"'),
+    (["demo", "--steps", "x"], 'Parser key "steps"'),
+])
+def test_a_value_refused_when_parsed_is_not_buried_under_the_usage(argv, key, capsys):
+    """fit's usage was 90 lines above the error (every Trainer, model and data option); it is cut to its first line,
+    and --help still lists every option."""
+    err = user_error(capsys, argv)
+    lines = err.splitlines()
+    assert lines[0].startswith(f"usage: lilicorr ") and lines[0].endswith(" …"), lines[0]
+    assert lines[1] == f"tip: For details of accepted options run: lilicorr {argv[0]} --help"
+    assert lines[2].startswith(f"error: {key}") and len(lines) < 20
+    with pytest.raises(SystemExit):
+        main([argv[0], "--help"])
+    assert capsys.readouterr().out.count("\n  --") > 12  # every option, each on its own line
+
+
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
