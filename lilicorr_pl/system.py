@@ -733,7 +733,7 @@ class DraftSystem(L.LightningModule):
             config = config if isinstance(config, dict) else {}
             # A drafter's folder named as the target: said with the option that named it, before anything is built.
             refuse_drafter(SimpleNamespace(**config), str(target_path if target_path is not None else where),
-                           "--target" if target_path is not None else f"checkpoint {path}'s target")
+                           *(("--target",) if target_path is not None else (f"checkpoint {path}'s target", "--target")))
             hidden = config.get("hidden_size")
             if fc is not None and isinstance(hidden, int) and hidden != fc.shape[0]:
                 raise CheckpointError(

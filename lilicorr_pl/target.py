@@ -199,13 +199,15 @@ DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "LiLiCorrDraftModel")
 ``qwen3``, so ``AutoModelForCausalLM`` would load one as a Qwen3 model with random embeddings and LM head."""
 
 
-def refuse_drafter(config: Any, name_or_path: str, setting: str) -> None:
-    """Raise for a drafter's config given where a target model belongs (``setting`` names the option)."""
+def refuse_drafter(config: Any, name_or_path: str, setting: str, option: str = "") -> None:
+    """Raise for a drafter's config given where a target model belongs (``setting`` names what gave it, ``option``
+    the option that gives another, when that is not ``setting`` itself)."""
     archs = [a for a in (getattr(config, "architectures", None) or []) if a in DRAFTER_ARCHITECTURES]
     if archs or getattr(config, "dflash_config", None) is not None:
+        named_by = f" ({option})" if option else ""
         raise UserInputError(
             f"{setting} {name_or_path} is a drafter ({(archs or ['dflash_config'])[0]}), not a target model: loaded "
-            "as one its embeddings and LM head would be random; pass the target model's directory or hub name"
+            f"as one its embeddings and LM head would be random; pass the target model's directory or hub name{named_by}"
         )
 
 

@@ -273,6 +273,14 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
         err = user_error(capsys, [*command, "--ckpt", str(ckpt), "--target", str(drafter)])
         assert f"--target {drafter} is a drafter (DFlashDraftModel), not a target model" in err, err
     assert not (tmp_path / "out").exists()
+    # A checkpoint whose recorded target is a drafter's folder: named as its, with the option that gives another.
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["target"]["name_or_path"] = str(drafter)
+    torch.save(state, tmp_path / "moved.ckpt")
+    err = user_error(capsys, ["bench", "--num_prompts", "1", "--ckpt", str(tmp_path / "moved.ckpt")])
+    assert err.strip().endswith(f"checkpoint {tmp_path / 'moved.ckpt'}'s target {drafter} is a drafter "
+                                "(DFlashDraftModel), not a target model: loaded as one its embeddings and LM head "
+                                "would be random; pass the target model's directory or hub name (--target)"), err
 
     partial = tmp_path / "partial"
     partial.mkdir()
