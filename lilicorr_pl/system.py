@@ -732,8 +732,9 @@ class DraftSystem(L.LightningModule):
                 config = None  # not readable as a config: loading it says why
             config = config if isinstance(config, dict) else {}
             # A drafter's folder named as the target: said with the option that named it, before anything is built.
-            refuse_drafter(SimpleNamespace(**config), str(target_path if target_path is not None else where),
-                           *(("--target",) if target_path is not None else (f"checkpoint {path}'s target", "--target")))
+            given_by, option = ("--target", "") if target_path is not None else (f"checkpoint {path}'s target", "--target")
+            refuse_drafter(SimpleNamespace(**config), str(target_path if target_path is not None else where), given_by,
+                           option)
             hidden = config.get("hidden_size")
             if fc is not None and isinstance(hidden, int) and hidden != fc.shape[0]:
                 raise CheckpointError(

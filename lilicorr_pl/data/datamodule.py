@@ -312,8 +312,8 @@ class DraftDataModule(L.LightningDataModule):
         # every rank, later).
         if (trainer is not None and trainer.state.fn == "fit" and trainer.world_size == 1
                 and "val" not in self._splits() and self.val_fraction > 0):
-            train = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup hashes it
-            self._refuse_an_empty_training_split(train.num_examples)
+            n_train = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size").num_examples
+            self._refuse_an_empty_training_split(n_train, n_train - self._validation_count(n_train))  # setup hashes it
         job = self.precompute_job()
         if job is not None:
             run_in_process(job, self.load_target(), progress=self.progress, written_by="prepare_data")
@@ -441,11 +441,9 @@ class DraftDataModule(L.LightningDataModule):
         """How many of ``n_train`` training examples ``val_fraction`` sets aside (none of a single one)."""
         return int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0
 
-    def _refuse_an_empty_training_split(self, n_train: int, left: int | None = None) -> None:
-        """A validation share that leaves no training example (``left``, else the share :meth:`setup` takes from
-        ``n_train``): Lightning would stop at once and exit 0 with no checkpoint."""
-        if left is None:
-            left = n_train - self._validation_count(n_train)
+    def _refuse_an_empty_training_split(self, n_train: int, left: int) -> None:
+        """A validation share that leaves none (``left``) of ``n_train`` training examples: Lightning would stop at once
+        and exit 0 with no checkpoint."""
         if left == 0:
             raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
                                  "to train on; lower it, or give data.val_files")

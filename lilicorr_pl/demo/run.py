@@ -942,6 +942,7 @@ def demo(
     workdir = Path(workdir).resolve()
     # --quick's own default name: a toy run never replaces the full comparison's results in the same workdir.
     out = Path(output).resolve() if output else workdir / ("results-quick.json" if quick else "results.json")
+    table_file = markdown_path(out)
     from lilicorr_pl.files import (check_markdown_file, check_output_paths, check_writable_dir, write_markdown,
                                     write_results_json)
 
@@ -951,7 +952,7 @@ def demo(
         check_writable_dir(workdir, f"--workdir {workdir}")
         check_output_paths(str(out), str(workdir / "plots"), plot_flag="the demo's plots folder",
                            plot_fix="choose another --workdir", command="demo")
-        check_markdown_file(markdown_path(out), "demo", "the demo's Markdown table")
+        check_markdown_file(table_file, "demo", "the demo's Markdown table")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     # The folders every stage writes into, checked before any stage runs: a file of one's name was found by the
@@ -1104,12 +1105,12 @@ def demo(
         plots = plot_curves(rows, workdir / "plots" / bench_key)
         result["plots"] = [str(p) for p in plots]
         write_results_json(out, result, "demo")
-        write_markdown(markdown_path(out), f"τ includes the target's bonus token; from {out.name}, written beside it.\n\n"
+        write_markdown(table_file, f"τ includes the target's bonus token; from {out.name}, written beside it.\n\n"
                        + markdown_table(rows), "demo")
         print(format_table(rows))
         print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
               f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
-        log(f"wrote {out}, its table as Markdown {markdown_path(out)} and {', '.join(str(p) for p in plots)} in "
+        log(f"wrote {out}, its table as Markdown {table_file} and {', '.join(str(p) for p in plots)} in "
             f"{result['wall_seconds']} s")
         return result
 
