@@ -139,7 +139,10 @@ def _replaceable(path: Path, command: str | None, writer: Callable[[], str]) -> 
 
 def _refuse_foreign(path: Path, flag: str, what: str, command: str, ours: bool, fix: str) -> None:
     """Raise ``ValueError`` for a ``path`` where ``what`` (a plot, a report) of ``lilicorr <command>`` would be written
-    that is a directory, or exists and is not ``ours`` (``fix``: the way out, after "move it or")."""
+    that is a symbolic link, a directory, or exists and is not ``ours`` (``fix``: the way out, after "move it or")."""
+    if path.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
+        raise ValueError(f"{flag}: {path} is a symbolic link (to {os.readlink(path)}) where {what} would be written; "
+                         f"move it or {fix}")
     if path.is_dir():
         raise ValueError(f"{flag}: {path} is a directory where {what} would be written; move it or {fix}")
     if path.exists() and not ours:
@@ -179,9 +182,6 @@ def markdown_written_by_lilicorr(path: Path, command: str | None = None) -> bool
 def check_markdown_file(path: Path, command: str, flag: str) -> None:
     """Raise ``ValueError`` when ``path`` holds something ``lilicorr <command>`` did not write (``flag`` names what
     chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
-    if path.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
-        raise ValueError(f"{flag}: {path} is a symbolic link (to {os.readlink(path)}) where the Markdown report would be "
-                         "written; move it or choose another --output")
     _refuse_foreign(path, flag, "a report", command, markdown_written_by_lilicorr(path, command),
                     "choose another --output")
 

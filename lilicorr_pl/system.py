@@ -724,18 +724,14 @@ class DraftSystem(L.LightningModule):
         target["trust_remote_code"] = bool(trust_remote_code)
         named = f"--target {target_path}" if target_path is not None else f"its target {target.get('name_or_path')}"
         fc = (checkpoint.get("state_dict") or {}).get("drafter.fc.weight")  # [H, n·H]: the target's hidden size
-        config_file = Path(where) / "config.json" if where is not None else None
-        if config_file is not None and config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text())
-            except (ValueError, UnicodeDecodeError):
-                config = None  # not readable as a config: loading it says why
-            config = config if isinstance(config, dict) else {}
-            # A drafter's folder named as the target: said with the option that named it, before anything is built.
-            given_by, option = ("--target", "") if target_path is not None else (f"checkpoint {path}'s target", "--target")
-            refuse_drafter(SimpleNamespace(**config), str(target_path if target_path is not None else where), given_by,
-                           option)
-            hidden = config.get("hidden_size")
+        # A drafter named as the target, an unreachable hub id, another width: said with the option that named it,
+        # before anything is built (the constructor's own checks name the training setting, model.target.name_or_path).
+        given_by, option = ("--target", "") if target_path is not None else (f"checkpoint {path}'s target", "--target")
+        shown = str(target_path) if target_path is not None else str(target.get("name_or_path"))
+        config = _target_config(where, target, shown, given_by, option)
+        if config is not None:
+            refuse_drafter(config, shown, given_by, option)
+            hidden = getattr(config, "hidden_size", None)
             if fc is not None and isinstance(hidden, int) and hidden != fc.shape[0]:
                 raise CheckpointError(
                     f"checkpoint {path} was trained on a target of hidden size {fc.shape[0]}, and {named} has "
@@ -1089,3 +1085,29 @@ class DraftSystem(L.LightningModule):
         n = sum(p.numel() for p in self.trainable_parameters())
         for logger in self.loggers:
             logger.log_hyperparams({"trainable_parameters": n})
+
+
+def _target_config(where: str | None, target: Mapping[str, Any], shown: str, given_by: str, option: str) -> Any:
+    """The config of the target a checkpoint is loaded with, read before the system is built so that a refusal names
+    what gave the target (``given_by``, ``option``): a local folder's ``config.json`` as it is written (None when
+    there is none, or it does not parse: loading it says why), a hub id's through ``AutoConfig`` (refused in one line
+    when it cannot be read: offline, no such model)."""
+    if where is not None:
+        config_file = Path(where) / "config.json"
+        if not config_file.is_file():
+            return None
+        try:
+            config = json.loads(config_file.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return SimpleNamespace(**config) if isinstance(config, dict) else SimpleNamespace()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target["name_or_path"], trust_remote_code=bool(target["trust_remote_code"]))
+    except (OSError, ValueError) as err:
+        named_by = f" ({option})" if option else ""
+        raise CheckpointError(
+            f"{given_by} {shown!r} is neither a local model directory nor a reachable hub model ({type(err).__name__}); "
+            f"pass the target model's directory or hub name{named_by}"
+        ) from None

@@ -228,6 +228,12 @@ def test_plots_say_what_drew_them_and_only_lilicorr_plots_are_replaced(tmp_path)
         check_plot_files([ours], "demo")  # another command's plot is not taken either
     with pytest.raises(ValueError, match=r"is a directory where a plot would be written"):
         check_plot_files([tmp_path / "plots"], "bench")
+    (tmp_path / "link.png").symlink_to(ours)  # even to its own plot: the rename would replace the user's link
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "nowhere.png")
+    for link, to in (("link.png", ours), ("dangling.png", tmp_path / "nowhere.png")):
+        with pytest.raises(ValueError, match=f"{link} is a symbolic link \\(to {to}\\) where a plot would be written; "
+                                             "move it or choose another plot directory"):
+            check_plot_files([tmp_path / link], "bench")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["ours.png", "theirs.png"]  # no temp file left
 
 
@@ -256,7 +262,8 @@ def test_markdown_reports_say_what_wrote_them_and_only_those_are_replaced(tmp_pa
     with pytest.raises(ValueError, match="folder.md is a directory where a report would be written; move it or"):
         check_markdown_file(tmp_path / "folder.md", "demo", "the table")
     (tmp_path / "link.md").symlink_to(ours)
-    with pytest.raises(ValueError, match=f"link.md is a symbolic link \\(to {ours}\\)"):
+    with pytest.raises(ValueError, match=f"link.md is a symbolic link \\(to {ours}\\) where a report would be written; "
+                                         "move it or choose another --output"):
         check_markdown_file(tmp_path / "link.md", "demo", "the table")
 
 

@@ -242,7 +242,8 @@ def test_fit_does_not_warn_about_the_frozen_targets_eval_mode_only(tmp_path, dra
         assert eval_warnings == []
 
 
-def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded_at_random(tmp_path, capsys, tiny_run):
+def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded_at_random(tmp_path, capsys, tiny_run,
+                                                                                         monkeypatch):
     """A drafter export declares ``model_type: qwen3``: transformers loaded it as a target with random embeddings and
     LM head (and any model missing tensors with those at random), and built an empty tokenizer from a directory
     that has none; each is one line naming the fix."""
@@ -281,6 +282,32 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
     assert err.strip().endswith(f"checkpoint {tmp_path / 'moved.ckpt'}'s target {drafter} is a drafter "
                                 "(DFlashDraftModel), not a target model: loaded as one its embeddings and LM head "
                                 "would be random; pass the target model's directory or hub name (--target)"), err
+    # The same for a hub id (HF_HUB_OFFLINE here: the hub's answer stood in for), named as the option that gave it,
+    # and a hub id that cannot be read: not as the training setting the checkpoint's target fills.
+    from transformers import AutoConfig
+
+    def hub(name, **kwargs):
+        if name == "org/drafter":
+            return read_config(drafter)
+        raise OSError(f"{name} is not a local folder and is not a valid model identifier")
+
+    read_config = AutoConfig.from_pretrained
+    monkeypatch.setattr(AutoConfig, "from_pretrained", hub)
+    err = user_error(capsys, ["bench", "--num_prompts", "1", "--ckpt", str(ckpt), "--target", "org/drafter"])
+    assert err.strip().endswith("--target org/drafter is a drafter (DFlashDraftModel), not a target model: loaded as "
+                                "one its embeddings and LM head would be random; pass the target model's directory or "
+                                "hub name"), err
+    err = user_error(capsys, ["export", "--output", str(tmp_path / "out"), "--ckpt", str(ckpt), "--target", "org/none"])
+    assert err.strip().endswith("--target 'org/none' is neither a local model directory nor a reachable hub model "
+                                "(OSError); pass the target model's directory or hub name"), err
+    state["hyper_parameters"]["target"]["name_or_path"] = "org/none"
+    torch.save(state, tmp_path / "hub.ckpt")
+    err = user_error(capsys, ["bench", "--num_prompts", "1", "--ckpt", str(tmp_path / "hub.ckpt")])
+    assert err.strip().endswith(f"checkpoint {tmp_path / 'hub.ckpt'}'s target 'org/none' is neither a local model "
+                                "directory nor a reachable hub model (OSError); pass the target model's directory or "
+                                "hub name (--target)"), err
+    monkeypatch.undo()
+    assert not (tmp_path / "out").exists()
 
     partial = tmp_path / "partial"
     partial.mkdir()
