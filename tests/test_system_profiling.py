@@ -88,3 +88,37 @@ def test_perf_builds_the_data_as_fit_does_and_penalty_error_needs_a_penalty(caps
     err = user_error(capsys, ["perf", *tiny, "--penalty_error", "true", "--data.feature_cache=false",
                               "--data.logit_cache=false", "--steps", "1"])
     assert err.strip().endswith("data.logit_cache: false turns the store off; add --data.logit_cache=true")
+
+
+def test_the_readmes_training_step_table_and_penalty_error_are_the_jsons_they_cite():
+    """README.md's training-step table, row by row, against the `lilicorr perf --json` file its last cell links (the step
+    in ms, each phase in ms with its share of the step), and the penalty-error row's numbers against its JSON: changing
+    one digit, or a row without its source, fails."""
+    import json
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Training step: where the time goes"):]
+    table = next(block for block in section.split("\n\n") if block.startswith("| config | step ms"))
+    rows = table.splitlines()[2:]
+    assert len(rows) >= 3
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        source = re.fullmatch(r"\[[0-9a-f]{7}\]\((docs/measurements/perf/[\w.-]+\.json)\)", cells[-1])
+        assert source, line
+        result = json.loads((ROOT / source.group(1)).read_text(encoding="utf-8"))
+        assert result["written_by"].startswith("lilicorr perf ") and result["measured_with"]["threads"] == 1
+        step = result["step_total"] * 1000
+        assert cells[1] == f"{step:.1f}", cells[0]
+        for cell, phase in zip(cells[2:8], ("target", "drafter", "head", "losses", "backward", "optimizer")):
+            ms = result[phase] * 1000
+            assert cell == f"{ms:.1f} ({round(100 * ms / step)} %)", (cells[0], phase)
+
+    row = next(line for line in readme.splitlines() if line.startswith("| penalty from the cache vs exact"))
+    source = re.search(r"\[its JSON\]\((docs/measurements/perf/penalty-error-[0-9a-f]{7}\.json)\)", row)
+    assert source, row
+    result = json.loads((ROOT / source.group(1)).read_text(encoding="utf-8"))
+    assert result["written_by"].startswith("lilicorr perf ") and result["batches"] == 8
+    said = re.search(r"relative error \*\*([\d.]+) %\*\* at M = 32 \(exact ([\d.]+), cache ([\d.]+),", row)
+    assert said.groups() == (f"{100 * result['relative_error']:.1f}", f"{result['penalty_exact']:.3f}",
+                             f"{result['penalty_cache']:.3f}")
