@@ -57,6 +57,7 @@ from lilicorr_pl.target import (
     local_target_path,
     refuse_builtin_name,
     refuse_drafter,
+    unreadable_target,
 )
 
 if TYPE_CHECKING:
@@ -359,10 +360,7 @@ class DraftSystem(L.LightningModule):
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
         except (OSError, ValueError) as err:
-            raise ValueError(
-                f"model.target.name_or_path {target.name_or_path!r} is neither a local model directory nor a reachable "
-                f"hub model ({type(err).__name__}); pass a directory saved with save_pretrained or a hub name"
-            ) from None
+            raise ValueError(unreadable_target(target.name_or_path, "model.target.name_or_path", err)) from None
         refuse_drafter(config, target.name_or_path, "model.target.name_or_path")
         if getattr(config, "model_type", None) not in SUPPORTED_TARGET_TYPES:
             raise ValueError(
@@ -1106,8 +1104,4 @@ def _target_config(where: str | None, target: Mapping[str, Any], shown: str, giv
     try:
         return AutoConfig.from_pretrained(target["name_or_path"], trust_remote_code=bool(target["trust_remote_code"]))
     except (OSError, ValueError) as err:
-        named_by = f" ({option})" if option else ""
-        raise CheckpointError(
-            f"{given_by} {shown!r} is neither a local model directory nor a reachable hub model ({type(err).__name__}); "
-            f"pass the target model's directory or hub name{named_by}"
-        ) from None
+        raise CheckpointError(unreadable_target(shown, given_by, err, option)) from None

@@ -199,16 +199,28 @@ DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "LiLiCorrDraftModel")
 ``qwen3``, so ``AutoModelForCausalLM`` would load one as a Qwen3 model with random embeddings and LM head."""
 
 
+def _another_target(option: str) -> str:
+    """The fix every refusal of a target ends with (``option``: the option that gives another, when that is not the
+    setting the message names)."""
+    return "pass the target model's directory or hub name" + (f" ({option})" if option else "")
+
+
 def refuse_drafter(config: Any, name_or_path: str, setting: str, option: str = "") -> None:
     """Raise for a drafter's config given where a target model belongs (``setting`` names what gave it, ``option``
     the option that gives another, when that is not ``setting`` itself)."""
     archs = [a for a in (getattr(config, "architectures", None) or []) if a in DRAFTER_ARCHITECTURES]
     if archs or getattr(config, "dflash_config", None) is not None:
-        named_by = f" ({option})" if option else ""
         raise UserInputError(
             f"{setting} {name_or_path} is a drafter ({(archs or ['dflash_config'])[0]}), not a target model: loaded "
-            f"as one its embeddings and LM head would be random; pass the target model's directory or hub name{named_by}"
+            f"as one its embeddings and LM head would be random; {_another_target(option)}"
         )
+
+
+def unreadable_target(name_or_path: str, setting: str, err: Exception, option: str = "") -> str:
+    """The message for a target whose config cannot be read (no such folder here, a hub id offline or unknown):
+    ``setting`` names what gave it, ``option`` as for :func:`refuse_drafter`."""
+    return (f"{setting} {name_or_path!r} is neither a local model directory nor a reachable hub model "
+            f"({type(err).__name__}); {_another_target(option)}")
 
 
 def load_causal_lm(name_or_path: str, setting: str, **kwargs: Any) -> nn.Module:
