@@ -8,16 +8,21 @@ from typing import Any
 
 import lightning as L
 
-from lilicorr_pl.files import write_json_atomic
+from lilicorr_pl.files import _refuse_foreign, check_writable_dir, write_results_json, written_by_lilicorr
+
+COMMAND = "fit"
+"""The command its records name as their writer (``written_by``): what a rerun may replace, and nothing else."""
 
 
 class ProgressFile(L.Callback):
-    """Writes ``{"step", "max_steps", "seconds", "finished"}`` to ``path`` at most every ``every_n_seconds``
-    during training and once at its end, atomically (a reader never sees half a file).
+    """Writes ``{"written_by", "step", "max_steps", "seconds", "finished"}`` to ``path`` at most every
+    ``every_n_seconds`` during training and once at its end, atomically (a reader never sees half a file).
 
     What a job scheduler, a dashboard or ``lilicorr demo --jobs 2`` (which trains stages in background
     processes and draws their bars from these files) reads instead of a terminal's progress bar.
-    ``seconds`` counts from the start of training. Rank 0 writes.
+    ``seconds`` counts from the start of training. Rank 0 writes. ``path`` is checked before the data are prepared
+    (:meth:`check_run`): a rerun replaces its own record (``written_by``: ``lilicorr fit <version>``), never a
+    user's file, a symbolic link or a folder.
     """
 
     def __init__(self, path: str, every_n_seconds: float = 1.0) -> None:
@@ -27,11 +32,19 @@ class ProgressFile(L.Callback):
         self.every_n_seconds = float(every_n_seconds)
         self._started = self._written = 0.0
 
+    def check_run(self, pl_module: Any) -> None:
+        """Before the data are prepared (``lilicorr fit`` calls it): ``path`` is this callback's to write. Unchecked, a
+        user's file there would be replaced at the first step, a link by a file, and a folder would fail with a
+        traceback once the target is loaded."""
+        _refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND,
+                        written_by_lilicorr(self.path, COMMAND), "choose another ProgressFile path")
+        check_writable_dir(self.path.parent, f"ProgressFile path {self.path}")
+
     def _write(self, trainer: L.Trainer, finished: bool) -> None:
         if trainer.is_global_zero:
             now = time.monotonic()
-            write_json_atomic(self.path, {"step": int(trainer.global_step), "max_steps": int(trainer.max_steps),
-                                          "seconds": round(now - self._started, 2), "finished": finished})
+            write_results_json(self.path, {"step": int(trainer.global_step), "max_steps": int(trainer.max_steps),
+                                           "seconds": round(now - self._started, 2), "finished": finished}, COMMAND)
             self._written = now
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:

@@ -239,12 +239,25 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
             "only the files the export writes (config.json, model.safetensors) and keep everything else"
         )
     if output.is_dir() and overwrite:
+        _refuse_links_and_folders(output)  # first: the marker check below reads through a link
         _refuse_another_model(output)
     try:
         check_writable_dir(output, f"--output {output}")
     except ValueError as err:
         raise ExportError(str(err)) from None
     return output
+
+
+def _refuse_links_and_folders(output: Path) -> None:
+    """The renames into place replace a symbolic link itself (the user's link, not what it names) and fail on a
+    directory (after the other file was already replaced): either, under an exported file's name, is refused."""
+    for path in (output / "config.json", output / "model.safetensors"):
+        if path.is_symlink():
+            raise ExportError(f"--output {output}: {path} is a symbolic link (to {os.readlink(path)}), which the "
+                              "export would replace with a file; move it away, or choose another directory")
+        if path.is_dir():
+            raise ExportError(f"--output {output}: {path} is a directory, not a file the export can replace; move it "
+                              "away, or choose another directory")
 
 
 def _refuse_another_model(output: Path) -> None:
@@ -287,6 +300,7 @@ def _order_metadata(path: Path) -> None:
 
 def _publish(files: dict[str, Path], output: Path) -> None:
     """Move each finished file into ``output`` with one atomic rename per file; touch nothing else."""
+    _refuse_links_and_folders(output)  # again, before the first rename: one made while the export ran
     mode = new_file_mode(output)
     for name, path in files.items():
         os.chmod(path, mode)  # readable like any model directory (safetensors writes its files 0600)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jsonargparse import Namespace
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
@@ -73,10 +74,42 @@ class LoggerSaveConfigCallback(SaveConfigCallback):
         self.fit_config_filename = self.config_filename
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's ``setup``, with the record written atomically (:meth:`save_record`): its ``parser.save`` writes
+        in place, so a run killed mid-write left a torn record, which the retry then refused as another run's."""
         name = str(getattr(stage, "value", stage))  # a TrainerFn: "fit", "validate", "test", "predict"
         base = self.fit_config_filename
         self.config_filename = base if name == "fit" else f"{name}-{base}"
-        super().setup(trainer, pl_module, stage)
+        if self.already_saved:
+            return
+        if self.save_to_log_dir and not _is_local_file_protocol(str(trainer.log_dir)):  # s3://, gs://: no rename
+            super().setup(trainer, pl_module, stage)  # into place there; Lightning's own write through fsspec
+            return
+        if self.save_to_log_dir:
+            log_dir = trainer.log_dir  # this broadcasts the directory: every rank calls it
+            assert log_dir is not None
+            config_path = os.path.join(log_dir, self.config_filename)
+            if not self.overwrite:  # asked on rank 0, the answer broadcast so that every rank stops
+                exists = trainer.strategy.broadcast(os.path.isfile(config_path) if trainer.is_global_zero else False)
+                if exists:
+                    raise RuntimeError(f"{type(self).__name__} expected {config_path} to NOT exist. Aborting to avoid "
+                                       "overwriting results of a previous run.")
+            if trainer.is_global_zero:  # one writer
+                os.makedirs(log_dir, exist_ok=True)
+                self.save_record(Path(config_path))
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)  # every rank skips later setups alike
+
+    def save_record(self, path: Path) -> None:
+        """The config, as Lightning's ``parser.save`` writes it (the same text), renamed into place whole: a reader
+        sees the previous record or this one."""
+        if self.multifile:  # several files, written by jsonargparse (no lilicorr command asks for them)
+            self.parser.save(self.config, str(path), skip_none=False, overwrite=self.overwrite, multifile=True)
+            return
+        text = self.parser.dump(self.config, skip_none=False)
+        with atomic_file(path, "w") as fh:
+            fh.write(text)
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for logger in trainer.loggers:
@@ -672,9 +705,10 @@ class LilicorrCLI(LightningCLI):
 
         try:
             with open(record, encoding="utf-8") as fh:
-                saved = _flat(yaml.safe_load(fh))
+                loaded = yaml.safe_load(fh)
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            saved = {}
+            loaded = None
+        saved = _flat(loaded)
         current = _flat(yaml.safe_load(callback.parser.dump(callback.config, skip_none=False)))
         differing = sorted(k for k in set(saved) | set(current) if k != "ckpt_path" and saved.get(k) != current.get(k))
         if not differing:
@@ -682,10 +716,13 @@ class LilicorrCLI(LightningCLI):
         if resuming:
             self._keep_the_record_of_the_steps_before(record, saved, current, differing)
             return
-        key = differing[0]
         elsewhere = "another --trainer.default_root_dir"
         if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
             elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
+        if not isinstance(loaded, dict):  # no settings to compare: "another run (its …: None)" would mislead
+            raise UserInputError(f"{record} is not a config record that can be read (damaged, or not YAML settings), "
+                                 f"so it is not replaced; move it, or write this run elsewhere with {elsewhere}")
+        key = differing[0]
         fix = ("--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record; "
                "write it elsewhere with" if nothing_to_resume else
                f"--ckpt_path {ckpt_path} is another folder's checkpoint, so this would be another run over its "

@@ -287,14 +287,19 @@ def test_raw_code_prompts_need_no_thinking_flag(chat_system):
 
 def test_stop_tokens_are_the_training_datas(chat_system):
     """Regeneration and evaluation take stop ids from one place; a checkpoint's recorded ids win."""
-    from lilicorr_pl.data.regenerate import _stop_ids
+    from transformers import AutoConfig
+
+    from lilicorr_pl.data.regenerate import _generation_config
+    from lilicorr_pl.target import stop_token_ids
 
     system, prompts = chat_system
     target = system.target
     im_end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     stops = target.stop_token_ids()
     assert im_end in stops and target.tokenizer.eos_token_id in stops
-    assert _stop_ids(target.tokenizer, target.model) == stops  # what regeneration stopped its data at
+    # What regeneration stops its data at, read before it loads the model: the loaded model's.
+    config = AutoConfig.from_pretrained(system.target_path)
+    assert stop_token_ids(target.tokenizer, config, _generation_config(system.target_path, config)) == stops
     callback = _chat_callback(prompts)
     assert callback.stop_token_ids(system) == stops
     # Recorded in the checkpoint: evaluation of that model stops where its training data stopped.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -78,6 +79,58 @@ def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path)
     assert f1 == f2
     assert fingerprint_target(TargetSpec(a, layer_ids=[1, 2])) != fingerprint_target(TargetSpec(a, layer_ids=[3, 4]))
     assert fingerprint_target(TargetSpec(a, dtype="bfloat16")) != fingerprint_target(TargetSpec(a))
+
+
+def test_target_key_reads_a_subfolder_and_the_load_kwargs_that_change_the_model(tmp_path):
+    a = make_tiny_target_dir(tmp_path, seed=0, name="a")
+    plain = fingerprint_target(TargetSpec(a))
+    assert "load_kwargs" not in plain  # a target loaded without any keeps the key it always had
+    assert fingerprint_target(TargetSpec(a, load_kwargs={"attn_implementation": "eager", "device_map": "cpu"})) == plain
+    override = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    roped = fingerprint_target(TargetSpec(a, load_kwargs=override))
+    assert roped["load_kwargs"] == override and fingerprint(roped) != fingerprint(plain)
+    # A model read from a subfolder: that folder's weights, which the top-level listing never saw.
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    shutil.copytree(a, outer / "sub")
+    nested = fingerprint_target(TargetSpec(str(outer), load_kwargs={"subfolder": "sub"}))
+    assert nested["subfolder"] == "sub"
+    assert nested["weights"] == plain["weights"] and nested["config"] == plain["config"]
+    shutil.rmtree(outer / "sub")
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=1, name="b"), outer / "sub")
+    assert fingerprint_target(TargetSpec(str(outer), load_kwargs={"subfolder": "sub"}))["weights"] != nested["weights"]
+
+
+def _hub_snapshot(cache: Path, commit: str, target: Path, weights: bool) -> Path:
+    """``org/tiny`` at ``commit`` in a hub cache laid out as huggingface_hub writes it (refs/main names the commit)."""
+    repo = cache / "models--org--tiny"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copy(target / "config.json", snapshot / "config.json")
+    if weights:
+        shutil.copy(target / "model.safetensors", snapshot / "model.safetensors")
+    return snapshot
+
+
+def test_a_hub_targets_store_key_is_its_commit_not_what_has_been_downloaded_yet(tmp_path):
+    """The data stores are keyed before the target loads: a hub model's key must not change when its weights
+    finish downloading (that rebuilt the target's whole pass over the data on the second run), and must change with
+    the commit the name resolves to."""
+    cache = tmp_path / "hub"
+    target = Path(make_tiny_target_dir(tmp_path, seed=0, name="a"))
+    spec = TargetSpec("org/tiny", load_kwargs={"cache_dir": str(cache), "local_files_only": True})
+    first = "a" * 40
+    _hub_snapshot(cache, first, target, weights=False)
+    before = fingerprint_target(spec, hub="commit")
+    assert before["commit"] == first and before["config"] == json.loads((target / "config.json").read_text())
+    _hub_snapshot(cache, first, target, weights=True)
+    assert fingerprint_target(spec, hub="commit") == before
+    assert fingerprint_target(spec)["weights"]  # what a loaded target is compared by: its files
+    _hub_snapshot(cache, "b" * 40, Path(make_tiny_target_dir(tmp_path, seed=1, name="b")), weights=False)
+    assert fingerprint_target(spec, hub="commit")["commit"] == "b" * 40
+    assert fingerprint(fingerprint_target(spec, hub="commit")) != fingerprint(before)
 
 
 @pytest.fixture
@@ -454,3 +507,51 @@ def test_top_m_larger_than_vocab_is_refused_before_any_forward(tiny_dir, tmp_pat
     with pytest.raises(ValueError, match=r"logit_top_m must be in 1\.\.384"):
         run_in_process(job, target, progress=False)
     assert not os.path.exists(tmp_path / "l") and not os.path.exists(tmp_path / ".l.partial")
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: [s.pop("file") for s in m["shards"]], r"shard entry 0 names file None, expected 'shard-00000"),
+    (lambda m: [s.pop("examples") for s in m["shards"]], r"shard entry 0 has examples None, expected a range"),
+    (lambda m: m.update(shards={}), r"shards is a JSON dict, not a list"),
+    (lambda m: m.update(shards=["shard-00000.safetensors"]), r"shard entry 0 is a JSON str, not an object"),
+    (lambda m: m["shards"][1].update(file="../c/shard-00001.safetensors"), r"shard entry 1 names file '\.\./c/"),
+    (lambda m: m["shards"][0].update(examples=[0]), r"shard entry 0 has examples \[0\], expected a range"),
+    (lambda m: m.update(examples="3"), r"examples is a JSON str, not a count"),
+    (lambda m: m.update(meta=[]), r"meta is a JSON list, not an object"),
+    (lambda m: m.update(kind=["features"]), r"unknown kind \['features'\]"),
+    (lambda m: m.update(shards=[], examples=0), r"shard shard-00000\.safetensors is in the store but not in its"),
+    (lambda m: m.update(shards=m["shards"][:1], examples=2), r"shard-00001\.safetensors is in the store but not in"),
+], ids=["no-file", "no-examples", "shards-object", "entry-string", "file-outside", "short-range", "examples-string",
+        "meta-list", "kind-list", "no-shards", "one-shard-dropped"])
+def test_a_manifest_with_an_intact_fingerprint_and_a_malformed_or_emptied_shard_list_is_one_line(tmp_path, edit,
+                                                                                                  problem):
+    """The manifest's fingerprint covers its parts, not its shard list: entries without "file" or "examples" were a
+    KeyError, "shards": {} a TypeError, and a list emptied (or cut) to match "examples" opened as a store without (or
+    with fewer) examples. Each is now the store's one-line CacheError, before any shard is read."""
+    dest = _write(tmp_path / "c")
+    mpath = dest / "manifest.json"
+    m = json.loads(mpath.read_text())
+    edit(m)
+    mpath.write_text(json.dumps(m))
+    for verify in ("full", "size"):
+        with pytest.raises(CacheError, match=problem) as err:
+            open_store(dest, expected_fingerprint=fingerprint({"a": 1}), verify=verify)
+        assert "\n" not in str(err.value) and f"delete {dest}" in str(err.value)
+
+
+def test_a_token_stores_example_count_is_checked_against_the_one_its_writer_recorded(tmp_path):
+    """Shard files and manifest entries both gone leave no unlisted file behind: the count the token writer also keeps
+    in meta (as the logit writer does) still tells. A store written as the writers write it opens as before."""
+    w = StoreWriter(tmp_path / "t", "tokens", {"a": 1})
+    for index, (examples, offsets) in enumerate([((0, 2), [0, 2, 5]), ((2, 3), [0, 5])]):
+        w.write(index, examples, {"input_ids": torch.arange(5, dtype=torch.int32),
+                                  "loss_mask": torch.ones(5, dtype=torch.bool), "offsets": torch.tensor(offsets)})
+    dest = w.finalize(2, meta={"examples": 3, "tokens": 10})  # what DraftDataModule._write_tokens records
+    assert open_store(dest, kind="tokens").num_examples == 3
+    mpath = dest / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["shards"], m["examples"] = m["shards"][:1], 2
+    mpath.write_text(json.dumps(m))
+    (dest / shard_name(1)).unlink()
+    with pytest.raises(CacheError, match=r"the manifest says 2 examples, its meta 3 \(the manifest was edited\)"):
+        open_store(dest, kind="tokens")

@@ -261,6 +261,82 @@ def test_a_fit_resumed_from_another_folders_checkpoint_is_guarded_like_a_new_run
     assert cli.trainer.global_step == 2 and (fresh / "config.yaml").is_file()
 
 
+def test_a_config_record_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """config.yaml went through jsonargparse's `parser.save`, written in place: a run killed while writing it left a
+    torn record, and the retry refused it as another run's. Written beside it and renamed into place, a write that
+    stops halfway leaves the previous record whole and no temporary file; the text is what `parser.save` writes."""
+    import builtins
+
+    from lilicorr_pl.lightning_cli import LoggerSaveConfigCallback
+
+    cli = fit_tiny(tmp_path, steps=1)
+    root = tmp_path / "runs" / "tiny"
+    record = (root / "config.yaml").read_bytes()
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback))
+    callback.parser.save(callback.config, str(tmp_path / "saved.yaml"), skip_none=False, multifile=False)
+    assert (tmp_path / "saved.yaml").read_bytes() == record  # the text Lightning's own save writes
+
+    class Killed(BaseException):
+        """The process stopping in the middle of a write."""
+
+    class Torn:
+        """A file that takes half of what it is given, then the writer is killed."""
+
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, text):
+            self.fh.write(text[: len(text) // 2])
+            self.fh.flush()
+            raise Killed
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    real_open, real_fdopen = builtins.open, os.fdopen
+
+    def torn_open(file, mode="r", *args, **kwargs):  # a write in place (jsonargparse's save)
+        fh = real_open(file, mode, *args, **kwargs)
+        return Torn(fh) if "w" in mode and str(file).endswith("config.yaml") else fh
+
+    def torn_fdopen(fd, mode="r", *args, **kwargs):  # a write to a temporary file (lilicorr_pl.files.atomic_file)
+        fh = real_fdopen(fd, mode, *args, **kwargs)
+        return Torn(fh) if "w" in mode else fh
+
+    monkeypatch.setattr(builtins, "open", torn_open)
+    monkeypatch.setattr(os, "fdopen", torn_fdopen)
+    callback.already_saved = False  # the record written again, as by a retry of the same run
+    with pytest.raises(Killed):
+        callback.setup(cli.trainer, cli.model, "fit")
+    monkeypatch.undo()
+    assert (root / "config.yaml").read_bytes() == record
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".config.yaml")]
+    shutil.rmtree(root / "checkpoints")  # the retry is the same run, and runs
+    assert fit_tiny(tmp_path, steps=1).trainer.global_step == 1
+    assert (root / "config.yaml").read_bytes() == record
+
+
+def test_an_unreadable_config_record_is_called_damaged_not_another_runs(tmp_path, capsys):
+    """A config.yaml that is not YAML settings was refused as "another run (its data.batch_size: None, ...)"; it is
+    refused as what it is, and left as it was."""
+    root = tmp_path / "runs" / "tiny"
+    root.mkdir(parents=True)
+    for text in ("trainer:\n  max_steps: [1,\n", "notes\n"):
+        (root / "config.yaml").write_text(text)
+        err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
+                                  f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
+        assert err.strip().endswith(
+            f"error: {root / 'config.yaml'} is not a config record that can be read (damaged, or not YAML settings), "
+            "so it is not replaced; move it, or write this run elsewhere with another --trainer.default_root_dir"), err
+        assert (root / "config.yaml").read_text() == text and not (root / "checkpoints").exists()
+
+
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
 ONLINE_FEATURES = ["--data.feature_cache=false", "--data.logit_cache=false", "--model.target_logits=exact"]
 
@@ -443,19 +519,24 @@ def test_validate_and_predict_subcommands_run_on_a_trained_checkpoint(tmp_path, 
     assert written["target"] == str(other) and written["same_target_as_training"] is False
 
 
-def test_each_subcommand_saves_its_config_under_its_own_name_of_the_given_file(monkeypatch):
+def test_each_subcommand_saves_its_config_under_its_own_name_of_the_given_file(tmp_path, monkeypatch):
     """A config_filename given through save_config_kwargs stays fit's; the evaluations prefix it."""
-    from lightning.pytorch.cli import SaveConfigCallback
+    from types import SimpleNamespace
+
     from lightning.pytorch.trainer.states import TrainerFn
 
     from lilicorr_pl.lightning_cli import LoggerSaveConfigCallback
 
     written = []
-    monkeypatch.setattr(SaveConfigCallback, "setup", lambda self, *a: written.append(self.config_filename))
+    monkeypatch.setattr(LoggerSaveConfigCallback, "save_record", lambda self, path: written.append(path))
+    trainer = SimpleNamespace(log_dir=str(tmp_path), is_global_zero=True, loggers=[],
+                              strategy=SimpleNamespace(broadcast=lambda value: value))
     callback = LoggerSaveConfigCallback(None, None, config_filename="run.yaml")
     for stage in (TrainerFn.VALIDATING, TrainerFn.FITTING, TrainerFn.PREDICTING, TrainerFn.TESTING):
-        callback.setup(None, None, stage)
-    assert written == ["validate-run.yaml", "run.yaml", "predict-run.yaml", "test-run.yaml"]
+        callback.already_saved = False  # each stage of its own command
+        callback.setup(trainer, None, stage)
+    assert written == [tmp_path / name for name in ("validate-run.yaml", "run.yaml", "predict-run.yaml",
+                                                    "test-run.yaml")]
 
 # ---------------------------------------------------------------------------- one typed command line (issue 12.3)
 from conftest import user_error  # noqa: E402

@@ -433,6 +433,14 @@ def test_cache_reuse_new_fingerprints_and_interrupted_precompute(tmp_path, train
     thinking = make_dm(train_file, target_dir, cache_dir, enable_thinking=True).cache_paths()
     assert thinking["tokens"] != base["tokens"] and thinking["logits"] != base["logits"]
     assert make_dm(train_file, target_dir, cache_dir, logit_top_m=4).cache_paths()["logits"] != base["logits"]
+    # A from_pretrained argument that changes the model (a config override) is another target's stores; one that
+    # only says how the model is read is not.
+    spec = dict(name_or_path=target_dir, layer_ids=[1, 4])
+    roped = make_dm(train_file, target_dir, cache_dir, target=TargetSpec(
+        **spec, load_kwargs={"rope_scaling": {"rope_type": "linear", "factor": 4.0}})).cache_paths()
+    assert roped["logits"] != base["logits"] and roped["tokens"] == base["tokens"]
+    assert make_dm(train_file, target_dir, cache_dir, target=TargetSpec(
+        **spec, load_kwargs={"attn_implementation": "eager", "low_cpu_mem_usage": True})).cache_paths() == base
     other_target = make_tiny_target_dir(tmp_path, seed=3, name="other")
     moved = make_dm(train_file, other_target, cache_dir).cache_paths()
     assert moved["logits"] != base["logits"]

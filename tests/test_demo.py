@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from conftest import user_error
+from lilicorr_pl import __version__
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         run_dir = tmp_path / "demo" / "runs" / f"{arm}-{key}"
         assert "Trainer.fit` stopped: `max_steps=2` reached" in (run_dir / "train.log").read_text()
         assert json.loads((run_dir / "progress.json").read_text()) | {"seconds": 0} == {
-            "step": 2, "max_steps": 2, "seconds": 0, "finished": True}
+            "written_by": f"lilicorr fit {__version__}", "step": 2, "max_steps": 2, "seconds": 0, "finished": True}
         # ... and the stage's recorded config is the run's own: `lilicorr fit -c` of it draws a bar, writes no file.
         assert "ProgressFile" not in (run_dir / "config.yaml").read_text()
         assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["enable_progress_bar"] is None
@@ -277,6 +278,15 @@ def test_a_rebuilt_target_with_other_weights_under_the_same_name_gets_new_stage_
     (tmp_path / "copy").mkdir()
     copy = shutil.copytree(builds[0], tmp_path / "copy" / Path(builds[0]).name)
     assert run.data_stage_key(str(copy), cfg, 0) == run.data_stage_key(builds[0], cfg, 0)
+    # Answered in bf16 on a GPU, the data are another stage's (regenerate refused the CPU's file there, a traceback);
+    # a CPU's keep their key.
+    cpu = run.data_stage_key(builds[0], cfg, 0, ("cpu", "float32"))
+    assert run.data_stage_key(builds[0], cfg, 0, ("cuda", "bfloat16")) != cpu
+    from lilicorr_pl.data.corpus import corpus_fingerprint
+
+    assert cpu == run.stage_key(stage="data", target=run.target_identity(builds[0]), corpus=corpus_fingerprint(),
+                                prompts=cfg["prompts"], docstring_prompts=cfg["docstring_prompts"],
+                                prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=0)
 
 
 def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
@@ -525,16 +535,17 @@ def test_progress_file_is_written_atomically_at_most_every_n_seconds_and_at_the_
     callback = ProgressFile(str(path), every_n_seconds=2.0)
     trainer = SimpleNamespace(global_step=0, max_steps=10, is_global_zero=True)
     callback.on_train_start(trainer, None)
-    assert json.loads(path.read_text()) == {"step": 0, "max_steps": 10, "seconds": 0.0, "finished": False}
+    ours = {"written_by": f"lilicorr fit {__version__}"}  # what lets a rerun replace it (test below)
+    assert json.loads(path.read_text()) == {**ours, "step": 0, "max_steps": 10, "seconds": 0.0, "finished": False}
     trainer.global_step, now[0] = 1, 101.0
     callback.on_train_batch_end(trainer, None, None, None, 0)  # 1 s after the last write: not yet
     assert json.loads(path.read_text())["step"] == 0
     trainer.global_step, now[0] = 2, 102.5
     callback.on_train_batch_end(trainer, None, None, None, 1)
-    assert json.loads(path.read_text()) == {"step": 2, "max_steps": 10, "seconds": 2.5, "finished": False}
+    assert json.loads(path.read_text()) == {**ours, "step": 2, "max_steps": 10, "seconds": 2.5, "finished": False}
     trainer.global_step, now[0] = 3, 103.0
     callback.on_train_end(trainer, None)
-    assert json.loads(path.read_text()) == {"step": 3, "max_steps": 10, "seconds": 3.0, "finished": True}
+    assert json.loads(path.read_text()) == {**ours, "step": 3, "max_steps": 10, "seconds": 3.0, "finished": True}
     assert [p.name for p in path.parent.iterdir()] == ["progress.json"]  # no temp file left beside it
     trainer.is_global_zero = False  # other ranks never write
     path.unlink()
@@ -542,6 +553,68 @@ def test_progress_file_is_written_atomically_at_most_every_n_seconds_and_at_the_
     assert not path.exists()
     with pytest.raises(ValueError, match="every_n_seconds"):
         ProgressFile(str(path), every_n_seconds=-1)
+
+
+def test_progress_file_refuses_a_users_file_a_link_or_a_folder_and_replaces_its_own_record(tmp_path):
+    """A user's file at the path was replaced by the progress JSON, a link by a file, and a folder failed with a
+    traceback once the data were prepared and the target loaded; the check before the run refuses each in one line,
+    and lets a rerun replace the record an earlier run wrote."""
+    from types import SimpleNamespace
+
+    from callbacks import ProgressFile
+
+    trainer = SimpleNamespace(global_step=0, max_steps=10, is_global_zero=True)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(notes)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    old = tmp_path / "old.json"  # an earlier version's record (no written_by) reads like anyone's JSON: not guessed
+    old.write_text(json.dumps({"step": 2, "max_steps": 2, "seconds": 1.0, "finished": True}))
+    bench = tmp_path / "bench.json"  # another command's results
+    bench.write_text(json.dumps({"written_by": f"lilicorr bench {__version__}", "tau": 3.0}))
+    for path, says in ((notes, "exists and is not a progress record `lilicorr fit` wrote, so it is not overwritten"),
+                       (link, f"is a symbolic link (to {notes})"), (folder, "is a directory"),
+                       (old, "exists and is not a progress record"), (bench, "exists and is not a progress record")):
+        before = path.read_text() if path.is_file() else None
+        with pytest.raises(ValueError) as refused:
+            ProgressFile(str(path)).check_run(None)
+        message = str(refused.value)
+        assert message.startswith(f"ProgressFile path: {path} {says}") and "\n" not in message, message
+        assert message.endswith("move it or choose another ProgressFile path"), message
+        assert (path.read_text() if path.is_file() else None) == before
+    assert link.is_symlink() and folder.is_dir() and not any(folder.iterdir())
+    under_a_file = ProgressFile(str(notes / "progress.json"))
+    with pytest.raises(ValueError, match=f"ProgressFile path {notes / 'progress.json'}: {notes} is a file"):
+        under_a_file.check_run(None)
+
+    own = tmp_path / "runs" / "progress.json"
+    ProgressFile(str(own)).check_run(None)  # nothing there yet (its folder is made when it writes)
+    first = ProgressFile(str(own))
+    first.on_train_end(trainer, None)
+    trainer.global_step = 4
+    rerun = ProgressFile(str(own))
+    rerun.check_run(None)  # its own earlier record: replaced
+    rerun.on_train_start(trainer, None)
+    assert json.loads(own.read_text())["step"] == 4
+    empty = tmp_path / "empty.json"  # nothing to lose (mktemp's file for it)
+    empty.touch()
+    ProgressFile(str(empty)).check_run(None)
+
+
+def test_fit_refuses_a_progress_file_over_a_users_file_before_any_work(tmp_path, capsys):
+    """`lilicorr fit ... --trainer.callbacks+=callbacks.ProgressFile --trainer.callbacks.init_args.path=notes.txt`
+    replaced the user's notes with the progress JSON: now one line, before the data are prepared."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    root = tmp_path / "runs" / "tiny"
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+                              "--trainer.max_steps=1", "--trainer.callbacks+=callbacks.ProgressFile",
+                              f"--trainer.callbacks.init_args.path={notes}"])
+    assert f"ProgressFile path: {notes} exists and is not a progress record `lilicorr fit` wrote" in err, err
+    assert notes.read_text() == "notes\n"
+    assert not (root / "cache").exists() and not (root / "checkpoints").exists()  # no data prepared, nothing trained
 
 
 def test_a_stages_progress_reporting_stays_out_of_its_recorded_config(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -264,6 +265,18 @@ def test_mask_embedding_is_the_frozen_target_row(tiny_target):
     torch.testing.assert_close(emb[0, 1:], tiny_target.embed_tokens.weight[drafter.mask_token_id].expand(3, -1))
     torch.testing.assert_close(emb[0, 0], tiny_target.embed_tokens.weight[5])
     assert drafter.mask_token_id == tiny_target.config.mask_token_id
+
+
+def test_a_target_mask_token_id_of_zero_is_that_row(tiny_target):
+    """Row 0 is a real MASK row: not read as missing and replaced by Qwen3's 151669 (which a target this wide would
+    accept, and train on the wrong row without a word)."""
+    config = copy.deepcopy(tiny_target.config)
+    config.mask_token_id = 0
+    config.vocab_size = 151680
+    drafter = DFlashDrafter(block_size=4).build(config, tiny_target.layer_ids)
+    assert drafter.mask_token_id == 0
+    del config.mask_token_id  # none recorded: Qwen3's
+    assert DFlashDrafter(block_size=4).build(config, tiny_target.layer_ids).mask_token_id == 151669
 
 
 def test_preallocated_draft_cache_equals_drafting_from_scratch_every_round(tiny_target):

@@ -642,3 +642,56 @@ def test_the_same_export_is_the_same_bytes(tiny_target, tmp_path):
         assert fh.metadata()["lilicorr_pl.export_id"] == json.loads((outs[0] / "config.json").read_text())[
             "lilicorr_pl"]["export_id"]
     assert torch.equal(load_drafter(outs[0]).fc.weight, drafter.fc.weight)
+
+
+def test_overwrite_refuses_a_link_or_a_folder_under_an_exported_files_name_before_writing(tiny_target, tmp_path):
+    """`export --overwrite` renamed its files over a symbolic link to an earlier export's config.json (the user's link
+    became a plain file, "exported"), and over a folder named model.safetensors it did all its work, replaced
+    config.json, then died with IsADirectoryError. Either is now one line naming the path, before anything is
+    written."""
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    export_drafter(drafter, tmp_path / "exA")
+    b = tmp_path / "exB"
+    b.mkdir()
+    (b / "config.json").symlink_to("../exA/config.json")
+    with pytest.raises(ExportError, match=r"exB/config\.json is a symbolic link \(to \.\./exA/config\.json\).*move it "
+                                          "away") as err:
+        export_drafter(drafter, b, overwrite=True)
+    assert "\n" not in str(err.value)
+    assert (b / "config.json").is_symlink() and sorted(p.name for p in b.iterdir()) == ["config.json"]
+    (b / "config.json").unlink()
+    (b / "model.safetensors").symlink_to(tmp_path / "nowhere")  # a broken link: the same
+    with pytest.raises(ExportError, match=r"model\.safetensors is a symbolic link"):
+        export_drafter(drafter, b, overwrite=True)
+    assert (b / "model.safetensors").is_symlink()
+    c = tmp_path / "exC"
+    c.mkdir()
+    config = b'{"architectures": ["DFlashDraftModel"], "block_size": 8, "lilicorr_pl": {"version": "0.1.0"}}'
+    (c / "config.json").write_bytes(config)  # an earlier export's config: --overwrite may replace it ...
+    (c / "model.safetensors").mkdir()  # ... but not a folder under the weights' name
+    with pytest.raises(ExportError, match=r"exC/model\.safetensors is a directory.*move it away"):
+        export_drafter(drafter, c, overwrite=True)
+    assert (c / "config.json").read_bytes() == config and (c / "model.safetensors").is_dir()
+    assert sorted(p.name for p in c.iterdir()) == ["config.json", "model.safetensors"]  # no temporary folder left
+    (c / "model.safetensors").rmdir()
+    (c / "config.json").unlink()
+    (c / "config.json").mkdir()
+    with pytest.raises(ExportError, match=r"exC/config\.json is a directory"):
+        export_drafter(drafter, c, overwrite=True)
+
+
+def test_export_cli_refuses_a_linked_config_in_the_output_before_loading(tmp_path, capsys):
+    from conftest import user_error
+
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"not read: the destination is refused first")
+    (tmp_path / "exA").mkdir()
+    (tmp_path / "exA" / "config.json").write_text('{"lilicorr_pl": {"version": "0.1.0"}}')
+    out = tmp_path / "exB"
+    out.mkdir()
+    (out / "config.json").symlink_to("../exA/config.json")
+    err = user_error(capsys, ["export", "--ckpt", str(ckpt), "--output", str(out), "--overwrite"])
+    assert "exB/config.json is a symbolic link" in err and "move it away" in err
+    assert (out / "config.json").is_symlink()

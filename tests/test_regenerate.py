@@ -765,3 +765,104 @@ def test_a_chat_template_that_does_not_parse_is_one_line_before_the_model_loads(
     text_only.write_text(json.dumps(RECORDS[2]) + "\n")
     with pytest.raises(pytest.fail.Exception, match="the model loaded first"):
         run(target_dir, text_only, tmp_path / "text-out.jsonl", chat_template=broken)
+
+
+def test_a_resume_with_other_stop_ids_or_another_tokenizer_is_refused_before_the_model_loads(target_dir, input_file,
+                                                                                            tmp_path, monkeypatch):
+    """The target's fingerprint reads config.json and the weights; where answers stop (generation_config.json) and
+    how prompts become ids (the tokenizer's files) were not in the record, so a resume mixed two stop rules."""
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    out = tmp_path / "out.jsonl"
+    run(str(target), input_file, out, limit=2)
+    before = out.read_text()
+    recorded = json.loads(provenance_path(out).read_text())
+    model = AutoModelForCausalLM.from_pretrained(target)
+    assert recorded["stop_token_ids"] == sorted(set(recorded["stop_token_ids"]))
+    from lilicorr_pl.target import stop_token_ids
+
+    assert recorded["stop_token_ids"] == stop_token_ids(AutoTokenizer.from_pretrained(target), model.config,
+                                                        model.generation_config)  # what the loaded model stops at
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(1))
+    generation = json.loads((target / "generation_config.json").read_text())
+    eos = generation.get("eos_token_id")
+    generation["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos] if eos is not None else []), 7]
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(ValueError, match=r"other settings \(stop_token_ids: \["):
+        run(str(target), input_file, out)
+    shutil.copy(Path(target_dir) / "generation_config.json", target / "generation_config.json")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tokenizer.save_pretrained(target)
+    with pytest.raises(ValueError, match=r"other settings \(tokenizer_sha256: "):
+        run(str(target), input_file, out)
+    assert loads == [] and out.read_text() == before
+    # A record written before these were kept resumes as it did (on the target it was made with).
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(target_dir) / name).exists():
+            shutil.copy(Path(target_dir) / name, target / name)
+    monkeypatch.undo()
+    old = {k: v for k, v in recorded.items() if k not in ("stop_token_ids", "tokenizer_sha256")}
+    provenance_path(out).write_text(json.dumps(old))
+    stats = run(str(target), input_file, out)
+    assert stats.skipped == 2 and stats.succeeded == len(RECORDS) - 2
+
+
+def test_a_target_without_a_generation_config_stops_where_its_model_does(tmp_path):
+    from transformers import AutoConfig
+
+    from lilicorr_pl.data.regenerate import _generation_config
+    from lilicorr_pl.target import stop_token_ids
+
+    target = Path(make_tiny_target_dir(tmp_path, name="bare"))
+    (target / "generation_config.json").unlink(missing_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    config = AutoConfig.from_pretrained(target)
+    assert stop_token_ids(tokenizer, config, _generation_config(str(target), config)) == stop_token_ids(
+        tokenizer, model.config, model.generation_config)
+
+
+def test_a_settings_record_regenerate_did_not_write_is_neither_replaced_nor_removed(target_dir, input_file, tmp_path):
+    """Beside a missing output, a file at the settings record's name was removed by a run that failed (it had never
+    written one) and replaced by a run that succeeded."""
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    out = tmp_path / "out.jsonl"
+    record = provenance_path(out)
+    record.write_text('{"note": "my record"}')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for source in (empty, input_file):
+        with pytest.raises(ValueError, match=r"out\.jsonl\.provenance\.json exists and is not a settings record "
+                                             r"lilicorr regenerate wrote.*move it away"):
+            run(target_dir, source, out)
+        assert record.read_text() == '{"note": "my record"}' and not out.exists()
+    # An earlier run's own record beside an empty output (it wrote no line) is this command's to replace, and a run
+    # that fails before writing a line keeps the record it found.
+    record.unlink()
+    run(target_dir, input_file, out, limit=1)
+    mine = record.read_text()
+    out.write_text("")
+    with pytest.raises(ValueError, match="holds no records"):
+        run(target_dir, empty, out)
+    assert record.read_text() == mine
+
+
+def test_a_damaged_line_in_the_output_is_refused_by_number_not_skipped_and_appended_again(target_dir, input_file,
+                                                                                        tmp_path):
+    out = tmp_path / "out.jsonl"
+    run(target_dir, input_file, out, limit=3)
+    lines = out.read_bytes().split(b"\n")
+    cases = ((lines[1][: len(lines[1]) // 2], "JSONDecodeError"), (b'{"x": "caf\xe9"}', "UnicodeDecodeError"),
+             (b'{"no_index": 1}', "KeyError"))
+    for damaged, why in cases:
+        out.write_bytes(b"\n".join([lines[0], damaged, *lines[2:]]))
+        with pytest.raises(ValueError, match=rf"out\.jsonl line 2 is not a record lilicorr regenerate wrote "
+                                             rf"\({why}.*remove or repair that line"):
+            run(target_dir, input_file, out)
+    out.write_bytes(b"\n".join(lines))
+    assert run(target_dir, input_file, out).skipped == 3

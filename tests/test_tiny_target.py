@@ -349,3 +349,109 @@ def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path: Path, monkeypatch: 
     with pytest.raises(ValueError, match=rf"the cache folder \(LILICORR_CACHE\) {afile / 'data'}: {afile} is a file"):
         resolve_data_file("builtin:stdlib-train:4")
     assert afile.read_text() == "mine"
+
+
+def _copy_build(build: Path):
+    """A stand-in for ``_build_into`` that copies a finished build instead of training one (same fingerprint)."""
+
+    def copy_into(directory: Path, *args: object, **kwargs: object) -> dict:
+        for path in build.iterdir():
+            shutil.copy2(path, directory / path.name)
+        return load_build_report(directory)
+
+    return copy_into
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, bytes]]:
+    return {path.name: (path.stat().st_ino, path.read_bytes()) for path in directory.iterdir()}
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_build_finishing_second_keeps_the_valid_build_that_finished_first(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, force: bool
+) -> None:
+    """Two builds of one target started together both saw it missing (or, forced, both replaced the same old one);
+    the one finishing second renamed the first one's valid folder aside and deleted it, under whoever used it."""
+    final = tmp_path / built[1].name
+    if force:
+        shutil.copytree(built[1], final)
+    copy_into = _copy_build(built[1])
+
+    def another_build_publishes_meanwhile(directory: Path, *args: object, **kwargs: object) -> dict:
+        shutil.copytree(built[1], tmp_path / "other")
+        if final.exists():  # (forced) the other build replaced the folder both saw at the start
+            final.rename(tmp_path / "old")
+        (tmp_path / "other").rename(final)
+        shutil.rmtree(tmp_path / "old", ignore_errors=True)
+        published.update(_snapshot(final), inode=(final.stat().st_ino, b""))
+        return copy_into(directory)
+
+    published: dict[str, tuple[int, bytes]] = {}
+    monkeypatch.setattr(tiny_target, "_build_into", another_build_publishes_meanwhile)
+    assert build_tiny_target("test", cache_dir=tmp_path, progress=False, force=force) == final
+    assert {**_snapshot(final), "inode": (final.stat().st_ino, b"")} == published  # the very same folder and files
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # this build's temporary is gone, nothing else
+
+
+def test_a_forced_rebuild_removes_the_old_build_only_once_the_new_one_is_in_place(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old build was deleted before the new one was renamed in: for that long the path was missing, and another
+    process checking then started a build of its own."""
+    final = tmp_path / built[1].name
+    shutil.copytree(built[1], final)
+    old = _snapshot(final)
+    monkeypatch.setattr(tiny_target, "_build_into", _copy_build(built[1]))
+    fingerprint = load_build_report(built[1])["fingerprint"]
+    real_rmtree = shutil.rmtree
+    removed = []
+
+    def rmtree(path: str | os.PathLike, *args: object, **kwargs: object) -> None:
+        if Path(path).exists() and Path(path).name != final.name:
+            removed.append(Path(path).name)
+            assert tiny_target._cache_problem(final, fingerprint) is None, "removed the old build before the new was in"
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert build_tiny_target("test", cache_dir=tmp_path, progress=False, force=True) == final
+    assert removed and tiny_target._cache_problem(final, fingerprint) is None
+    assert {name: ino for name, (ino, _) in _snapshot(final).items()}.keys() == old.keys()
+    assert all(_snapshot(final)[name][0] != ino for name, (ino, _) in old.items())  # the new build replaced the old
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_at_the_builds_path_is_refused_and_left_alone(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A file at the build's path was renamed aside as the old build, to a temporary's name that a later build's
+    clean-up deleted: ``build-target`` then ``build-target --force`` lost the user's file."""
+    final = tmp_path / "cache" / built[1].name
+    final.parent.mkdir()
+    elsewhere = tmp_path / "mine"
+    if kind == "file":
+        final.write_text("user data")
+    else:  # a link to a valid build is that build (used as it is); a link to anything else is not replaced
+        shutil.copytree(built[1], elsewhere)
+        final.symlink_to(elsewhere, target_is_directory=True)
+        assert build_tiny_target("test", cache_dir=final.parent, progress=False) == final
+        (elsewhere / "build_report.json").unlink()
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built before refusing")
+
+    monkeypatch.setattr(tiny_target, "_build_into", must_not_build)
+    refused = (rf"^{final} is a file, which no build wrote, and a build writes its folder at that path; move it "
+               r"away, then rerun$" if kind == "file" else
+               rf"^{final} is a symbolic link \(to {elsewhere}\), and a rebuild \(.*\) would replace it with a "
+               r"folder; move it away, then rerun$")
+    for force in (False, True):
+        with pytest.raises(ValueError, match=refused):
+            build_tiny_target("test", cache_dir=final.parent, progress=False, force=force)
+        assert [p.name for p in final.parent.iterdir()] == [final.name]
+        if kind == "file":
+            assert final.read_text() == "user data"
+        else:
+            assert final.is_symlink() and os.readlink(final) == str(elsewhere)
+            assert sorted(p.name for p in elsewhere.iterdir()) == sorted(
+                p.name for p in built[1].iterdir() if p.name != "build_report.json")

@@ -284,8 +284,10 @@ class DraftDataModule(L.LightningDataModule):
         else:
             target_key = f"target/{kind}"
             if target_key not in self._parts:  # each weight file read whole once per file version (a memo), then not
-                # The logits do not depend on which layers feed the drafter; the features do.
-                self._parts[target_key] = fingerprint_target(self._spec(), include_layers=kind == "features")
+                # The logits do not depend on which layers feed the drafter; the features do. A hub name by the commit
+                # it resolves to: the key is taken before the target loads, when its weights may not be downloaded yet.
+                self._parts[target_key] = fingerprint_target(self._spec(), include_layers=kind == "features",
+                                                             hub="commit")
             parts = {"kind": kind, "schema": SCHEMA_VERSION, "tokens": fingerprint(self._parts_for(split, "tokens")),
                      "target": self._parts[target_key]}
             if kind == "logits":

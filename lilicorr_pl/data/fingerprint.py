@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -194,15 +194,33 @@ def fingerprint_tokenizer(tokenizer: Any, chat_template: str | None = None) -> d
     }
 
 
-def local_model_dir(name_or_path: str, revision: str | None = None) -> Path | None:
-    """The local directory of a target: the path itself, or a hub name already in the local HF cache."""
+# ``from_pretrained`` arguments that say where or how a model is read, not what it computes: left out of a target's key
+# (revision and subfolder are keyed by what they select). Any other argument (a config override such as
+# ``rope_scaling``, ``num_hidden_layers``, ``quantization_config``, ``variant``) changes the model, so it is keyed.
+READING_ONLY_LOAD_KWARGS = frozenset({
+    "revision", "subfolder", "token", "use_auth_token", "cache_dir", "local_files_only", "force_download",
+    "resume_download", "proxies", "use_safetensors", "low_cpu_mem_usage", "device_map", "max_memory",
+    "offload_folder", "offload_state_dict", "offload_buffers", "attn_implementation", "output_loading_info",
+    "key_mapping", "tp_plan", "tp_size",
+})
+
+
+# The ``from_pretrained`` arguments that say which files a name reads (passed on when a key resolves the name).
+_WHERE_KWARGS = ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+
+
+def local_model_dir(name_or_path: str, revision: str | None = None, subfolder: str | None = None,
+                    cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The local directory of a target: the path itself, or a hub name already in the local HF cache (its
+    ``subfolder`` when the model is read from one)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return path
+        return path / subfolder if subfolder else path
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+        found = try_to_load_from_cache(name_or_path, f"{subfolder}/config.json" if subfolder else "config.json",
+                                       revision=revision, cache_dir=cache_dir)
         if isinstance(found, str):
             return Path(found).parent
     except Exception:  # noqa: BLE001 - best effort only; the name still identifies the target
@@ -210,13 +228,41 @@ def local_model_dir(name_or_path: str, revision: str | None = None) -> Path | No
     return None
 
 
-def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = content_sha256) -> dict[str, Any]:
+def hub_commit(name: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple[str, Path] | None:
+    """(the commit a hub name resolves to, the folder its ``config.json`` is in), read with the ``load_kwargs`` that
+    say where from (revision, subfolder, cache_dir, token, local_files_only): the hub's answer with a network, the
+    cache's ``refs`` offline; None when it cannot be resolved (no network and not cached, no such model) or the
+    files are not a hub snapshot. Reads ``config.json`` (a download of a few kB), never the weights."""
+    from transformers.utils import cached_file
+
+    where = {k: v for k, v in (load_kwargs or {}).items() if k in _WHERE_KWARGS and v is not None}
+    subfolder = where.pop("subfolder", None) or None
+    try:
+        found = cached_file(name, "config.json", subfolder=subfolder or "", **where)
+    except (OSError, ValueError):
+        return None
+    if not found:
+        return None
+    folder = Path(found).parent
+    snapshot = folder.parents[len(Path(subfolder).parts) - 1] if subfolder else folder
+    return (snapshot.name, folder) if snapshot.parent.name == "snapshots" else None
+
+
+def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = content_sha256,
+                       hub: Literal["files", "commit"] = "files") -> dict[str, Any]:
     """Target identity from a ``TargetSpec`` (or dict): config.json content, weight file names, sizes and
     content hashes (``file_hash``: :func:`content_sha256`, or :func:`sampled_sha256` to read an old
-    checkpoint's record), the name or path, dtype and (if ``include_layers``) the feature layer ids.
+    checkpoint's record), the name or path, dtype, the ``load_kwargs`` that change the model (all but
+    :data:`READING_ONLY_LOAD_KWARGS`; none: the key of a target loaded without any) and (if ``include_layers``) the
+    feature layer ids.
 
     The logit cache does not depend on which layers feed the drafter, so it passes
     ``include_layers=False`` and survives a change of ``layer_ids``.
+
+    ``hub``: how a hub name (not a local directory) is identified. ``"files"``: by the config and weight files the
+    local HF cache holds now (what a loaded target is compared by). ``"commit"``: by the commit the name resolves
+    to and its config, whatever has been downloaded yet, so a key taken before the weights download is the key taken
+    after (the data stores: their keys are computed before the target is loaded).
     """
     if isinstance(spec, Mapping):
         spec_d = dict(spec)
@@ -224,20 +270,36 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
         spec_d = asdict(spec)
     else:
         raise TypeError(f"expected a TargetSpec or dict, got {type(spec).__name__}")
+    if hub not in ("files", "commit"):
+        raise ValueError(f"hub must be 'files' or 'commit', not {hub!r}")
     name = str(spec_d["name_or_path"])
-    revision = (spec_d.get("load_kwargs") or {}).get("revision")
+    load_kwargs = dict(spec_d.get("load_kwargs") or {})
+    revision, subfolder = load_kwargs.get("revision"), load_kwargs.get("subfolder") or None
     parts: dict[str, Any] = {"name_or_path": name, "dtype": str(spec_d.get("dtype", "float32"))}
     if revision is not None:
         parts["revision"] = revision
-    local = local_model_dir(name, revision)
-    if local is not None:
-        cfg = local / "config.json"
-        parts["config"] = json.loads(cfg.read_text()) if cfg.is_file() else None
-        parts["weights"] = sorted(
-            (p.name, p.stat().st_size, file_hash(p))
-            for p in local.iterdir()
-            if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
-        )
+    if subfolder is not None:
+        parts["subfolder"] = str(subfolder)
+    changes_model = {k: v for k, v in load_kwargs.items() if k not in READING_ONLY_LOAD_KWARGS}
+    if changes_model:
+        parts["load_kwargs"] = json.loads(canonical_json(changes_model))
+    if hub == "commit" and not Path(name).expanduser().is_dir():
+        resolved = hub_commit(name, load_kwargs)
+        if resolved is not None:
+            commit, folder = resolved
+            parts["commit"] = commit  # a hub commit names its files' content: the weights need no hashing
+            cfg = folder / "config.json"
+            parts["config"] = json.loads(cfg.read_text()) if cfg.is_file() else None
+    else:
+        local = local_model_dir(name, revision, subfolder, load_kwargs.get("cache_dir"))
+        if local is not None:
+            cfg = local / "config.json"
+            parts["config"] = json.loads(cfg.read_text()) if cfg.is_file() else None
+            parts["weights"] = sorted(
+                (p.name, p.stat().st_size, file_hash(p))
+                for p in local.iterdir()
+                if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+            ) if local.is_dir() else []
     if include_layers:
         parts["layer_ids"] = spec_d.get("layer_ids")
         if spec_d.get("layer_ids") is None:

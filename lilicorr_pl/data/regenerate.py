@@ -42,7 +42,15 @@ import torch
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import UserInputError, first_line
-from lilicorr_pl.data.fingerprint import file_sha256, fingerprint, fingerprint_target, sampled_sha256, text_sha256
+from lilicorr_pl.data.fingerprint import (
+    file_sha256,
+    fingerprint,
+    fingerprint_target,
+    fingerprint_tokenizer,
+    hub_commit,
+    sampled_sha256,
+    text_sha256,
+)
 from lilicorr_pl.files import hold_alone, write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
@@ -52,6 +60,7 @@ from lilicorr_pl.target import (
     load_causal_lm,
     local_target_path,
     refuse_drafter,
+    stop_token_ids,
     tokenizer_of,
 )
 from lilicorr_pl.data.formats import (
@@ -147,16 +156,8 @@ def provenance_path(output: Path) -> Path:
 def hub_revision(name: str) -> str | None:
     """The commit a hub name resolves to now: the snapshot folder its ``config.json`` comes from (the hub's latest
     with a network, the cache's ``refs`` offline). None when the files are not a hub snapshot."""
-    from transformers.utils import cached_file
-
-    try:
-        found = cached_file(name, "config.json")
-    except OSError:
-        return None
-    if not found:
-        return None
-    path = Path(found)
-    return path.parent.name if path.parent.parent.name == "snapshots" else None
+    resolved = hub_commit(name)
+    return resolved[0] if resolved is not None else None
 
 
 def _names(path: Path, fh: IO[Any]) -> bool:
@@ -182,7 +183,7 @@ def _make_folders(folder: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _appending_alone(output: Path) -> Iterator[IO[str]]:
+def _appending_alone(output: Path, written: list[Path]) -> Iterator[IO[str]]:
     """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file, its settings
     record and the folders a run made are removed again when it stops before writing a record (a refused setting, a
     failed load, Ctrl-C), while it still holds the lock: a run refused by the lock removes nothing."""
@@ -215,7 +216,8 @@ def _appending_alone(output: Path) -> Iterator[IO[str]]:
             if created and out.tell() == 0 and os.fstat(out.fileno()).st_size == 0:
                 with contextlib.suppress(OSError):  # (Windows removes no open file: an empty output is a fresh one)
                     output.unlink()
-                    provenance_path(output).unlink(missing_ok=True)  # this run's settings, if it got that far
+                    for path in written:  # this run's settings record, if it got that far; never an earlier one's
+                        path.unlink(missing_ok=True)
                     for folder in sorted(set(made_folders), key=lambda f: len(f.parts), reverse=True):
                         folder.rmdir()
             raise
@@ -249,15 +251,31 @@ def prompt_passes_fields(record: Any) -> bool:
     return False
 
 
+LATER_FIELDS = ("stop_token_ids", "tokenizer_sha256")
+"""Settings an output's record holds since they were added to it (a record written before lacks them)."""
+
+
+def _is_settings_record(record: Path) -> bool:
+    """Whether ``record`` reads as the settings record :func:`regenerate` writes beside its output."""
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"input_sha256", "target", "max_new_tokens"} <= set(saved)
+
+
 def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: Callable[[], str] | None = None,
                      renders_as_before: Callable[[], bool] | None = None) -> None:
     """Refuse to append to an output produced from another input, target or sampling settings. ``sampled_target``:
     the target's fingerprint by the sampled-window rule, for an output recorded before whole-content digests.
     ``renders_as_before``: whether the input's prompts render as prompt format 1 rendered them, for an output recorded
     before ``prompt_format``."""
-    if not output.exists() or output.stat().st_size == 0:
-        return
     record = provenance_path(output)
+    if not output.exists() or output.stat().st_size == 0:
+        if record.is_symlink() or (record.exists() and not _is_settings_record(record)):
+            raise ValueError(f"--output {output}: {record} exists and is not a settings record lilicorr regenerate "
+                             "wrote, and this run would replace it; move it away, or choose another --output")
+        return
     if not record.is_file():
         raise ValueError(
             f"--output {output} exists but has no {record.name} saying what produced it; resuming onto it could "
@@ -277,6 +295,9 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
         provenance = {k: v for k, v in provenance.items() if k != "target_hash"}
         if sampled_target is not None and saved.get("target_fingerprint") is not None:
             provenance["target_fingerprint"] = sampled_target()
+    # Recorded since the stop ids and the tokenizer were found to change the answers unseen: an output recorded
+    # before is compared without them, as it was then.
+    provenance = {k: v for k, v in provenance.items() if k not in LATER_FIELDS or k in saved}
     format_1 = "prompt_format" in provenance and "prompt_format" not in saved  # checked last: it reads the input
     if format_1:
         provenance = {k: v for k, v in provenance.items() if k != "prompt_format"}
@@ -308,7 +329,9 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
 
 
 def _done_indices(output: Path) -> set[int]:
-    """Source indices already written; cuts off a partial last line left by a killed run."""
+    """Source indices already written; cuts off a partial last line left by a killed run. Any other line that is
+    not a record this command wrote (damaged, edited) is refused, naming it: resuming would skip its record silently
+    and append that record again."""
     if not output.exists():
         return set()
     data = output.read_bytes()
@@ -319,12 +342,15 @@ def _done_indices(output: Path) -> set[int]:
         print(f"[lilicorr] regenerate: removed a partial last line from {output}", file=sys.stderr)
         data = data[:keep]
     done = set()
-    for line in data.decode("utf-8").splitlines():
+    for number, line in enumerate(data.split(b"\n")[:-1], start=1):
         try:
-            rec = json.loads(line)
+            rec = json.loads(line.decode("utf-8"))
             done.add(int(rec["source_index"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"--output {output} line {number} is not a record lilicorr regenerate wrote "
+                f"({first_line(err, with_type=True)}); remove or repair that line, then resume"
+            ) from None
     return done
 
 
@@ -379,11 +405,15 @@ def _make_job(
     return _Job(index, record, "text", ids, prompt_text=prompt)
 
 
-def _stop_ids(tokenizer: Any, model: Any) -> list[int]:
-    # Decided in one place, with evaluation: the drafter is later measured on the stops its data ended at.
-    from lilicorr_pl.target import stop_token_ids
+def _generation_config(target: str, config: Any) -> Any:
+    """The generation config the model will load with: its ``generation_config.json``, else the one transformers
+    derives from the model config. Read before the model loads, so the stop ids are in the output's record."""
+    from transformers import GenerationConfig
 
-    return stop_token_ids(tokenizer, model.config, model.generation_config)
+    try:
+        return GenerationConfig.from_pretrained(target)
+    except OSError:  # none saved: what from_pretrained gives the model
+        return GenerationConfig.from_model_config(config)
 
 
 def _generate(
@@ -516,6 +546,7 @@ def regenerate(
         raise ValueError(f"--target {target}: its tokenizer does not load "
                          f"({first_line(err, with_type=True)}); save the target's tokenizer beside its "
                          "weights (tokenizer.save_pretrained into that directory)") from None
+    stop_ids = stop_token_ids(tokenizer, config, _generation_config(target, config))
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
@@ -534,6 +565,10 @@ def regenerate(
         "prefix_chars": prefix_chars,
         "seed": int(seed) if temperature > 0 else None,
         "prompt_format": PROMPT_FORMAT,
+        # Where answers stop and how prompts become ids: the tokenizer's files and generation_config.json, which the
+        # target's fingerprint (config and weights) does not read.
+        "stop_token_ids": stop_ids,
+        "tokenizer_sha256": fingerprint(fingerprint_tokenizer(tokenizer)),
     }
     if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
         provenance["target_revision"] = hub_revision(str(target))
@@ -544,7 +579,8 @@ def regenerate(
         return fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
                                               include_layers=False, file_hash=sampled_sha256))
 
-    with _appending_alone(output_path) as out:  # locked before the model is loaded, and for the whole run
+    written: list[Path] = []  # what this run wrote beside the output: removed with it when the run writes no record
+    with _appending_alone(output_path, written) as out:  # locked before the model is loaded, and for the whole run
         check_provenance(output_path, provenance, sampled_target,  # before the model is loaded
                          lambda: not any(prompt_passes_fields(r) for _, _, r in _iter_input(input_path)))
         context = getattr(config, "max_position_embeddings", None)
@@ -600,7 +636,6 @@ def regenerate(
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             pad_id = 0
-        stop_ids = _stop_ids(tokenizer, model)
         torch.manual_seed(seed)
         generation_meta = {
             "target": str(target),
@@ -610,8 +645,10 @@ def regenerate(
             "chat_template_sha256": text_sha256(effective_chat_template(tokenizer, template)),
         }
 
-        if not done:  # nothing written yet: this run's settings are the output's, whatever an earlier run left
+        if not done:  # nothing written yet: this run's settings are the output's (an earlier run's record only:
+            # check_provenance refused any other file there)
             write_json_atomic(provenance_path(output_path), provenance)
+            written.append(provenance_path(output_path))
 
         def fail(index: int, err: BaseException) -> None:
             stats.failed += 1

@@ -13,8 +13,9 @@ keeps its finished shards and the next run only computes the rest (any number of
 write different shards of the same store). ``finalize`` checks that every shard is there, writes
 the manifest and renames the directory into place: a store under its real name is always complete.
 
-Reading (``open_store``): the manifest is checked against itself (fingerprint of its parts), against
-the fingerprint the caller expects, and against the files (presence, size, sha256 unless
+Reading (``open_store``): the manifest is checked against itself (fingerprint of its parts; the shape of
+its shard list; its example count against its ``meta``'s, where recorded), against the fingerprint the
+caller expects, and against the files (every shard file listed, each one's presence, size, sha256 unless
 ``verify="size"``, a readable safetensors header with the expected tensors). Any mismatch raises a
 one-line ``CacheError`` naming the file and the fix: a cache is never used silently.
 """
@@ -68,6 +69,23 @@ def _fail(path: Path, problem: str) -> CacheError:
         f"cache {path} is invalid: {problem}; it will not be used: delete {path} and rerun prepare_data "
         "(`lilicorr fit` or `lilicorr prepare`) to rebuild it"
     )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shard_entry_problem(index: int, entry: Any) -> str | None:
+    """What is wrong with entry ``index`` of a manifest's shard list (None: the shape the writer writes)."""
+    if not isinstance(entry, dict):
+        return f"is a JSON {type(entry).__name__}, not an object"
+    if entry.get("file") != shard_name(index):
+        return f"names file {entry.get('file')!r}, expected {shard_name(index)!r}"
+    examples = entry.get("examples")
+    if not (isinstance(examples, list) and len(examples) == 2 and all(_is_count(x) for x in examples)
+            and examples[0] <= examples[1]):
+        return f"has examples {examples!r}, expected a range [start, stop]"
+    return None
 
 
 def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
@@ -300,10 +318,31 @@ def open_store(path: str | os.PathLike, expected_fingerprint: str | None = None,
                           f"{expected_fingerprint[:16]}… (it was built from different inputs)")
     if kind is not None and manifest["kind"] != kind:
         raise _fail(path, f"kind is {manifest['kind']!r}, expected {kind!r}")
-    if manifest["kind"] not in TENSORS:
+    if not isinstance(manifest["kind"], str) or manifest["kind"] not in TENSORS:
         raise _fail(path, f"unknown kind {manifest['kind']!r}")
+    # The fingerprint covers the parts only: the shard list is checked for shape, against the shard files in the
+    # directory and against the example count the writer recorded in meta, before any shard is read.
+    shards, meta = manifest["shards"], manifest.get("meta", {})
+    for key, value, fits, wanted in (("shards", shards, isinstance(shards, list), "a list"),
+                                     ("examples", manifest["examples"], _is_count(manifest["examples"]), "a count"),
+                                     ("meta", meta, isinstance(meta, dict), "an object")):
+        if not fits:
+            raise _fail(path, f"the manifest's {key} is a JSON {type(value).__name__}, not {wanted} (the manifest was "
+                              "edited)")
+    for index, entry in enumerate(shards):
+        problem = _shard_entry_problem(index, entry)
+        if problem:
+            raise _fail(path, f"the manifest's shard entry {index} {problem} (the manifest was edited)")
+    unlisted = sorted({p.name for p in path.glob("shard-*.safetensors")} - {entry["file"] for entry in shards})
+    if unlisted:
+        raise _fail(path, f"shard {unlisted[0]} is in the store but not in its manifest "
+                          f"({len(unlisted)} unlisted; the manifest was edited)")
+    recorded = meta.get("examples")
+    if _is_count(recorded) and recorded != manifest["examples"]:
+        raise _fail(path, f"the manifest says {manifest['examples']} examples, its meta {recorded} (the manifest was "
+                          "edited)")
     end = 0
-    for entry in manifest["shards"]:
+    for entry in shards:
         fpath = path / entry["file"]
         if not fpath.is_file():
             raise _fail(path, f"shard {entry['file']} listed in the manifest is missing")

@@ -380,13 +380,24 @@ def target_identity(target_dir: str) -> dict[str, Any]:
     return {"name": Path(target_dir).name, "sha256": {name: files[name].get("sha256") for name in sorted(files)}}
 
 
-def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int) -> str:
-    """The regenerated data's key: the target build (:func:`target_identity`), the corpus and the prompt settings."""
+def regeneration_device() -> tuple[str, str]:
+    """(device, dtype) the demo regenerates its data in: ``regenerate``'s own default, bf16 on CUDA, else float32."""
+    return ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+
+
+def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int,
+                   regeneration: tuple[str, str] | None = None) -> str:
+    """The regenerated data's key: the target build (:func:`target_identity`), the corpus, the prompt settings and
+    the device and precision they are answered in (``regeneration``, default :func:`regeneration_device`)."""
     from lilicorr_pl.data.corpus import corpus_fingerprint
 
+    device, dtype = regeneration or regeneration_device()
+    # bf16 on a GPU answers otherwise than float32 on a CPU: its data of its own (a workdir begun on a CPU was
+    # refused by regenerate on a GPU). A CPU's float32 data keep the key they had before this was keyed.
+    precision = {} if (device, dtype) == ("cpu", "float32") else {"device": device, "dtype": dtype}
     return stage_key(stage="data", target=target_identity(target_dir), corpus=corpus_fingerprint(),
                      prompts=cfg["prompts"], docstring_prompts=cfg["docstring_prompts"],
-                     prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed)
+                     prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed, **precision)
 
 
 def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool) -> str:
@@ -998,7 +1009,8 @@ def demo(
 
         log("2/4 regenerating training data with the target (resumable, keyed by target and settings)")
         t0 = time.time()
-        data_key = data_stage_key(target_dir, cfg, seed)
+        device, dtype = regeneration_device()
+        data_key = data_stage_key(target_dir, cfg, seed, (device, dtype))
         data_dir = workdir / "data" / data_key
         prompts_file, data_file = data_dir / "prompts.jsonl", data_dir / "regenerated.jsonl"
         if not prompts_file.exists():
@@ -1011,7 +1023,7 @@ def demo(
         # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
         try:
             stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                               batch_size=64, seed=seed)
+                               batch_size=64, seed=seed, device=device, dtype=dtype)
         except InUseError as err:  # its data file held by a `lilicorr regenerate` run pointed into this workdir
             raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")

@@ -310,6 +310,58 @@ def _foreign_entries(directory: Path) -> list[str]:
     return sorted(entry.name for entry in directory.iterdir() if entry.name not in written)
 
 
+def _refuse_foreign(final: Path, problem: str | None) -> None:
+    """Raise when a build at ``final`` would replace what no build wrote: a file or anything else but a folder or a
+    link there (renamed aside, it was later removed as a killed build's leftover), or, for a rebuild (``problem``:
+    why), a symbolic link (a valid build it names is used, never replaced by a folder) or files in the build's
+    folder that no build wrote (a user's notes)."""
+    if os.path.lexists(final) and not final.is_symlink() and not final.is_dir():
+        kind = "a file" if final.is_file() else "not a folder"
+        raise UserInputError(f"{final} is {kind}, which no build wrote, and a build writes its folder at that path; "
+                             "move it away, then rerun")
+    if problem is None:
+        return
+    if final.is_symlink():
+        raise UserInputError(f"{final} is a symbolic link (to {os.readlink(final)}), and a rebuild ({problem}) would "
+                             "replace it with a folder; move it away, then rerun")
+    foreign = _foreign_entries(final)
+    if foreign:  # a rebuild replaces the folder whole: never with what no build wrote in it
+        raise UserInputError(
+            f"{final} holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, which no build wrote, "
+            f"and a rebuild ({problem}) replaces that folder; move those out of it, then rerun")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which build folder is at ``path`` (its inode and status-change time, which a rename moves on: an inode number
+    alone is reused once the folder it named is deleted), or ``None`` when nothing is there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+def _publish(temporary: Path, final: Path, fingerprint: str) -> None:
+    """Rename the finished build ``temporary`` to ``final``. What is there (an invalid or forcibly replaced build) is
+    renamed aside just before and removed only after, so ``final`` is missing for one rename, not for a deletion.
+    If a concurrent build publishes in that moment, its result stands when valid."""
+    trash = None
+    if os.path.lexists(final):
+        # Named like a temporary: a kill before it is removed leaves nothing the next build's clean-up does not find.
+        trash = temporary_name(final)
+        os.rename(final, trash)
+    try:
+        os.rename(temporary, final)
+    except OSError:
+        if _cache_problem(final, fingerprint) is not None:
+            if trash is not None:  # put back what was there rather than leave the path empty
+                with contextlib.suppress(OSError):
+                    os.rename(trash, final)
+            raise
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # Tokenizer and data
 
@@ -846,15 +898,13 @@ def build_tiny_target(
     fingerprint = build_fingerprint(config)
     name = f"tiny-target-{config.name}-{fingerprint}"
     final = root / name
+    _refuse_foreign(final, None)
+    seen = _identity(final)
     problem = "rebuild forced" if force else _cache_problem(final, fingerprint)
     if problem is None:
         _log(progress, f"using cached build {final}")
         return final
-    foreign = _foreign_entries(final)
-    if foreign:  # a rebuild replaces the folder whole: never with what no build wrote in it
-        raise UserInputError(
-            f"{final} holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, which no build wrote, "
-            f"and a rebuild ({problem}) replaces that folder; move those out of it, then rerun")
+    _refuse_foreign(final, problem)
     _log(progress, f"building {final} ({problem})")
 
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
@@ -876,23 +926,21 @@ def build_tiny_target(
             if path.is_file():
                 with contextlib.suppress(OSError):  # a file system without modes: the build stands as written
                     os.chmod(path, mode)
-        if final.exists():
-            # An invalid (or forcibly replaced) build: move it aside first so the rename is atomic (named like a
-            # temporary, so a kill before it is removed leaves nothing the next build's clean-up does not find).
-            trash = temporary_name(final)
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        try:
-            os.rename(temporary, final)
-        except OSError:
-            # Another process finished the same build first; keep its (equivalent) result.
-            if _cache_problem(final, fingerprint) is not None:
-                raise
+        # Checked again now: a concurrent build of the same target may have published a valid folder while this one
+        # trained, and others may already use it. It is kept (this build is discarded); only the folder seen at the
+        # start is what --force replaces.
+        problem = "rebuild forced" if force and _identity(final) == seen else _cache_problem(final, fingerprint)
+        if problem is not None:
+            _refuse_foreign(final, problem)
+            _publish(temporary, final, fingerprint)
     finally:
         torch.set_num_threads(previous_threads)
         shutil.rmtree(temporary, ignore_errors=True)
-    _log(progress, f"built {final} in {report['build_seconds']} s: held-out loss {report['heldout_loss']}, "
-                   f"top-1 {report['heldout_top1']}")
+    if problem is None:
+        _log(progress, f"another build of {final} finished first; using it")
+    else:
+        _log(progress, f"built {final} in {report['build_seconds']} s: held-out loss {report['heldout_loss']}, "
+                       f"top-1 {report['heldout_top1']}")
     return final
 
 

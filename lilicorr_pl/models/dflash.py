@@ -392,7 +392,8 @@ class DFlashDrafter(nn.Module):
                 f"{dims.num_key_value_heads}; fix model.drafter.init_args"
             )
         if self.mask_token_id is None:
-            self.mask_token_id = int(getattr(tc, "mask_token_id", None) or 151669)
+            recorded = getattr(tc, "mask_token_id", None)  # an id of 0 is a real row, not a missing one
+            self.mask_token_id = 151669 if recorded is None else int(recorded)
         rows = int(tc.vocab_size)
         if not 0 <= self.mask_token_id < rows:
             raise ValueError(
