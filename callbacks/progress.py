@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,20 @@ from lilicorr_pl.files import _refuse_foreign, check_writable_dir, write_results
 
 COMMAND = "fit"
 """The command its records name as their writer (``written_by``): what a rerun may replace, and nothing else."""
+
+
+EARLIER_FIELDS = {"step", "max_steps", "seconds", "finished"}
+"""What a record held before it was marked ``written_by``: exactly these keys."""
+
+
+def _earlier_record(path: Path) -> bool:
+    """Whether ``path`` holds a record an earlier version of this callback wrote (unmarked): a fit rerun after an
+    upgrade replaces its own progress file, as before."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and set(record) == EARLIER_FIELDS
 
 
 class ProgressFile(L.Callback):
@@ -36,8 +51,9 @@ class ProgressFile(L.Callback):
         """Before the data are prepared (``lilicorr fit`` calls it): ``path`` is this callback's to write. Unchecked, a
         user's file there would be replaced at the first step, a link by a file, and a folder would fail with a
         traceback once the target is loaded."""
-        _refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND,
-                        written_by_lilicorr(self.path, COMMAND), "choose another ProgressFile path")
+        ours = written_by_lilicorr(self.path, COMMAND) or _earlier_record(self.path)
+        _refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND, ours,
+                        "choose another ProgressFile path")
         check_writable_dir(self.path.parent, f"ProgressFile path {self.path}")
 
     def _write(self, trainer: L.Trainer, finished: bool) -> None:

@@ -92,7 +92,10 @@ class LoggerSaveConfigCallback(SaveConfigCallback):
                 exists = trainer.strategy.broadcast(os.path.isfile(config_path) if trainer.is_global_zero else False)
                 if exists:
                     raise RuntimeError(f"{type(self).__name__} expected {config_path} to NOT exist. Aborting to avoid "
-                                       "overwriting results of a previous run.")
+                                       "overwriting results of a previous run. You can delete the previous config "
+                                       "file, set `LightningCLI(save_config_callback=None)` to disable config saving, "
+                                       'or set `LightningCLI(save_config_kwargs={"overwrite": True})` to overwrite '
+                                       "the config file.")
             if trainer.is_global_zero:  # one writer
                 os.makedirs(log_dir, exist_ok=True)
                 self.save_record(Path(config_path))

@@ -570,8 +570,10 @@ def test_progress_file_refuses_a_users_file_a_link_or_a_folder_and_replaces_its_
     link.symlink_to(notes)
     folder = tmp_path / "folder"
     folder.mkdir()
-    old = tmp_path / "old.json"  # an earlier version's record (no written_by) reads like anyone's JSON: not guessed
+    old = tmp_path / "old.json"  # an earlier version's record (no written_by, exactly its four keys): its own
     old.write_text(json.dumps({"step": 2, "max_steps": 2, "seconds": 1.0, "finished": True}))
+    ProgressFile(str(old)).check_run(None)
+    old.write_text(json.dumps({"step": 2, "max_steps": 2, "seconds": 1.0, "finished": True, "mine": 1}))
     bench = tmp_path / "bench.json"  # another command's results
     bench.write_text(json.dumps({"written_by": f"lilicorr bench {__version__}", "tau": 3.0}))
     for path, says in ((notes, "exists and is not a progress record `lilicorr fit` wrote, so it is not overwritten"),

@@ -393,6 +393,33 @@ def test_a_build_finishing_second_keeps_the_valid_build_that_finished_first(
     assert [p.name for p in tmp_path.iterdir()] == [final.name]  # this build's temporary is gone, nothing else
 
 
+def test_a_valid_build_published_between_the_last_check_and_the_rename_is_put_back(
+    built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-check before publishing found the path empty (or invalid); another build published a valid folder just
+    after it: renamed aside as the old build, it was deleted under whoever used it."""
+    final = tmp_path / built[1].name
+    monkeypatch.setattr(tiny_target, "_build_into", _copy_build(built[1]))
+    real_problem = tiny_target._cache_problem
+    checks = []
+
+    def another_build_publishes_after_the_last_check(path: Path, fingerprint: str) -> str | None:
+        problem = real_problem(path, fingerprint)
+        checks.append(problem)
+        if len(checks) == 2:  # the re-check just before publishing: another build publishes right after it
+            shutil.copytree(built[1], tmp_path / "other")
+            (tmp_path / "other").rename(final)
+            published.update(_snapshot(final), inode=(final.stat().st_ino, b""))
+        return problem
+
+    published: dict[str, tuple[int, bytes]] = {}
+    monkeypatch.setattr(tiny_target, "_cache_problem", another_build_publishes_after_the_last_check)
+    assert build_tiny_target("test", cache_dir=tmp_path, progress=False) == final
+    assert checks[:2] == ["not built yet", "not built yet"] and published
+    assert {**_snapshot(final), "inode": (final.stat().st_ino, b"")} == published
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
 def test_a_forced_rebuild_removes_the_old_build_only_once_the_new_one_is_in_place(
     built: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

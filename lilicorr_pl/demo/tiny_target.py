@@ -341,15 +341,24 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_ctime_ns
 
 
-def _publish(temporary: Path, final: Path, fingerprint: str) -> None:
-    """Rename the finished build ``temporary`` to ``final``. What is there (an invalid or forcibly replaced build) is
-    renamed aside just before and removed only after, so ``final`` is missing for one rename, not for a deletion.
-    If a concurrent build publishes in that moment, its result stands when valid."""
+def _publish(temporary: Path, final: Path, fingerprint: str, seen: tuple[int, int] | None) -> bool:
+    """Rename the finished build ``temporary`` to ``final``; False when a valid build is kept there instead. What is
+    there (an invalid build, or ``seen``, the folder a forced rebuild replaces) is renamed aside just before and
+    removed only after, so ``final`` is missing for one rename, not for a deletion. A valid build another process
+    published since it was last looked at stands: moved aside, it is put back and this build is discarded."""
     trash = None
     if os.path.lexists(final):
         # Named like a temporary: a kill before it is removed leaves nothing the next build's clean-up does not find.
         trash = temporary_name(final)
         os.rename(final, trash)
+        moved = os.lstat(trash).st_ino  # a rename keeps the inode (its status-change time moves on)
+        if (seen is None or moved != seen[0]) and _cache_problem(trash, fingerprint) is None:
+            try:
+                os.rename(trash, final)
+                return False
+            except OSError:  # yet another build published meanwhile: that one stands, the one aside is removed
+                shutil.rmtree(trash, ignore_errors=True)
+                return False
     try:
         os.rename(temporary, final)
     except OSError:
@@ -358,8 +367,12 @@ def _publish(temporary: Path, final: Path, fingerprint: str) -> None:
                 with contextlib.suppress(OSError):
                     os.rename(trash, final)
             raise
+        published = False
+    else:
+        published = True
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
+    return published
 
 
 # --------------------------------------------------------------------------------------------------
@@ -932,7 +945,8 @@ def build_tiny_target(
         problem = "rebuild forced" if force and _identity(final) == seen else _cache_problem(final, fingerprint)
         if problem is not None:
             _refuse_foreign(final, problem)
-            _publish(temporary, final, fingerprint)
+            if not _publish(temporary, final, fingerprint, seen):
+                problem = None
     finally:
         torch.set_num_threads(previous_threads)
         shutil.rmtree(temporary, ignore_errors=True)
