@@ -205,8 +205,9 @@ READING_ONLY_LOAD_KWARGS = frozenset({
 })
 
 
-# The ``from_pretrained`` arguments that say which files a name reads (passed on when a key resolves the name).
-_WHERE_KWARGS = ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+WHERE_LOAD_KWARGS = ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+"""The ``from_pretrained`` arguments that say which files a name reads (passed on wherever a name is resolved
+before the model loads: a key, a config read)."""
 
 
 def local_model_dir(name_or_path: str, revision: str | None = None, subfolder: str | None = None,
@@ -235,7 +236,7 @@ def hub_commit(name: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple
     files are not a hub snapshot. Reads ``config.json`` (a download of a few kB), never the weights."""
     from transformers.utils import cached_file
 
-    where = {k: v for k, v in (load_kwargs or {}).items() if k in _WHERE_KWARGS and v is not None}
+    where = {k: v for k, v in (load_kwargs or {}).items() if k in WHERE_LOAD_KWARGS and v is not None}
     subfolder = where.pop("subfolder", None) or None
     try:
         found = cached_file(name, "config.json", subfolder=subfolder or "", **where)

@@ -310,7 +310,7 @@ def _foreign_entries(directory: Path) -> list[str]:
     return sorted(entry.name for entry in directory.iterdir() if entry.name not in written)
 
 
-def _refuse_foreign(final: Path, problem: str | None) -> None:
+def _refuse_what_no_build_wrote(final: Path, problem: str | None) -> None:
     """Raise when a build at ``final`` would replace what no build wrote: a file or anything else but a folder or a
     link there (renamed aside, it was later removed as a killed build's leftover), or, for a rebuild (``problem``:
     why), a symbolic link (a valid build it names is used, never replaced by a folder) or files in the build's
@@ -355,10 +355,9 @@ def _publish(temporary: Path, final: Path, fingerprint: str, seen: tuple[int, in
         if (seen is None or moved != seen[0]) and _cache_problem(trash, fingerprint) is None:
             try:
                 os.rename(trash, final)
-                return False
             except OSError:  # yet another build published meanwhile: that one stands, the one aside is removed
                 shutil.rmtree(trash, ignore_errors=True)
-                return False
+            return False
     try:
         os.rename(temporary, final)
     except OSError:
@@ -911,13 +910,13 @@ def build_tiny_target(
     fingerprint = build_fingerprint(config)
     name = f"tiny-target-{config.name}-{fingerprint}"
     final = root / name
-    _refuse_foreign(final, None)
+    _refuse_what_no_build_wrote(final, None)
     seen = _identity(final)
     problem = "rebuild forced" if force else _cache_problem(final, fingerprint)
     if problem is None:
         _log(progress, f"using cached build {final}")
         return final
-    _refuse_foreign(final, problem)
+    _refuse_what_no_build_wrote(final, problem)
     _log(progress, f"building {final} ({problem})")
 
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
@@ -944,7 +943,7 @@ def build_tiny_target(
         # start is what --force replaces.
         problem = "rebuild forced" if force and _identity(final) == seen else _cache_problem(final, fingerprint)
         if problem is not None:
-            _refuse_foreign(final, problem)
+            _refuse_what_no_build_wrote(final, problem)
             if not _publish(temporary, final, fingerprint, seen):
                 problem = None
     finally:
