@@ -262,10 +262,9 @@ def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: 
     check then runs on the loaded model)."""
     from transformers import AutoConfig
 
-    from lilicorr_pl.data.fingerprint import WHERE_LOAD_KWARGS
-
     try:
-        where = {k: load_kwargs[k] for k in WHERE_LOAD_KWARGS if k in load_kwargs}  # the config.json the load reads
+        where = {k: load_kwargs[k] for k in ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+                 if k in load_kwargs}  # the same config.json the model load reads
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **where)
     except Exception:  # noqa: BLE001 -- the model load that follows reports an unreadable model in its own words
         return None
