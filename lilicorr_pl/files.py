@@ -40,6 +40,12 @@ def file_state(path: str | os.PathLike) -> tuple[int, int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+WHERE_LOAD_KWARGS = ("revision", "subfolder", "token", "cache_dir", "local_files_only")
+"""The ``from_pretrained`` arguments that say which files a model name reads: passed on wherever a name is
+resolved before its model loads (its ``config.json`` read for the layer check, a hub name's commit for a store key),
+so that read sees the files the load will."""
+
+
 def jsonable(value: Any) -> Any:
     """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
     if isinstance(value, float) and not math.isfinite(value):

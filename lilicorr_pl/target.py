@@ -20,6 +20,7 @@ from jsonargparse.typing import restricted_string_type
 from torch import nn
 
 from lilicorr_pl.checkpoint import UserInputError, first_line
+from lilicorr_pl.files import WHERE_LOAD_KWARGS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -263,8 +264,7 @@ def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: 
     from transformers import AutoConfig
 
     try:
-        where = {k: load_kwargs[k] for k in ("revision", "subfolder", "token", "cache_dir", "local_files_only")
-                 if k in load_kwargs}  # the same config.json the model load reads
+        where = {k: load_kwargs[k] for k in WHERE_LOAD_KWARGS if k in load_kwargs}  # the config.json the load reads
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **where)
     except Exception:  # noqa: BLE001 -- the model load that follows reports an unreadable model in its own words
         return None

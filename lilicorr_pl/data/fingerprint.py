@@ -20,6 +20,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lilicorr_pl.files import WHERE_LOAD_KWARGS
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -203,11 +205,6 @@ READING_ONLY_LOAD_KWARGS = frozenset({
     "offload_folder", "offload_state_dict", "offload_buffers", "attn_implementation", "output_loading_info",
     "key_mapping", "tp_plan", "tp_size",
 })
-
-
-WHERE_LOAD_KWARGS = ("revision", "subfolder", "token", "cache_dir", "local_files_only")
-"""The ``from_pretrained`` arguments that say which files a name reads (passed on wherever a name is resolved
-before the model loads: a key, a config read)."""
 
 
 def local_model_dir(name_or_path: str, revision: str | None = None, subfolder: str | None = None,
