@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
+from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
 from lilicorr_pl.decoding.benchmarks import (
     PromptSet,
     ThinkingFlagUnknown,
@@ -94,6 +95,9 @@ class AcceptanceEval(L.Callback):
             raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
         if table_rows < 0:
             raise ValueError(f"AcceptanceEval table_rows must be >= 0 (0: no table), got {table_rows}")
+        if prompt_tokens < MIN_PREFIX_TOKENS:  # read only at the first evaluation, after training and before a save
+            raise ValueError(f"AcceptanceEval prompt_tokens must be >= {MIN_PREFIX_TOKENS} (a code prefix with context "
+                             f"before its header), got {prompt_tokens}")
         if draft_sampling not in DRAFT_SAMPLING_RULES:
             raise ValueError(
                 f"AcceptanceEval draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {draft_sampling!r}"

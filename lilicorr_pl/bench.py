@@ -280,6 +280,11 @@ def format_table(run: dict[str, Any]) -> str:
         )
         if "point_mass" in r:
             lines.append(f"{'':<10} {r['point_mass']['tau']:>6.2f} (tau with the point-mass rule)")
+    dtype = run.get("target_dtype")
+    if dtype not in (None, "float32", "float64") and any(r["lossless"] is False for r in run["selectors"].values()):
+        lines.append(f"lossless False in {dtype}: a verify of several tokens rounds differently from a one-token step, "
+                     "so an output can part from plain decoding's at a near-tie; --dtype float32 checks the decoding "
+                     "itself")
     ref = run.get("reference_selector")
     for name, r in run["selectors"].items():  # the paired bootstrap intervals (95 %, over prompts)
         parts = []
@@ -435,6 +440,15 @@ def bench(
     temperatures = [float(t) for t in temperature]
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     path = Path(ckpt)
+    if path.suffix == ".safetensors" and path.is_file() and (path.parent / "config.json").is_file():
+        raise UserInputError(f"--ckpt {path} is the weights file of the served drafter directory {path.parent}; pass "
+                             f"the folder instead: --ckpt {path.parent}" + (" with --target" if target is None else ""))
+    for flag, value, fix in (("--output", output, "pass the file to write the results JSON into, or drop --output"),
+                             ("--plot", plot, "pass the directory for the plots, or drop --plot")):
+        if value is not None and not value.strip():  # an unset shell variable: nothing would be written
+            raise UserInputError(f"{flag} is empty; {fix}")
+    if not temperatures:
+        raise UserInputError("--temperature is empty; give one or more sampling temperatures, e.g. 0 or 0,1")
     served = path.is_dir() and (path / "config.json").is_file()  # a serving directory: ours or a released drafter
     if served and target is None:
         raise UserInputError(f"--ckpt {path} is a served drafter directory, which records no target; pass the target "
@@ -463,7 +477,7 @@ def bench(
                 check_compile_available(device)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         raise UserInputError(str(err)) from None
-    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+    if any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserInputError(f"--temperature values must be finite and >= 0, got {temperatures}")
     if num_prompts < 1 or max_new_tokens < 1:
         raise UserInputError(f"--num_prompts and --max_new_tokens must be >= 1, got {num_prompts} and {max_new_tokens}")

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
@@ -100,6 +101,12 @@ def check_writable_dir(directory: Path, what: str, writable: bool = True) -> Non
         raise ValueError(f"{what}: {probe} is a file, so the directory cannot be created; choose another path")
     if writable and not os.access(probe, os.W_OK):
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
+    if writable or probe != directory:  # tried, not read from the mode bits: root, read-only mounts, /proc
+        try:  # a folder still to be made needs one made in its nearest existing parent
+            os.rmdir(tempfile.mkdtemp(prefix=".lilicorr-probe-", dir=probe))
+        except OSError as err:
+            raise ValueError(f"{what}: no folder can be created in {probe} ({err.strerror or type(err).__name__}); "
+                             "choose another path") from None
 
 
 WRITTEN_BY = "written_by"

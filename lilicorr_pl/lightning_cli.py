@@ -38,13 +38,14 @@ from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySign
                                     config_modules, first_line, read_verified, verified_first)
 from lilicorr_pl.command import ShortUsage
 from lilicorr_pl.data.datamodule import DraftDataModule
-from lilicorr_pl.data.formats import DataFormatError, check_data_files
+from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_chat_template
 from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import atomic_file, check_output_paths, check_writable_dir, write_results_json
 from lilicorr_pl.heads.domino import first_form_refusal
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import (DraftSystem, StateMismatchError, _short, check_evaluation_settings, check_resume_settings,
                                 plain_data)
+from lilicorr_pl.target import check_device
 
 # Lightning's ckpt_path keywords (not files).
 CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
@@ -442,10 +443,19 @@ class LilicorrCLI(LightningCLI):
         accumulate = trainer.get("accumulate_grad_batches") if trainer is not None else None
         if isinstance(accumulate, int) and accumulate < 1:
             raise ValueError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
+        limit = trainer.get("limit_train_batches") if trainer is not None else None
+        if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:  # the same silent exit
+            raise ValueError(f"trainer.limit_train_batches {limit} trains nothing (the run would prepare the data, save "
+                             "no checkpoint and exit as finished); set it > 0, or leave it unset for every batch")
         optimizer = plain_data(model.get("optimizer")) if model is not None else None
         lr = (optimizer.get("init_args") or {}).get("lr") if isinstance(optimizer, dict) else None
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not lr >= 0:
             raise ValueError(f"model.optimizer.init_args.lr must be >= 0, got {lr}")
+        scheduler = plain_data(model.get("lr_scheduler")) if model is not None else None
+        warmup = (scheduler.get("init_args") or {}).get("warmup_fraction") if isinstance(scheduler, dict) else None
+        if isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and not 0 <= warmup < 1:
+            # WarmupCosine refuses it too, but only in configure_optimizers: after the data and the target
+            raise ValueError(f"model.lr_scheduler.init_args.warmup_fraction must be in [0, 1), got {warmup}")
 
     def _check_data(self, config: Any, subcommand: str | None) -> None:
         """Data files exist, and the subcommand has the data it reads: one line before any model or run starts."""
@@ -455,6 +465,14 @@ class LilicorrCLI(LightningCLI):
         check_data_files(data.get("train_files") or [], "data.train_files")
         if data.get("val_files"):
             check_data_files(data["val_files"], "data.val_files")
+        resolve_chat_template(data.get("chat_template"))  # a path to no file: read only once the Trainer is built
+        device = data.get("precompute_device")
+        if device:
+            try:
+                check_device(str(device), "--data.precompute_device")
+            except RuntimeError:  # torch's "Expected one of cpu, cuda, ..." for a name it does not know
+                raise ValueError(f"--data.precompute_device {device!r} is not a device; use cpu, cuda or cuda:N, or "
+                                 "leave it unset (CUDA when available)") from None
         if subcommand == "test":
             raise ValueError(
                 "`lilicorr test` needs a test split, and DraftDataModule has none (it reads training and validation "

@@ -25,7 +25,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
-from lilicorr_pl.checkpoint import CHECKSUM_KEY
+from lilicorr_pl.checkpoint import CHECKSUM_KEY, first_line
 from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_results_json
@@ -455,8 +455,8 @@ def load_round_modules(
         config = AutoConfig.from_pretrained(resolve_target_path(str(source)))
     except (OSError, ValueError) as err:
         raise ValueError(
-            f"could not read the target config {source!r} ({type(err).__name__}); pass --target-config with a "
-            "config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
+            f"could not read the target config {source!r} ({first_line(err, with_type=True)}); pass --target-config "
+            "with a config.json, e.g. configs/qwen3-8b/Qwen3-8B.config.json"
         ) from None
     # A drafter's config here was costed as a target with the drafter's sizes (or refused for its mask token).
     refuse_drafter(config, str(source), "--target_config" if target_config else "model.target.name_or_path")
@@ -827,6 +827,8 @@ class PerfCLI(LilicorrCLI):
 
         for name in ("json", "ckpt", "target_config"):  # a leading ~ is the user's home, as in a shell: expanded
             config[name] = expand_home(name, config.get(name))  # before the output check below
+        if config.get("json") is not None and not str(config.json).strip():  # an unset shell variable: no file
+            raise UserInputError("--json is empty; pass the file to write the numbers into, or drop --json")
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
             check_output_paths(config.get("json"), None, "--json", command="perf")
         except ValueError as err:
@@ -865,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     then times (or, with ``--penalty_error``, compares) real steps; ``--cost_model`` prints the analytical cost
     of one round instead. Returns the numbers it prints.
     """
-    from lilicorr_pl.checkpoint import UserInputError, first_line
+    from lilicorr_pl.checkpoint import UserInputError
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     args = argparse_spellings(sys.argv[1:] if argv is None else argv, type_hints(perf_options))

@@ -883,6 +883,8 @@ class DraftSystem(L.LightningModule):
         logs: dict[str, torch.Tensor] = {}
         with self._profile("losses"):
             for component in self.losses:
+                if component.weight == 0 and not component.has_inputs(inputs):
+                    continue  # a logged-only loss whose inputs no active loss asked for (needs_target_logits)
                 out = component(inputs)
                 total = total + out.loss
                 logs[component.name] = out.loss.detach()
@@ -994,6 +996,8 @@ class DraftSystem(L.LightningModule):
         return {k: v.detach().cpu() for k, v in diag.items() if torch.is_tensor(v)}
 
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
+        if step["num_blocks"] == 0:  # nothing measured (its losses are 0): zeros would drag the means down
+            return
         on_step = stage == "train"
         scalars = {"loss": step["loss"].detach(), **{k: v for k, v in step["logs"].items() if v.numel() == 1}}
         for key, value in scalars.items():

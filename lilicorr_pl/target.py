@@ -40,13 +40,13 @@ CompileModeName = Literal["default", "reduce-overhead", "max-autotune", "max-aut
 """``torch.compile``'s modes, as ``--compile_mode`` takes them (:mod:`lilicorr_pl.decoding.compiled` checks the rest)."""
 
 
-def check_device(device: str) -> None:
-    """Raise ``ValueError`` for a device this machine does not have."""
+def check_device(device: str, flag: str = "--device") -> None:
+    """Raise ``ValueError`` for a device this machine does not have (``flag``: where the user set it)."""
     kind = torch.device(device).type
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+        raise ValueError(f"{flag} {device}: CUDA is not available on this machine; use {flag} cpu")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+        raise ValueError(f"{flag} {device}: MPS is not available on this machine; use {flag} cpu")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -338,6 +338,9 @@ def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
         ({"temperature": -1.0}, "temperature"),
         ({"draft_sampling": "sampled"}, "draft_sampling must be one of"),
         ({"table_rows": -1}, "table_rows must be >= 0"),
+        # Read at the first evaluation: a traceback after training, before the first checkpoint.
+        ({"prompt_tokens": 4}, r"AcceptanceEval prompt_tokens must be >= 8 \(a code prefix"),
+        ({"prompt_tokens": 0}, "prompt_tokens must be >= 8"),
     ],
 )
 def test_rejects_bad_settings(kwargs, message):

@@ -587,6 +587,13 @@ def test_bench_intervals_are_paired_over_prompts_on_a_hand_made_run():
                enable_thinking=False, target_tokens_per_s=39 / 10.5)
     assert "tau / top1 2.000 [2.000, 2.000]" in format_table(run)
     assert "by the median round 2.000 [2.000, 2.000]" in format_table(run)
+    # A T = 0 output that parts from plain decoding's is explained only where rounding can do it (a low precision).
+    mixed["lossless"] = False
+    for dtype, explained in ((None, False), ("float32", False), ("bfloat16", True), ("float16", True)):
+        run["target_dtype"] = dtype
+        assert ("lossless False in" in format_table(run)) is explained
+    mixed["lossless"] = True
+    assert "lossless False in" not in format_table(run)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])

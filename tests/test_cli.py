@@ -66,10 +66,29 @@ def test_recipe_base_with_each_arm_overlay_parses_into_its_own_run_folder(overla
         assert overlay.stem in head["class_path"].lower()
     trainer = cfg["trainer"]
     root = f"runs/{overlay.parent.name}-{overlay.stem}"  # one root per arm: checkpoints go to <root>/checkpoints
-    assert trainer["default_root_dir"] == root and trainer["logger"]["init_args"]["save_dir"] == root
+    assert trainer["default_root_dir"] == root
+    assert trainer["logger"]["init_args"]["save_dir"] in (None, ".")  # W&B follows the root (next test)
     assert trainer["logger"]["init_args"]["project"] == "lilicorr"  # the rest of the base's logger is kept
     names = [c["class_path"] for c in trainer["callbacks"]]
     assert "callbacks.RandomStateCheckpoint" in names and "callbacks.ModelCheckpoint" in names
+
+
+@pytest.mark.parametrize("overlay", RECIPE_ARMS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_recipe_arm_moves_whole_with_one_root_setting(overlay):
+    """README's "another root: --trainer.default_root_dir": the checkpoints and the W&B files (where config.yaml is
+    recorded) both move. A recipe that fixed the logger's save_dir split a second run across two folders, and the
+    arm's own run was then refused over the record the second run had written into its folder."""
+    from jsonargparse import dict_to_namespace
+
+    from lilicorr_pl.lightning_cli import LilicorrCLI
+
+    for extra, root in (([], f"runs/{overlay.parent.name}-{overlay.stem}"), (["--trainer.default_root_dir=elsewhere"],
+                                                                            "elsewhere")):
+        config = dict_to_namespace(print_config(overlay.parent / "base.yaml", overlay, extra=extra))
+        LilicorrCLI._place_outputs_under_the_root(config)
+        assert config.trainer.default_root_dir == root
+        assert config.trainer.logger.init_args.save_dir == root
+        assert config.data.cache_dir == f"cache/{overlay.parent.name}"  # the stores stay shared by the arms
 
 
 @pytest.mark.parametrize("config", [*CONFIGS, *RECIPE_BASES], ids=lambda p: str(p.relative_to(ROOT / "configs")))
@@ -1121,9 +1140,20 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
     # Not refused late: it exited 0 as a finished run, with the data prepared and no checkpoint.
     ("--trainer.max_steps=0", "trainer.max_steps 0 trains nothing (the run would prepare the data, save no checkpoint "
                               "and exit as finished); set trainer.max_steps >= 1, or -1 for no limit"),
+    ("--trainer.limit_train_batches=0", "trainer.limit_train_batches 0 trains nothing"),
+    ("--trainer.limit_train_batches=0.0", "trainer.limit_train_batches 0.0 trains nothing"),
+    ("--model.lr_scheduler.init_args.warmup_fraction=2.0",
+     "model.lr_scheduler.init_args.warmup_fraction must be in [0, 1), got 2.0"),
+    ("--data.chat_template=no_such_template.jinja", "chat_template 'no_such_template.jinja' is neither a Jinja template "
+                                                    "nor an existing file"),
+    ("--data.precompute_device=gpu", "--data.precompute_device 'gpu' is not a device; use cpu, cuda or cuda:N"),
+    *([("--data.precompute_device=cuda:0", "--data.precompute_device cuda:0: CUDA is not available on this machine; "
+                                           "use --data.precompute_device cpu")] if not torch.cuda.is_available() else []),
 ])
 def test_training_settings_torch_refuses_late_are_one_line_up_front(flag, message, capsys, tmp_path):
-    """A ZeroDivisionError and the optimizer's ValueError, each after the data were prepared and the target loaded."""
+    """A ZeroDivisionError and the optimizer's ValueError, each after the data were prepared and the target loaded;
+    a chat template or precompute device that cannot be used, a traceback once the Trainer was built; no training
+    batch, an exit 0 with nothing trained."""
     root = tmp_path / "run"
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), flag, f"--trainer.default_root_dir={root}"])
     assert message in err, err

@@ -731,6 +731,35 @@ def test_lilicorr_prepare_says_what_fit_says_in_one_line(tmp_path, capsys):
     assert a_file.read_text() == "mine"
 
 
+def test_a_folder_that_cannot_be_made_is_one_line_before_work(tmp_path, capsys, monkeypatch):
+    """A cache or run folder whose parent takes no new folder (a read-only mount, /proc, another user's folder when the
+    mode bits do not tell: root) failed with a FileNotFoundError traceback once the target was loaded and the data
+    tokenized. The check tries to make one, and leaves nothing behind."""
+    import errno
+    import tempfile
+
+    from lilicorr_pl import files
+
+    root = Path(__file__).resolve().parents[1]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):  # noqa: A002 -- tempfile's own name
+        if Path(dir) == locked:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "mkdtemp", mkdtemp)
+    for command, setting in (("prepare", "data.cache_dir"), ("fit", "trainer.default_root_dir"),
+                             ("fit", "data.cache_dir")):
+        err = user_error(capsys, [command, "-c", str(root / "configs" / "tiny.yaml"), f"--{setting}={locked / 'sub'}"])
+        assert f"{setting} {locked / 'sub'}: no folder can be created in {locked} (Read-only file system)" in err, err
+    assert list(locked.iterdir()) == []
+    files.check_writable_dir(tmp_path / "free" / "sub", "x")  # a folder that can be made passes, and is not made
+    assert not (tmp_path / "free").exists() and [p.name for p in tmp_path.iterdir()] == ["locked"]
+
+
 class _FakeStore:
     """The three things the alignment check reads from an opened store."""
 

@@ -55,6 +55,23 @@ def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
     raise TypeError(f"data.target must be a TargetSpec or a dict, got {type(target).__name__}")
 
 
+def _warn_overlapping_files(train_files: list[str], val_files: list[str]) -> None:
+    """Warn on a file listed twice in a split (its examples count twice) or in both (validation on training examples);
+    paths are compared resolved. Not an error: either may be meant."""
+    train = [Path(f).expanduser().resolve() for f in train_files]
+    val = [Path(f).expanduser().resolve() for f in val_files]
+    for setting, files, paths in (("data.train_files", train_files, train), ("data.val_files", val_files, val)):
+        for i, (f, path) in enumerate(zip(files, paths)):
+            if path not in paths[:i] and paths.count(path) > 1:
+                n = paths.count(path)
+                warnings.warn(f"{setting} lists {f} {n} times: its examples count {n} times; list it once",
+                              stacklevel=3)
+    for i, (f, path) in enumerate(zip(val_files, val)):
+        if path in train and path not in val[:i]:
+            warnings.warn(f"data.val_files {f} is also in data.train_files: validation measures training examples; "
+                          "remove it from one of them", stacklevel=3)
+
+
 #: How a store that fails its checks is rebuilt, in every message that asks for it.
 _REBUILD = "rerun prepare_data (`lilicorr fit` or `lilicorr prepare`) to rebuild it"
 
@@ -168,6 +185,7 @@ class DraftDataModule(L.LightningDataModule):
         # ``builtin:stdlib-train[:N]`` names are resolved to files by the `lilicorr` command (lilicorr_pl.builtin).
         self.train_files = list(train_files)
         self.val_files = list(val_files) if val_files else None
+        _warn_overlapping_files(self.train_files, self.val_files or [])
         self.val_fraction = float(val_fraction)
         self.max_length = int(max_length)
         self.batch_size = int(batch_size)
@@ -382,18 +400,24 @@ class DraftDataModule(L.LightningDataModule):
         if lengths:
             flush()
         self.load_stats[split] = stats
-        if stats.dropped_unsupervised:
-            warnings.warn(
-                f"{split}: dropped {stats.dropped_unsupervised} of {stats.records} records with no supervised "
-                f"token within max_length={self.max_length}",
-                stacklevel=2,
-            )
+        reasons = [(n, why) for n, why in (
+            (stats.dropped_unsupervised, f"no supervised token within max_length={self.max_length}"),
+            (stats.dropped_no_block, "one supervised token after the first, too few for a draft block (an anchor and "
+                                     "a token after it)"),
+        ) if n]
+        if reasons:
+            dropped = f"{split}: dropped {sum(n for n, _ in reasons)} of {stats.records} records"
+            if len(reasons) == 1:
+                warnings.warn(f"{dropped} with {reasons[0][1]}", stacklevel=2)
+            else:
+                warnings.warn(f"{dropped}: " + ", ".join(f"{n} with {why}" for n, why in reasons), stacklevel=2)
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         meta = {
             "split": split, "examples": stats.examples, "tokens": stats.tokens, "supervised_tokens": stats.supervised_tokens,
             "records": stats.records, "truncated": stats.truncated, "dropped_unsupervised": stats.dropped_unsupervised,
+            "dropped_no_block": stats.dropped_no_block,
             "formats": stats.formats, "pad_id": int(pad_id), "enable_thinking": self.enable_thinking,
             "chat_template": effective_chat_template(self.tokenizer, self.chat_template),
         }

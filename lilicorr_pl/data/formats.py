@@ -64,6 +64,9 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
+#: Roles of ``messages`` turns that chat templates render: OpenAI's (``developer``, the older ``function``), and
+#: Llama 3's ``ipython`` for tool output. Only ``assistant`` turns are supervised.
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -101,6 +104,7 @@ class LoadStats:
     examples: int = 0
     truncated: int = 0
     dropped_unsupervised: int = 0  # records whose supervised tokens all fell past max_length (or none)
+    dropped_no_block: int = 0  # records with one supervised token after the first: no anchor with a label
     supervised_tokens: int = 0
     tokens: int = 0
     formats: dict[str, int] = field(default_factory=dict)
@@ -270,8 +274,11 @@ def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> 
                     f"{sorted(SHAREGPT_ROLES)}"
                 )
             role = SHAREGPT_ROLES[role]
-        elif not isinstance(role, str):
-            raise DataFormatError(f"{where}: turn {j} role must be a string, got {role!r}")
+        elif role not in MESSAGE_ROLES:  # e.g. ShareGPT's 'gpt' or 'Assistant': no loss mask, silently dropped
+            raise DataFormatError(
+                f"{where}: turn {j} has role {role!r}; message roles must be one of {sorted(MESSAGE_ROLES)} "
+                "(ShareGPT 'human'/'gpt' turns go in \"conversations\" as \"from\"/\"value\")"
+            )
         message = {"role": role, "content": _text_of(turn[content_key], f"{where} turn {j}")}
         if fmt == "messages":
             message.update({k: turn[k] for k in PASSED_MESSAGE_FIELDS if turn.get(k) is not None})
@@ -538,7 +545,9 @@ def iter_examples(
 
     Records longer than ``max_length`` keep their first ``max_length`` tokens. Records left without a
     supervised token (e.g. the assistant turn fell past ``max_length``, or a chat with no assistant
-    turn) are dropped and counted in ``stats.dropped_unsupervised``. ``max_examples`` caps the number
+    turn) are dropped and counted in ``stats.dropped_unsupervised``; those with a single supervised
+    token after the first (no draft block: its anchor needs a supervised token after it) in
+    ``stats.dropped_no_block``. ``max_examples`` caps the number
     of records read (before packing). Raises ``DataFormatError`` at the end if nothing at all was
     supervised. Streaming keeps memory flat for large datasets (the data module writes straight into
     its token cache).
@@ -565,9 +574,14 @@ def iter_examples(
                 if len(ids) > max_length:
                     ids, mask = ids[:max_length], mask[:max_length]
                     stats.truncated += 1
-                # Position 0 has no prefix to predict it from: it is never a target.
-                if not any(mask[1:]):
-                    stats.dropped_unsupervised += 1
+                # Position 0 has no prefix to predict it from: it is never a target. A block needs a supervised
+                # anchor past it and a supervised token after that (sample_anchors, block_labels): two of them.
+                supervised = sum(mask[1:])
+                if supervised < 2:
+                    if supervised:
+                        stats.dropped_no_block += 1
+                    else:
+                        stats.dropped_unsupervised += 1
                     continue
                 yield TokenizedExample(ids, mask, f"{path.name}:{line}")
 
@@ -579,6 +593,13 @@ def iter_examples(
         yield ex
     if stats.examples == 0:
         names = ", ".join(p.name for p in files)
+        if stats.dropped_no_block:
+            raise DataFormatError(
+                f"no record of {names} can hold a draft block ({stats.records} records: {stats.dropped_unsupervised} "
+                f"without any supervised token inside max_length, {stats.dropped_no_block} with only one supervised "
+                "token after the first; a block needs a supervised anchor and one after it): add longer records or "
+                "raise data.max_length"
+            )
         raise DataFormatError(
             f"no supervised tokens in {names} ({stats.records} records, {stats.dropped_unsupervised} without "
             "any supervised token inside max_length): chat data needs assistant turns, prompt/completion "

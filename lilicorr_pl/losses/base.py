@@ -87,6 +87,14 @@ class LossComponent(nn.Module):
     def forward(self, inputs: LossInputs) -> LossOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
+    def has_inputs(self, inputs: LossInputs) -> bool:
+        """Whether ``inputs`` holds everything the ``requires_*`` flags declare (the system skips a weight-0
+        component without them: only active components decide what is built)."""
+        return not ((self.requires_lattice and inputs.lattice is None)
+                    or (self.requires_target_logits and inputs.target_logits is None)
+                    or (self.requires_corrector and inputs.corrected_logits is None)
+                    or (self.requires_target_distribution and inputs.target_distribution is None))
+
     def check_inputs(self, inputs: LossInputs) -> None:
         """Raise a clear error when a required input is missing."""
         if self.requires_lattice and inputs.lattice is None:

@@ -208,6 +208,8 @@ class DSparkLoss(LossComponent):
                 parts.append(checkpoint(_l1_rows, chunk, target, use_reentrant=False))
             else:
                 parts.append(_l1_rows(chunk, target))
+        if not parts:  # no block
+            return corrected.new_zeros(corrected.shape[:2], dtype=torch.float32)
         return torch.cat(parts, dim=0)
 
     def forward(self, inputs: LossInputs) -> LossOutput:

@@ -27,6 +27,8 @@ def logfactor_spread(lattice: Lattice) -> torch.Tensor:
     """
     start, pair = lattice.start.detach().float(), lattice.pair.detach().float()
     m, k = start.shape
+    if m == 0:  # a step with no block
+        return start.new_zeros(0)
     rows = torch.cat([start.unsqueeze(1), pair.reshape(m, -1, k)], dim=1)  # [M, 1 + (S-1)·K, K]
     return rows.std(dim=-1, correction=0).mean(dim=-1)
 
