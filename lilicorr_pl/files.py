@@ -103,10 +103,12 @@ def check_writable_dir(directory: Path, what: str, writable: bool = True) -> Non
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
     if writable or probe != directory:  # tried, not read from the mode bits: root, read-only mounts, /proc
         try:  # a folder still to be made needs one made in its nearest existing parent
-            os.rmdir(tempfile.mkdtemp(prefix=".lilicorr-probe-", dir=probe))
+            made = tempfile.mkdtemp(prefix=".lilicorr-probe-", dir=probe)
         except OSError as err:
             raise ValueError(f"{what}: no folder can be created in {probe} ({err.strerror or type(err).__name__}); "
                              "choose another path") from None
+        with contextlib.suppress(OSError):  # an empty folder of its own; left behind only if it cannot go
+            os.rmdir(made)
 
 
 WRITTEN_BY = "written_by"

@@ -369,6 +369,11 @@ def read_config(directory: str | Path) -> dict[str, Any]:
             "supported; re-export the training checkpoint: lilicorr export --ckpt RUN.ckpt --output NEW_DIR"
         )
     cfg_path, weights = directory / "config.json", directory / "model.safetensors"
+    if directory.is_file() and directory.suffix == ".ckpt":  # a training checkpoint where a served drafter goes
+        raise FileNotFoundError(
+            f"{directory} is a training checkpoint, not a DFlash drafter directory; export it first (lilicorr export "
+            f"--ckpt {directory} --output DIR) and pass DIR (to go on training that run: fit --ckpt_path)"
+        )
     if not cfg_path.is_file() or not weights.is_file():
         raise FileNotFoundError(
             f"{directory} is not a DFlash drafter directory (needs config.json and model.safetensors)"

@@ -468,11 +468,15 @@ class LilicorrCLI(LightningCLI):
         resolve_chat_template(data.get("chat_template"))  # a path to no file: read only once the Trainer is built
         device = data.get("precompute_device")
         if device:
+            import torch
+
             try:
-                check_device(str(device), "--data.precompute_device")
+                torch.device(str(device))
             except RuntimeError:  # torch's "Expected one of cpu, cuda, ..." for a name it does not know
                 raise ValueError(f"--data.precompute_device {device!r} is not a device; use cpu, cuda or cuda:N, or "
                                  "leave it unset (CUDA when available)") from None
+            if subcommand in (None, "fit"):  # where stores are made (None: prepare), not validate on a GPU run's config
+                check_device(str(device), "--data.precompute_device")
         if subcommand == "test":
             raise ValueError(
                 "`lilicorr test` needs a test split, and DraftDataModule has none (it reads training and validation "
@@ -575,9 +579,13 @@ class LilicorrCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, OSError, MisconfigurationException) as err:  # OSError: a path setting
+            about_trainer = isinstance(err, MisconfigurationException)
             while err.__cause__ is not None and isinstance(err.__cause__, (ValueError, TypeError)):
                 err = err.__cause__
-            raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+            message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+            if about_trainer:  # "No supported gpu backend found!": which setting asked, and the fix
+                message = with_device_advice(message, self._get(self.config, "trainer", default={}))
+            raise UserInputError(message) from None
         _honour_wandb_disabled(getattr(self, "trainer", None))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -1007,10 +1015,16 @@ def prepare_command(argv: Sequence[str]) -> Any:
     except (DataFormatError, CacheError) as err:  # what fit says in one line, too
         raise UserInputError(first_line(err)) from None
     except MisconfigurationException as err:  # e.g. no such accelerator here
-        about_devices = any(w in str(err).lower() for w in ("accelerator", "gpu", "cuda", "device", "backend", "tpu"))
-        raise UserInputError(first_line(err) + (f" (trainer.accelerator {trainer['accelerator']}, trainer.devices "
-                                                f"{trainer['devices']}); set them to what this machine has, e.g. "
-                                                "--trainer.accelerator=cpu" if about_devices else "")) from None
+        raise UserInputError(with_device_advice(first_line(err), trainer)) from None
+
+
+def with_device_advice(message: str, trainer: Any) -> str:
+    """Lightning's refusal of an accelerator or device count this machine lacks, with the settings that asked for it
+    and the fix (other messages unchanged)."""
+    if not any(w in message.lower() for w in ("accelerator", "gpu", "cuda", "device", "backend", "tpu")):
+        return message
+    return (f"{message} (trainer.accelerator {trainer.get('accelerator')}, trainer.devices {trainer.get('devices')}); "
+            "set them to what this machine has, e.g. --trainer.accelerator=cpu")
 
 
 CLI_KWARGS: dict[str, Any] = {

@@ -244,6 +244,13 @@ def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
 
 
+def update_weighted(mean: Any, value: torch.Tensor, weight: int) -> None:
+    """``mean.update(value, weight)`` as it reads, for a ``MeanMetric(nan_strategy="disable")``: torchmetrics 1.9
+    replaces the weights by ones in that mode (torchmetrics#3434), so the value is given once per example instead (a
+    NaN still shows in the mean)."""
+    mean.update(value.detach().float().reshape(1).expand(int(weight)))
+
+
 class DraftSystem(L.LightningModule):
     """Trains a DFlash drafter (and optionally a lattice head) against a frozen target.
 
@@ -996,19 +1003,22 @@ class DraftSystem(L.LightningModule):
         return {k: v.detach().cpu() for k, v in diag.items() if torch.is_tensor(v)}
 
     def _log_step(self, step: dict[str, Any], stage: str, metrics: LatticeMetrics, batch_size: int) -> None:
-        if step["num_blocks"] == 0:  # nothing measured (its losses are 0): zeros would drag the means down
-            return
+        # A step with no block measured nothing (its losses are 0): no value is logged or averaged, but the epoch's
+        # metrics are still made and updated (with nothing), so that every rank syncs the same ones at its end.
+        measured = step["num_blocks"] > 0
         on_step = stage == "train"
         scalars = {"loss": step["loss"].detach(), **{k: v for k, v in step["logs"].items() if v.numel() == 1}}
         for key, value in scalars.items():
             name = f"{stage}/{key}"
             if on_step:
-                self.log(name, value, on_step=True, on_epoch=False, prog_bar=key == "loss", batch_size=batch_size)
+                if measured:
+                    self.log(name, value, on_step=True, on_epoch=False, prog_bar=key == "loss", batch_size=batch_size)
                 continue
             # Epoch means are sum-reduced torchmetrics, not sync_dist=True: Lightning's mean-sync floors the example
             # count when ranks evaluated different numbers of examples (pytorch-lightning#21859).
             mean = self._epoch_mean(name)
-            mean.update(value.float(), batch_size)
+            if measured:
+                update_weighted(mean, value, batch_size)
             self.log(name, mean, on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=batch_size,
                      metric_attribute=f"epoch_means.{name}")
         # The diagnostics are computed once per step: the metric accumulates them, the step logs their means.
@@ -1016,7 +1026,7 @@ class DraftSystem(L.LightningModule):
                                    step["selected"], top_k=metrics.top_k)
         metrics.update(step["lattice"], step["slot_logits"], step["labels"], step["label_mask"], step["selected"],
                        diagnostics=diag)
-        if on_step:
+        if on_step and measured:
             valid = diag["valid_block"]  # means over valid blocks only, as the lattice losses read them
             for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
                 if key in diag:

@@ -90,7 +90,7 @@ def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
     ``i = 0..n-1``, e.g. ``[1, 9, 17, 25, 33]`` for ``L = 36, n = 5``.
     """
     if num_features < 1:
-        raise ValueError(f"num_target_features must be >= 1, got {num_features}")
+        raise ValueError(f"model.target.num_features must be >= 1, got {num_features}")
     if num_features == 1:
         return [num_layers // 2]
     if num_layers < 4:

@@ -57,7 +57,11 @@ def batch(ids: list[int]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- 1. records and steps with no block
-def test_records_too_short_for_a_block_are_dropped_and_counted_with_their_reason(tmp_path, target_dir):
+def test_records_too_short_for_a_block_are_counted_and_kept_and_all_of_them_refused(tmp_path, target_dir):
+    """A record with one supervised token after the first holds no block: in a batch of 1 its step crashed the run.
+    Such records are kept (a store holds what it held before, and packed they may hold a label of the record before
+    them), counted in a warning, and a file of nothing else is refused by what it lacks (it was "needs assistant
+    turns")."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -66,24 +70,22 @@ def test_records_too_short_for_a_block_are_dropped_and_counted_with_their_reason
                        + [{"messages": [{"role": "user", "content": "only a question"}]}])
     stats = LoadStats()
     kept = load_examples([path], tok, max_length=64, stats=stats)
-    assert len(kept) == 3 and stats.records == 5 and stats.dropped_unsupervised == 1 and stats.dropped_no_block == 1
+    assert [e.input_ids for e in kept] == [tok(CODE)["input_ids"]] * 3 + [tok("xy")["input_ids"]]
+    assert stats.records == 5 and stats.dropped_unsupervised == 1 and stats.no_block == 1
     dm = data_module(target_dir, tmp_path / "cache", [path])
     with pytest.warns(UserWarning) as caught:
         dm.prepare_tokens()
-    said = [str(w.message) for w in caught if "dropped" in str(w.message)]
-    assert len(said) == 1 and said[0].startswith("train: dropped 2 of 5 records: 1 with no supervised token within "
-                                                 "max_length=64, 1 with"), said
-    assert "draft block" in said[0]
+    said = [str(w.message) for w in caught]
+    assert "train: dropped 1 of 5 records with no supervised token within max_length=64" in said, said
+    assert ("train: 1 of 5 records hold one supervised token after the first, too few for a draft block (an anchor "
+            "and a token after it): they train nothing") in said, said
     dm.setup("fit")
-    assert len(dm.train_dataset) == 3
-    # Records that are all too short: the error names that, not missing assistant turns.
+    assert len(dm.train_dataset) == 4
     short = write_jsonl(tmp_path / "short.jsonl", [{"text": "xy"}] * 2)
-    with pytest.raises(DataFormatError, match=r"short\.jsonl .*2 records.*2 with only one supervised token"):
+    with pytest.raises(DataFormatError, match=r"no record of short\.jsonl can hold a draft block \(2 records: 0 "
+                                              r"without any supervised token inside max_length, 2 with only one"):
         load_examples([short], tok, max_length=64)
-    # Normal data: the same examples as before.
-    stats = LoadStats()
-    assert [e.input_ids for e in load_examples([path], tok, max_length=64, stats=stats)] == [
-        tok(CODE)["input_ids"]] * 3
+    assert len(load_examples([short, path], tok, max_length=64, pack=True)) >= 1  # packed: not refused
 
 
 def test_a_step_with_no_block_gives_zero_losses_and_empty_diagnostics(target_dir):
@@ -117,6 +119,35 @@ def test_every_loss_component_gives_a_differentiable_zero_for_no_block():
         assert all(torch.isfinite(x).all() for x in out.logs.values()), type(loss).__name__
         total = total + out.loss
     total.backward()
+
+
+def test_a_validation_step_with_no_block_makes_the_epoch_means_and_averages_nothing(target_dir, monkeypatch):
+    """Every rank must sync the same epoch metrics (torchmetrics syncs inside compute): a rank whose validation steps
+    held no block made none of them and left the others waiting. Such a step adds nothing to the means; the others
+    are weighted by their batch size (update_weighted: torchmetrics 1.9's MeanMetric(nan_strategy="disable")
+    ignored the weights, so a 2-example batch counted as much as a 1-example one)."""
+    s = system(target_dir)
+    s.configure_model()
+    monkeypatch.setattr(s, "log", lambda *args, **kwargs: None)  # outside a Trainer
+    empty = s.compute_step(batch([5, 6]), generator=torch.Generator().manual_seed(0))
+    full = s.compute_step(batch(list(range(10, 30))), generator=torch.Generator().manual_seed(0))
+    s._log_step(empty, "val", s.val_metrics, batch_size=1)
+    assert "val/loss" in s.epoch_means and s.epoch_means["val/loss"].update_count == 0
+    s._log_step(full, "val", s.val_metrics, batch_size=2)
+    assert s.epoch_means["val/loss"].compute().item() == pytest.approx(full["loss"].item())
+
+
+def test_epoch_means_are_weighted_by_batch_size_and_show_a_nan():
+    from torchmetrics.aggregation import MeanMetric
+
+    from lilicorr_pl.system import update_weighted
+
+    mean = MeanMetric(nan_strategy="disable")
+    update_weighted(mean, torch.tensor(1.0), 2)
+    update_weighted(mean, torch.tensor(4.0), 1)
+    assert mean.compute().item() == pytest.approx(2.0)
+    update_weighted(mean, torch.tensor(float("nan")), 1)
+    assert mean.compute().isnan()
 
 
 def test_training_and_validation_go_through_batches_with_no_block(target_dir):
@@ -166,8 +197,19 @@ def test_a_messages_record_with_an_unknown_role_is_refused_naming_line_and_role(
         load_examples([path], tok, max_length=64)
     message = str(err.value)
     assert "\n" not in message and "roles.jsonl line 2" in message and repr(role) in message
-    assert "message roles must be one of ['assistant', 'developer', 'function', 'ipython', 'system', 'tool', 'user']" \
+    assert f"has role {role!r}; name it {'user' if role == 'human' else 'assistant'!r} (only 'assistant' turns" \
         in message
+
+
+@pytest.mark.parametrize("role", ["tool", "developer", "ipython", "observation"])
+def test_a_messages_role_a_template_may_render_is_passed_on(tmp_path, target_dir, role):
+    """Only other names of the assistant and the user are refused: tool output and a custom template's roles train as
+    unsupervised context, as before."""
+    from lilicorr_pl.data.formats import record_messages
+
+    record = {"messages": [{"role": "user", "content": "q"}, {"role": role, "content": "x"},
+                           {"role": "assistant", "content": CODE}]}
+    assert [m["role"] for m in record_messages(record, "messages")] == ["user", role, "assistant"]
 
 
 # ---------------------------------------------------------------------- 4. overlapping data files

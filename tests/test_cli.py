@@ -727,6 +727,21 @@ def test_a_run_without_its_data_or_with_bad_settings_is_one_line_before_anything
         assert not (tmp_path / "runs").exists()  # no W&B run, no cache, no checkpoint folder
 
 
+def test_a_training_checkpoint_as_warm_start_and_a_missing_accelerator_name_their_fix(tmp_path, monkeypatch, capsys):
+    """A .ckpt for --model.init_drafter_from was "not a DFlash drafter directory"; fit's missing GPU was Lightning's
+    bare "No supported gpu backend found!" (prepare named the settings and the fix already)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.ckpt").write_bytes(b"not read")
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--model.init_drafter_from=run.ckpt"])
+    assert "run.ckpt is a training checkpoint, not a DFlash drafter directory; export it first (lilicorr export " \
+           "--ckpt run.ckpt --output DIR) and pass DIR" in err, err
+    if not torch.cuda.is_available():
+        err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.accelerator=gpu"])
+        assert err.strip().endswith("(trainer.accelerator gpu, trainer.devices 1); set them to what this machine has, "
+                                    "e.g. --trainer.accelerator=cpu"), err
+
+
+
 def test_builtin_target_resolves_at_the_command_edge_with_progress(monkeypatch, tmp_path):
     """A constructor never builds the built-in target; `lilicorr` does, before building anything, with progress."""
     import lilicorr_pl.demo.tiny_target as tiny_target

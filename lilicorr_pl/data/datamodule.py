@@ -400,24 +400,22 @@ class DraftDataModule(L.LightningDataModule):
         if lengths:
             flush()
         self.load_stats[split] = stats
-        reasons = [(n, why) for n, why in (
-            (stats.dropped_unsupervised, f"no supervised token within max_length={self.max_length}"),
-            (stats.dropped_no_block, "one supervised token after the first, too few for a draft block (an anchor and "
-                                     "a token after it)"),
-        ) if n]
-        if reasons:
-            dropped = f"{split}: dropped {sum(n for n, _ in reasons)} of {stats.records} records"
-            if len(reasons) == 1:
-                warnings.warn(f"{dropped} with {reasons[0][1]}", stacklevel=2)
-            else:
-                warnings.warn(f"{dropped}: " + ", ".join(f"{n} with {why}" for n, why in reasons), stacklevel=2)
+        if stats.dropped_unsupervised:
+            warnings.warn(
+                f"{split}: dropped {stats.dropped_unsupervised} of {stats.records} records with no supervised "
+                f"token within max_length={self.max_length}",
+                stacklevel=2,
+            )
+        if stats.no_block and not self.pack:
+            warnings.warn(f"{split}: {stats.no_block} of {stats.records} records hold one supervised token after the "
+                          "first, too few for a draft block (an anchor and a token after it): they train nothing",
+                          stacklevel=2)
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         meta = {
             "split": split, "examples": stats.examples, "tokens": stats.tokens, "supervised_tokens": stats.supervised_tokens,
             "records": stats.records, "truncated": stats.truncated, "dropped_unsupervised": stats.dropped_unsupervised,
-            "dropped_no_block": stats.dropped_no_block,
             "formats": stats.formats, "pad_id": int(pad_id), "enable_thinking": self.enable_thinking,
             "chat_template": effective_chat_template(self.tokenizer, self.chat_template),
         }

@@ -64,9 +64,11 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-#: Roles of ``messages`` turns that chat templates render: OpenAI's (``developer``, the older ``function``), and
-#: Llama 3's ``ipython`` for tool output. Only ``assistant`` turns are supervised.
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+#: Other names datasets give the assistant's and the user's turns in ``messages``. A chat template renders a role as
+#: written, and only ``assistant`` turns are supervised, so such a record trained nothing, or the wrong turns: refused.
+#: Any other role (``tool``, ``developer``, ``ipython``, ``observation``, a custom template's own) is passed on.
+MISNAMED_ROLES = {"gpt": "assistant", "bot": "assistant", "chatbot": "assistant", "model": "assistant",
+                  "human": "user", "assistant": "assistant", "user": "user", "system": "system"}
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -104,7 +106,7 @@ class LoadStats:
     examples: int = 0
     truncated: int = 0
     dropped_unsupervised: int = 0  # records whose supervised tokens all fell past max_length (or none)
-    dropped_no_block: int = 0  # records with one supervised token after the first: no anchor with a label
+    no_block: int = 0  # records kept with one supervised token after the first: no anchor with a label
     supervised_tokens: int = 0
     tokens: int = 0
     formats: dict[str, int] = field(default_factory=dict)
@@ -274,10 +276,12 @@ def record_messages(record: dict[str, Any], fmt: str, where: str = "record") -> 
                     f"{sorted(SHAREGPT_ROLES)}"
                 )
             role = SHAREGPT_ROLES[role]
-        elif role not in MESSAGE_ROLES:  # e.g. ShareGPT's 'gpt' or 'Assistant': no loss mask, silently dropped
+        elif not isinstance(role, str):
+            raise DataFormatError(f"{where}: turn {j} role must be a string, got {role!r}")
+        elif role != MISNAMED_ROLES.get(role.lower(), role):  # 'gpt', 'Assistant': no loss mask, silently dropped
             raise DataFormatError(
-                f"{where}: turn {j} has role {role!r}; message roles must be one of {sorted(MESSAGE_ROLES)} "
-                "(ShareGPT 'human'/'gpt' turns go in \"conversations\" as \"from\"/\"value\")"
+                f"{where}: turn {j} has role {role!r}; name it {MISNAMED_ROLES[role.lower()]!r} (only 'assistant' "
+                "turns are supervised; ShareGPT 'human'/'gpt' turns go in \"conversations\" as \"from\"/\"value\")"
             )
         message = {"role": role, "content": _text_of(turn[content_key], f"{where} turn {j}")}
         if fmt == "messages":
@@ -546,10 +550,10 @@ def iter_examples(
     Records longer than ``max_length`` keep their first ``max_length`` tokens. Records left without a
     supervised token (e.g. the assistant turn fell past ``max_length``, or a chat with no assistant
     turn) are dropped and counted in ``stats.dropped_unsupervised``; those with a single supervised
-    token after the first (no draft block: its anchor needs a supervised token after it) in
-    ``stats.dropped_no_block``. ``max_examples`` caps the number
-    of records read (before packing). Raises ``DataFormatError`` at the end if nothing at all was
-    supervised. Streaming keeps memory flat for large datasets (the data module writes straight into
+    token after the first (no draft block: its anchor needs a supervised token after it) are kept and
+    counted in ``stats.no_block``. ``max_examples`` caps the number of records read (before packing).
+    Raises ``DataFormatError`` at the end if nothing at all was supervised, or (unpacked) no record can
+    hold a block. Streaming keeps memory flat for large datasets (the data module writes straight into
     its token cache).
     """
     if max_length < 2:
@@ -574,15 +578,15 @@ def iter_examples(
                 if len(ids) > max_length:
                     ids, mask = ids[:max_length], mask[:max_length]
                     stats.truncated += 1
-                # Position 0 has no prefix to predict it from: it is never a target. A block needs a supervised
-                # anchor past it and a supervised token after that (sample_anchors, block_labels): two of them.
+                # Position 0 has no prefix to predict it from: it is never a target.
                 supervised = sum(mask[1:])
-                if supervised < 2:
-                    if supervised:
-                        stats.dropped_no_block += 1
-                    else:
-                        stats.dropped_unsupervised += 1
+                if not supervised:
+                    stats.dropped_unsupervised += 1
                     continue
+                # A block needs a supervised anchor past position 0 and a supervised token after it (sample_anchors,
+                # block_labels). Counted, not dropped: the stores keep what they held (packed, such a record can
+                # still hold a label of the record before it), and a step without a block trains nothing.
+                stats.no_block += supervised < 2
                 yield TokenizedExample(ids, mask, f"{path.name}:{line}")
 
     stream = iter_packed(unpacked(), max_length) if pack else unpacked()
@@ -591,15 +595,15 @@ def iter_examples(
         stats.tokens += len(ex)
         stats.supervised_tokens += ex.num_supervised
         yield ex
+    names = ", ".join(p.name for p in files)
+    if stats.examples and not pack and stats.no_block == stats.examples:
+        raise DataFormatError(
+            f"no record of {names} can hold a draft block ({stats.records} records: {stats.dropped_unsupervised} "
+            f"without any supervised token inside max_length, {stats.no_block} with only one supervised token after "
+            "the first; a block needs a supervised anchor and one after it): add longer records or raise "
+            "data.max_length"
+        )
     if stats.examples == 0:
-        names = ", ".join(p.name for p in files)
-        if stats.dropped_no_block:
-            raise DataFormatError(
-                f"no record of {names} can hold a draft block ({stats.records} records: {stats.dropped_unsupervised} "
-                f"without any supervised token inside max_length, {stats.dropped_no_block} with only one supervised "
-                "token after the first; a block needs a supervised anchor and one after it): add longer records or "
-                "raise data.max_length"
-            )
         raise DataFormatError(
             f"no supervised tokens in {names} ({stats.records} records, {stats.dropped_unsupervised} without "
             "any supervised token inside max_length): chat data needs assistant turns, prompt/completion "
