@@ -190,7 +190,8 @@ def test_cli_main_and_argument_errors(target_dir, input_file, tmp_path, capsys):
     rc = cli_main(["regenerate", "--target", target_dir, "--input", str(input_file), "--output", str(out),
                    "--max-new-tokens", "3", "--limit", "2", "--no-progress"])
     assert rc == 0 and len(read(out)) == 2
-    assert "succeeded 2, failed 0, skipped 0" in capsys.readouterr().out
+    said = capsys.readouterr()  # the summary once, on stdout, naming the output (it was on stderr too)
+    assert f"regenerate: succeeded 2, failed 0, skipped 0 -> {out}" in said.out and "succeeded" not in said.err
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*--input"):
         regenerate(target_dir, tmp_path / "missing.jsonl", out)
     with pytest.raises(ValueError, match="--output must differ"):

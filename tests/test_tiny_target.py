@@ -337,14 +337,15 @@ def test_a_rebuild_never_replaces_a_folder_holding_files_no_build_wrote(
         assert (directory / "NOTES.md").read_text() == "my notes"
 
 
-def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from lilicorr_pl.builtin import resolve_data_file
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
     with pytest.raises(ValueError, match=rf"--cache_dir {afile}: {afile} is a file, so the directory cannot be "
                                          "created; choose another path"):
-        build_tiny_target("test", cache_dir=afile, progress=False)
+        build_tiny_target("test", cache_dir=afile, progress=True)
+    assert "building" not in capsys.readouterr().err  # announced only where it can be built
     monkeypatch.setenv("LILICORR_CACHE", str(afile))
     with pytest.raises(ValueError, match=rf"the cache folder \(LILICORR_CACHE\) {afile / 'data'}: {afile} is a file"):
         resolve_data_file("builtin:stdlib-train:4")

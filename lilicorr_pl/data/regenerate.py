@@ -717,8 +717,7 @@ def regenerate(
             run(pending)
             bar.update(len(pending))
         bar.close()
-        print(f"[lilicorr] regenerate: {stats} -> {output_path}", file=sys.stderr)
-        return stats
+        return stats  # reported by its callers: the command on stdout, the demo in its log
 
 
 def regenerate_command(
@@ -769,5 +768,5 @@ def regenerate_command(
             )
     except (ValueError, FileNotFoundError) as err:  # settings, checked before the model loads
         raise UserInputError(str(err)) from None
-    print(f"regenerate: {stats}")
+    print(f"regenerate: {stats} -> {output}")
     return 1 if stats.failed else 0

@@ -917,13 +917,12 @@ def build_tiny_target(
         _log(progress, f"using cached build {final}")
         return final
     _refuse_what_no_build_wrote(final, problem)
-    _log(progress, f"building {final} ({problem})")
-
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
         check_writable_dir(root, f"{'--cache_dir' if cache_dir is not None else 'the cache folder (LILICORR_CACHE)'} "
                                  f"{root}")
     except ValueError as err:
         raise UserInputError(str(err)) from None
+    _log(progress, f"building {final} ({problem})")  # once it can be built there
     root.mkdir(parents=True, exist_ok=True)
     # Temporary folders of this build's killed runs (one on another host sharing the cache is left alone for a day).
     remove_gone_writers(root, f".{glob.escape(name)}.*.tmp", untagged=True)
