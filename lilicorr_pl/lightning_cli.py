@@ -467,16 +467,8 @@ class LilicorrCLI(LightningCLI):
             check_data_files(data["val_files"], "data.val_files")
         resolve_chat_template(data.get("chat_template"))  # a path to no file: read only once the Trainer is built
         device = data.get("precompute_device")
-        if device:
-            import torch
-
-            try:
-                torch.device(str(device))
-            except RuntimeError:  # torch's "Expected one of cpu, cuda, ..." for a name it does not know
-                raise ValueError(f"--data.precompute_device {device!r} is not a device; use cpu, cuda or cuda:N, or "
-                                 "leave it unset (CUDA when available)") from None
-            if subcommand in (None, "fit"):  # where stores are made (None: prepare), not validate on a GPU run's config
-                check_device(str(device), "--data.precompute_device")
+        if device:  # present where stores are made (fit; None: prepare), not to validate a GPU run's config on a CPU
+            check_device(str(device), "--data.precompute_device", here=subcommand in (None, "fit"))
         if subcommand == "test":
             raise ValueError(
                 "`lilicorr test` needs a test split, and DraftDataModule has none (it reads training and validation "

@@ -40,9 +40,16 @@ CompileModeName = Literal["default", "reduce-overhead", "max-autotune", "max-aut
 """``torch.compile``'s modes, as ``--compile_mode`` takes them (:mod:`lilicorr_pl.decoding.compiled` checks the rest)."""
 
 
-def check_device(device: str, flag: str = "--device") -> None:
-    """Raise ``ValueError`` for a device this machine does not have (``flag``: where the user set it)."""
-    kind = torch.device(device).type
+def check_device(device: str, flag: str = "--device", here: bool = True) -> None:
+    """Raise ``ValueError`` for a name torch does not know as a device, or (``here``) a device this machine does not
+    have (``flag``: where the user set it)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:  # torch's "Expected one of cpu, cuda, ..."
+        raise ValueError(f"{flag} {device!r} is not a device; use cpu, cuda or cuda:N, or leave it unset (CUDA when "
+                         "available)") from None
+    if not here:
+        return
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{flag} {device}: CUDA is not available on this machine; use {flag} cpu")
     if kind == "mps" and not torch.backends.mps.is_available():

@@ -727,6 +727,19 @@ def test_a_run_without_its_data_or_with_bad_settings_is_one_line_before_anything
         assert not (tmp_path / "runs").exists()  # no W&B run, no cache, no checkpoint folder
 
 
+def test_a_device_name_is_always_checked_and_its_presence_only_where_asked():
+    """`validate -c` a GPU run's config (precompute_device cuda) on a CPU machine reads the stores it finds: only the
+    name is checked there; fit and prepare make stores, so the device must be present."""
+    from lilicorr_pl.target import check_device
+
+    with pytest.raises(ValueError, match=r"--data.precompute_device 'gpu' is not a device; use cpu, cuda or cuda:N"):
+        check_device("gpu", "--data.precompute_device", here=False)
+    check_device("cuda:0", "--data.precompute_device", here=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available on this machine"):
+            check_device("cuda:0", "--data.precompute_device")
+
+
 def test_a_training_checkpoint_as_warm_start_and_a_missing_accelerator_name_their_fix(tmp_path, monkeypatch, capsys):
     """A .ckpt for --model.init_drafter_from was "not a DFlash drafter directory"; fit's missing GPU was Lightning's
     bare "No supported gpu backend found!" (prepare named the settings and the fix already)."""

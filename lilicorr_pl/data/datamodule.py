@@ -58,16 +58,21 @@ def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
 def _warn_overlapping_files(train_files: list[str], val_files: list[str]) -> None:
     """Warn on a file listed twice in a split (its examples count twice) or in both (validation on training examples);
     paths are compared resolved. Not an error: either may be meant."""
-    train = [Path(f).expanduser().resolve() for f in train_files]
-    val = [Path(f).expanduser().resolve() for f in val_files]
-    for setting, files, paths in (("data.train_files", train_files, train), ("data.val_files", val_files, val)):
-        for i, (f, path) in enumerate(zip(files, paths)):
-            if path not in paths[:i] and paths.count(path) > 1:
-                n = paths.count(path)
+
+    def listed(files: list[str]) -> dict[Path, list[Any]]:  # resolved path -> [its first spelling, times listed]
+        seen: dict[Path, list[Any]] = {}
+        for f in files:
+            seen.setdefault(Path(f).expanduser().resolve(), [f, 0])[1] += 1
+        return seen
+
+    train, val = listed(train_files), listed(val_files)
+    for setting, seen in (("data.train_files", train), ("data.val_files", val)):
+        for f, n in seen.values():
+            if n > 1:
                 warnings.warn(f"{setting} lists {f} {n} times: its examples count {n} times; list it once",
                               stacklevel=3)
-    for i, (f, path) in enumerate(zip(val_files, val)):
-        if path in train and path not in val[:i]:
+    for path, (f, _) in val.items():
+        if path in train:
             warnings.warn(f"data.val_files {f} is also in data.train_files: validation measures training examples; "
                           "remove it from one of them", stacklevel=3)
 
