@@ -158,7 +158,7 @@ def test_a_cuda_graph_mode_asks_inductor_to_fail_rather_than_leave_a_graph_uncap
     head = DSparkHead(rank=8)
     head.build(H, V, block_size=S + 1)
     for mode in (None, "reduce-overhead", "max-autotune-no-cudagraphs"):
-        CompiledSelector(head, mode)
+        CompiledSelector(head, mode)._compiled(torch.device("cuda"))  # compiled at the first call, for its device
     assert seen[0] == {"dynamic": False, "options": None}
     assert seen[1]["options"] == {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}
     assert seen[2]["options"] == {"max_autotune": True, "coordinate_descent_tuning": True}  # no CUDA graphs asked
@@ -194,3 +194,44 @@ def test_a_head_that_leaves_its_cuda_graphs_while_running_names_the_fix():
     assert message == ("the 'lilicorr' head left its CUDA graphs (skipping cudagraphs due to mutated inputs (1 "
                        "instances)); run with --compile_mode default (no CUDA graphs)")
     assert left_cuda_graphs("lilicorr", RuntimeError("CUDA out of memory")) is None
+
+
+def test_cpu_heads_use_inductors_cpp_wrapper_only_where_it_builds(monkeypatch):
+    # The C++ wrapper is a Python extension module: a machine without Python's headers cannot build it, and must keep
+    # the Python wrapper (the same drafts, slower) rather than fail the benchmark.
+    import lilicorr_pl.decoding.compiled as compiled_module
+
+    def probe_with(error: Exception | None):
+        def fake_compile(fn, **kwargs):
+            assert kwargs["options"] == {"cpp_wrapper": True}  # the probe tries exactly what heads will get
+            if error is not None:
+                raise error
+            return fn
+        return fake_compile
+
+    for error, expected in ((None, {"cpp_wrapper": True}), (RuntimeError("fatal error: Python.h: No such file"), {})):
+        compiled_module.cpu_wrapper_options.cache_clear()
+        monkeypatch.setattr(compiled_module.torch, "compile", probe_with(error))
+        assert compiled_module.cpu_wrapper_options() == expected
+    compiled_module.cpu_wrapper_options.cache_clear()
+
+
+def test_a_compiled_head_gets_the_cpu_options_on_a_cpu_and_not_elsewhere(monkeypatch):
+    import lilicorr_pl.decoding.compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "cpu_wrapper_options", lambda: {"cpp_wrapper": True})
+    seen = []
+
+    def recording_compile(fn, **kwargs):
+        seen.append(kwargs["options"])
+        return fn  # eager: only the options are under test here
+
+    monkeypatch.setattr(compiled_module.torch, "compile", recording_compile)
+    head, compiled = _small_compiled_head()
+    compiled.select(draft_output(0, stride_source=5), context())
+    compiled.select(draft_output(1, stride_source=6), context())
+    assert seen == [{"cpp_wrapper": True}]  # compiled once, at the first call, for the device it ran on
+    CompiledSelector(head, "max-autotune-no-cudagraphs")._compiled(torch.device("cpu"))
+    assert seen[1] == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
+    CompiledSelector(head)._compiled(torch.device("cuda"))
+    assert seen[2] is None  # another device: the mode's own options only
