@@ -173,11 +173,16 @@ def owned(value: Any) -> Any:
     return value
 
 
+def _compile_one_op(device: str | torch.device, options: dict[str, Any] | None = None) -> None:
+    """Compile and run a one-op function on ``device`` with Inductor ``options``: whether this machine can build it."""
+    torch.compile(lambda x: x * 2 + 1, dynamic=False, options=options)(torch.ones(2, device=device))
+
+
 def check_compile_available(device: str | torch.device = "cpu", fix: str = "run without --compile") -> None:
     """Compile and run a one-op function on ``device``, so a machine without Inductor's toolchain (a C++
     compiler on CPU, Triton on GPU) is told up front, with the fix, instead of failing mid-benchmark."""
     try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(2, device=device))
+        _compile_one_op(device)
     except Exception as error:  # noqa: BLE001 - any backend failure means: not on this machine
         raise RuntimeError(
             f"torch.compile does not work on this machine ({first_line(error)}); install a C++ compiler (CPU) or Triton "
@@ -197,7 +202,7 @@ def cpu_wrapper_options() -> dict[str, bool]:
     if not hasattr(torch._inductor.config, "cpp_wrapper"):
         return {}
     try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False, options={"cpp_wrapper": True})(torch.ones(2))
+        _compile_one_op("cpu", {"cpp_wrapper": True})
     except Exception:  # noqa: BLE001 - any failure: this machine cannot build it; the Python wrapper still works
         return {}
     return {"cpp_wrapper": True}
