@@ -129,6 +129,7 @@ def run_bench(
     if draft_sampling not in DRAFT_SAMPLING_CHOICES:
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_CHOICES}, got {draft_sampling!r}")
     from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.decoding.compiled import compiled_wrappers
     from lilicorr_pl.decoding.evaluate import ArmSpec, evaluate_arms
 
     system.eval()
@@ -180,6 +181,8 @@ def run_bench(
             "interleaved": True,
             "compiled_selectors": compile,
             "compile_mode": compile_mode if compile else None,
+            # Inductor's wrapper around the compiled heads' kernels (cpp on a CPU that can build it; same drafts).
+            "compile_wrapper": compiled_wrappers(arms.values()),
             # The trained LiLiCorr head's decoding: lattice width served and T = 0 walk (None without one).
             "lattice": _lattice_settings(system.head),
             "target_tokens_per_s": target_tps,
@@ -268,7 +271,8 @@ def format_table(run: dict[str, Any]) -> str:
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
         f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}"
         + (f" draft_sampling={rule}" if rule else "")
-        + (f" compiled_heads={run.get('compile_mode') or 'default'}" if run.get("compiled_selectors") else ""),
+        + (f" compiled_heads={run.get('compile_mode') or 'default'}" if run.get("compiled_selectors") else "")
+        + (f" ({run['compile_wrapper']} wrapper)" if run.get("compiled_selectors") and run.get("compile_wrapper") else ""),
         f"target: {run['target_tokens_per_s']:.1f} tok/s   (tau includes the bonus token)",
         f"{'selector':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6} {'lossless':>8}  acceptance by position",
     ]

@@ -549,7 +549,7 @@ def round_timing(
     check_device(device)
     if new_tokens < 2:
         raise ValueError(f"--new_tokens {new_tokens}: the first token comes from the prefill, so time at least 2")
-    from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode
+    from lilicorr_pl.decoding.compiled import check_compile_available, check_compile_mode, compiled_wrappers
 
     check_compile_mode(compile_mode, compile, device)
     if compile:
@@ -599,7 +599,8 @@ def round_timing(
             "block_size": drafter.block_size, "head_top_k": head.top_k, "context": context, "new_tokens": new_tokens,
             "prompts": prompts, "tau": tau, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "compiled_head": compile, "compile_mode": compile_mode if compile else None,
-            "threads": torch.get_num_threads(), "weights": "random",
+            "compile_wrapper": compiled_wrappers(selectors.values()), "threads": torch.get_num_threads(),
+            "weights": "random",
         },
         "plain_step_ms": step,
         "arms": {},
@@ -624,7 +625,9 @@ def format_round_timing(result: dict[str, Any]) -> str:
         f"one speculative round, measured ({st['device']}, {st['dtype']}, {st['threads']} threads, random weights): "
         f"target {st['target']}, layers {st['target_layer_ids']} read by a {st['drafter_layers']}-layer DFlash "
         f"drafter, block {st['block_size']}; context {st['context']}, {st['prompts']} prompts x {st['new_tokens']} "
-        f"tokens; head " + (f"compiled ({st.get('compile_mode') or 'default'})" if st.get("compiled_head") else "eager"),
+        f"tokens; head " + (f"compiled ({st.get('compile_mode') or 'default'}"
+                            + (f", {st['compile_wrapper']} wrapper" if st.get("compile_wrapper") else "") + ")"
+                            if st.get("compiled_head") else "eager"),
         f"plain decoding step: {result['plain_step_ms']:.2f} ms",
         f"{'selector':<10} {'draft':>7} {'head':>7} {'verify':>7} {'other':>7} {'round ms':>9} "
         f"{'verify/step':>11} {'round/step':>10} {'speedup at tau ' + format(st['tau'], 'g'):>18}",

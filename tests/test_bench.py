@@ -191,6 +191,8 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):\n", "import os\nclass Path:\n")))
     args = ["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num-prompts", "2", "--max-new-tokens",
             "12", "--temperature", "0", "1.0", "--selectors", "top1,lilicorr", "--draft_sampling", "both"]
+    from lilicorr_pl.decoding.compiled import cpu_wrapper_options
+
     eager = cli_main(args)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -199,6 +201,8 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
     for e, c in zip(eager, compiled):
         assert e["compiled_selectors"] is False and c["compiled_selectors"] is True
         assert e["compile_mode"] is None and c["compile_mode"] == "default"
+        # Which wrapper called the compiled head's kernels (C++ where this CPU builds it); none for eager heads.
+        assert e["compile_wrapper"] is None and c["compile_wrapper"] == ("cpp" if cpu_wrapper_options() else "python")
         for name in ("top1", "lilicorr"):
             assert c["selectors"][name]["histogram"] == e["selectors"][name]["histogram"]
             assert c["selectors"][name]["tau"] == e["selectors"][name]["tau"]

@@ -235,3 +235,25 @@ def test_a_compiled_head_gets_the_cpu_options_on_a_cpu_and_not_elsewhere(monkeyp
     assert seen[1] == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
     CompiledSelector(head)._compiled(torch.device("cuda"))
     assert seen[2] is None  # another device: the mode's own options only
+
+
+def test_the_wrapper_a_compiled_head_ran_with_is_recorded(monkeypatch):
+    # The results JSON says which Inductor wrapper called the heads' kernels: the C++ one is faster on a CPU with the
+    # same drafts, so two runs' head timings are only comparable knowing it.
+    import lilicorr_pl.decoding.compiled as compiled_module
+    from lilicorr_pl.decoding.compiled import compiled_wrappers
+    from lilicorr_pl.heads.top1 import Top1Selector
+
+    monkeypatch.setattr(compiled_module.torch, "compile", lambda fn, **kwargs: fn)
+    head, cpp = _small_compiled_head()
+    assert cpp.wrapper is None and compiled_wrappers([cpp, Top1Selector()]) is None  # not compiled until it runs
+    monkeypatch.setattr(compiled_module, "cpu_wrapper_options", lambda: {"cpp_wrapper": True})
+    cpp.select(draft_output(0, stride_source=5), context())
+    assert cpp.wrapper == "cpp" and compiled_wrappers([cpp, Top1Selector()]) == "cpp"
+    monkeypatch.setattr(compiled_module, "cpu_wrapper_options", lambda: {})  # a machine without Python's headers
+    python = CompiledSelector(head)
+    python.select(draft_output(0, stride_source=5), context())
+    assert python.wrapper == "python" and compiled_wrappers([python, cpp]) == "cpp+python"
+    gpu = CompiledSelector(head)
+    gpu._compiled(torch.device("cuda"))
+    assert gpu.wrapper == "python"  # no C++ wrapper asked for off the CPU

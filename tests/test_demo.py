@@ -65,7 +65,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert result["tau_includes_bonus_token"] is True
     # The heads were benchmarked through torch.compile where this machine can compile (a C++ compiler), and the
     # JSON says which; the comparison is keyed by it.
-    from lilicorr_pl.decoding.compiled import check_compile_available
+    from lilicorr_pl.decoding.compiled import check_compile_available, cpu_wrapper_options
 
     try:
         check_compile_available()
@@ -77,6 +77,9 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         if r["arm"] != "oracle":
             expected = can_compile and r["temperature"] == 0 and r["arm"] != "dflash" and "drafter_top1" not in r["arm"]
             assert r["compiled_head"] is expected, r["arm"]
+            # The wrapper its compiled head ran with, on this CPU as the probe found it; none for an eager row.
+            wrapper = ("cpp" if cpu_wrapper_options() else "python") if expected else None
+            assert r["compile_wrapper"] == wrapper, r["arm"]
     for key in ("heldout_loss", "heldout_top1", "repetition_rate_greedy"):
         assert result["target"][key] is not None
     # The build the numbers came from, by its weights' checksum (the same settings can build other weights elsewhere).

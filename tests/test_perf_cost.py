@@ -323,6 +323,7 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     finally:
         compiled.compile_selectors = real_compile
     assert modes == ["max-autotune-no-cudagraphs"] and result["settings"]["compile_mode"] == modes[0]
+    assert result["settings"]["compile_wrapper"] is None  # the stand-in compiled nothing: no wrapper is claimed
     assert "ask for one per run" in user_error(capsys, [*base, "--cost-model"])
     # --json is written at the end of every mode: a directory there is refused before anything is built.
     assert f"--json {tmp_path} is a directory; pass a file name" in user_error(capsys, [*base, "--json", str(tmp_path)])

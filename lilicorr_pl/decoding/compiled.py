@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 from typing import Any, get_args
 
 import torch
@@ -26,7 +27,7 @@ from lilicorr_pl.heads.base import SelectContext, Selection
 from lilicorr_pl.target import CompileModeName
 
 __all__ = ["COMPILE_MODES", "CompiledSelector", "check_compile_available", "check_compile_mode", "compile_selectors",
-           "uses_cuda_graphs"]
+           "compiled_wrappers", "uses_cuda_graphs"]
 
 COMPILE_MODES: tuple[str, ...] = get_args(CompileModeName)
 """``torch.compile``'s modes, as ``--compile_mode`` takes them."""
@@ -92,12 +93,16 @@ class CompiledSelector(nn.Module):
         self._options = options
         # Compiled at the first call, with the options of the device the head runs on (cpu_wrapper_options).
         self._select: Any = None
+        self.wrapper: str | None = None
+        """Inductor's wrapper that calls the head's kernels, ``"cpp"`` or ``"python"``, once compiled (None before):
+        the results JSON records it, since the C++ one makes a CPU head faster with the same drafts."""
 
     def _compiled(self, device: torch.device) -> Any:
         if self._select is None:
             options = {**self._options, **(cpu_wrapper_options() if device.type == "cpu" else {})}
             # torch.compile takes a mode or options, not both: the mode's own options, spelled out.
             self._select = torch.compile(self.selector.select, dynamic=False, options=options or None)
+            self.wrapper = "cpp" if options.get("cpp_wrapper") else "python"
         return self._select
 
     @property
@@ -206,6 +211,13 @@ def cpu_wrapper_options() -> dict[str, bool]:
     except Exception:  # noqa: BLE001 - any failure: this machine cannot build it; the Python wrapper still works
         return {}
     return {"cpp_wrapper": True}
+
+
+def compiled_wrappers(selectors: Iterable[Any]) -> str | None:
+    """The Inductor wrapper (``"cpp"``, ``"python"``) of the compiled heads among ``selectors`` that ran, joined with
+    ``+`` if they differ; None where none was compiled or none ran."""
+    found = sorted({s.wrapper for s in selectors if isinstance(s, CompiledSelector) and s.wrapper is not None})
+    return "+".join(found) or None
 
 
 def compile_selectors(selectors: dict[str, Any], mode: str | None = None) -> dict[str, Any]:

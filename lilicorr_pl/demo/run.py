@@ -1313,6 +1313,8 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
                 row["prompts_cut_to_context"] = cut
                 # Whether this row's drafts came from a compiled graph: heads with weights, deterministic drafts.
                 row["compiled_head"] = isinstance(specs[name].selector, CompiledSelector) and temp == 0
+                # And Inductor's wrapper around its kernels (cpp on a CPU that builds it: faster, the same drafts).
+                row["compile_wrapper"] = specs[name].selector.wrapper if row["compiled_head"] else None
                 note = ""
                 pm = results.get(f"{name}@point_mass")
                 if pm is not None:
