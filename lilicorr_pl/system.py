@@ -375,7 +375,7 @@ class DraftSystem(L.LightningModule):
                 f"supports decoder-only Llama/Qwen-style targets ({', '.join(SUPPORTED_TARGET_TYPES)})"
             )
         n_layers = config.num_hidden_layers
-        layer_ids = (check_layer_ids(target.layer_ids, n_layers) if target.layer_ids is not None
+        layer_ids = (check_layer_ids(target.layer_ids, n_layers, target.num_features) if target.layer_ids is not None
                      else default_layer_ids(n_layers, min(target.num_features, n_layers)))
         if max_length is not None and max_length > getattr(config, "max_position_embeddings", max_length):
             raise ValueError(

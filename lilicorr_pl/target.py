@@ -182,13 +182,21 @@ class TargetOutput:
     cache: Any = None  # the target KV cache when use_cache=True
 
 
-def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
+def check_layer_ids(layer_ids: Sequence[int], n_layers: int, num_features: int | None = None) -> list[int]:
     """The target layers a drafter reads, as ints: each in ``0..n_layers-1``, strictly increasing; a bad list is the
-    user's to fix (one line, ``model.target.layer_ids``)."""
+    user's to fix (one line, ``model.target.layer_ids``). ``num_features``, given beside a list, must count it: it
+    applies only without one, and a changed count next to a list was ignored without a word (its default, 5, cannot
+    be told from unset, so it passes)."""
     ids = [int(i) for i in layer_ids]
     if not ids:  # it fell through to the default rule in one place and was an empty feature list in another
         raise UserInputError("model.target.layer_ids is empty; list the target layers the drafter reads (e.g. "
                              "[1, 8, 15]), or leave it unset for the default rule")
+    default = TargetSpec.__dataclass_fields__["num_features"].default
+    if num_features is not None and num_features not in (default, len(ids)):
+        raise UserInputError(
+            f"model.target.num_features {num_features} disagrees with model.target.layer_ids {ids} ({len(ids)} "
+            "layers): the count applies only without a list; drop num_features, or drop layer_ids for the default rule"
+        )
     bad = [i for i in ids if not 0 <= i < n_layers]
     if bad:
         raise UserInputError(
@@ -313,8 +321,10 @@ class FrozenTarget(nn.Module):
             )
         n_layers = len(decoder.layers)
         if layer_ids is None:
-            layer_ids = default_layer_ids(n_layers, min(num_features, n_layers))
-        self.layer_ids = layer_ids = check_layer_ids(layer_ids, n_layers)
+            layer_ids = check_layer_ids(default_layer_ids(n_layers, min(num_features, n_layers)), n_layers)
+        else:
+            layer_ids = check_layer_ids(layer_ids, n_layers, num_features)
+        self.layer_ids = layer_ids
         # Registered once: hooks and the cache keyword are decided here, not on every call (a decoding
         # round calls the target once; per-call Python overhead is a visible share of a small target's step).
         self._tap = _FeatureTap()
@@ -366,7 +376,7 @@ class FrozenTarget(nn.Module):
             if layer_ids is not None:  # from the config alone, before gigabytes of weights load
                 n_layers = _configured_layers(name_or_path, trust_remote_code, load_kwargs)
                 if n_layers is not None:
-                    check_layer_ids(layer_ids, n_layers)
+                    check_layer_ids(layer_ids, n_layers, num_features)
             model, tokenizer = cls._load(name_or_path, dtype, trust_remote_code, load_tokenizer, load_kwargs)
             if key is not None:
                 _SHARED[key] = (model, tokenizer)

@@ -135,6 +135,19 @@ def test_bad_layer_ids_are_the_users_one_line_from_the_config_before_the_weights
 
     with pytest.raises(UserInputError, match=r"model.target.layer_ids is empty"):
         DraftSystem({"name_or_path": str(path), "layer_ids": []}, DFlashDrafter(num_layers=1, block_size=4))
+    # A feature count beside a list that disagrees with it was ignored without a word: the list won.
+    count = (r"model.target.num_features 3 disagrees with model.target.layer_ids \[1, 4\] \(2 layers\): the count "
+             r"applies only without a list; drop num_features, or drop layer_ids for the default rule")
+    with pytest.raises(UserInputError, match=count):
+        DraftSystem({"name_or_path": str(path), "layer_ids": [1, 4], "num_features": 3},
+                    DFlashDrafter(num_layers=1, block_size=4))
+    with pytest.raises(UserInputError, match=count):
+        FrozenTarget.from_pretrained(path, layer_ids=[1, 4], num_features=3, load_tokenizer=False)
+    # The count that matches the list, and the default (which cannot be told from unset), are fine.
+    for features in (2, 5):
+        system = DraftSystem({"name_or_path": str(path), "layer_ids": [1, 4], "num_features": features},
+                             DFlashDrafter(num_layers=1, block_size=4))
+        assert system.drafter.target_layer_ids == [1, 4]
 
 
 def test_clear_errors_for_bad_layer_ids_mask_id_and_tokenizer(tmp_path):
