@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning as L
 
-from lilicorr_pl.files import _refuse_foreign, check_writable_dir, write_results_json, written_by_lilicorr
+from lilicorr_pl.files import check_writable_dir, refuse_foreign, write_results_json, written_by_lilicorr
 
 COMMAND = "fit"
 """The command its records name as their writer (``written_by``): what a rerun may replace, and nothing else."""
@@ -52,7 +52,7 @@ class ProgressFile(L.Callback):
         user's file there would be replaced at the first step, a link by a file, and a folder would fail with a
         traceback once the target is loaded."""
         ours = written_by_lilicorr(self.path, COMMAND) or _earlier_record(self.path)
-        _refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND, ours,
+        refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND, ours,
                         "choose another ProgressFile path")
         check_writable_dir(self.path.parent, f"ProgressFile path {self.path}")
 

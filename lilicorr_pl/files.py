@@ -152,7 +152,7 @@ def _replaceable(path: Path, command: str | None, writer: Callable[[], str]) -> 
     return said.startswith("lilicorr ") and (command is None or said.split(" ")[1:2] == [command])
 
 
-def _refuse_foreign(path: Path, flag: str, what: str, command: str, ours: bool, fix: str) -> None:
+def refuse_foreign(path: Path, flag: str, what: str, command: str, ours: bool, fix: str) -> None:
     """Raise ``ValueError`` for a ``path`` where ``what`` (a plot, a report) of ``lilicorr <command>`` would be written
     that is a symbolic link, a directory, or exists and is not ``ours`` (``fix``: the way out, after "move it or")."""
     if path.is_symlink():  # the rename into place would replace the link itself (the user's), not what it names
@@ -197,7 +197,7 @@ def markdown_written_by_lilicorr(path: Path, command: str | None = None) -> bool
 def check_markdown_file(path: Path, command: str, flag: str) -> None:
     """Raise ``ValueError`` when ``path`` holds something ``lilicorr <command>`` did not write (``flag`` names what
     chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
-    _refuse_foreign(path, flag, "a report", command, markdown_written_by_lilicorr(path, command),
+    refuse_foreign(path, flag, "a report", command, markdown_written_by_lilicorr(path, command),
                     "choose another --output")
 
 
@@ -255,7 +255,7 @@ def check_plot_files(paths: Iterable[Path], command: str, flag: str = "--plot") 
     """Raise ``ValueError`` for a plot path that holds something ``lilicorr <command>`` did not write (a user's file
     of that name, or another command's plot), before any work starts: a rerun replaces its own plots, nothing else."""
     for path in paths:
-        _refuse_foreign(path, flag, "a plot", command, png_written_by_lilicorr(path, command),
+        refuse_foreign(path, flag, "a plot", command, png_written_by_lilicorr(path, command),
                         "choose another plot directory")
 
 
