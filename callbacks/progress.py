@@ -53,7 +53,7 @@ class ProgressFile(L.Callback):
         traceback once the target is loaded."""
         ours = written_by_lilicorr(self.path, COMMAND) or _earlier_record(self.path)
         refuse_foreign(self.path, "ProgressFile path", "a progress record", COMMAND, ours,
-                        "choose another ProgressFile path")
+                       "choose another ProgressFile path")
         check_writable_dir(self.path.parent, f"ProgressFile path {self.path}")
 
     def _write(self, trainer: L.Trainer, finished: bool) -> None:

@@ -181,8 +181,9 @@ def run_bench(
             "interleaved": True,
             "compiled_selectors": compile,
             "compile_mode": compile_mode if compile else None,
-            # Inductor's wrapper around the compiled heads' kernels (cpp on a CPU that can build it; same drafts).
-            "compile_wrapper": compiled_wrappers(arms.values()),
+            # Inductor's wrapper around the compiled heads' kernels (cpp on a CPU that can build it; same drafts), where
+            # a compiled graph chose drafts in this run: T = 0, or the point-mass rule (sampled drafts run eagerly).
+            "compile_wrapper": compiled_wrappers(arms.values()) if temp == 0 or "point_mass" in rules else None,
             # The trained LiLiCorr head's decoding: lattice width served and T = 0 walk (None without one).
             "lattice": _lattice_settings(system.head),
             "target_tokens_per_s": target_tps,
@@ -272,7 +273,7 @@ def format_table(run: dict[str, Any]) -> str:
         f"prompts={run['num_prompts']} chat_template={run['chat_template']} thinking={run['enable_thinking']}"
         + (f" draft_sampling={rule}" if rule else "")
         + (f" compiled_heads={run.get('compile_mode') or 'default'}" if run.get("compiled_selectors") else "")
-        + (f" ({run['compile_wrapper']} wrapper)" if run.get("compiled_selectors") and run.get("compile_wrapper") else ""),
+        + (f" ({run['compile_wrapper']} wrapper)" if run.get("compile_wrapper") else ""),
         f"target: {run['target_tokens_per_s']:.1f} tok/s   (tau includes the bonus token)",
         f"{'selector':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'head%':>6} {'lossless':>8}  acceptance by position",
     ]

@@ -198,7 +198,7 @@ def check_markdown_file(path: Path, command: str, flag: str) -> None:
     """Raise ``ValueError`` when ``path`` holds something ``lilicorr <command>`` did not write (``flag`` names what
     chose the path, for the message), before any work starts: a rerun replaces its own report, nothing else."""
     refuse_foreign(path, flag, "a report", command, markdown_written_by_lilicorr(path, command),
-                    "choose another --output")
+                   "choose another --output")
 
 
 def write_markdown(path: Path, text: str, command: str) -> None:
@@ -256,7 +256,7 @@ def check_plot_files(paths: Iterable[Path], command: str, flag: str = "--plot") 
     of that name, or another command's plot), before any work starts: a rerun replaces its own plots, nothing else."""
     for path in paths:
         refuse_foreign(path, flag, "a plot", command, png_written_by_lilicorr(path, command),
-                        "choose another plot directory")
+                       "choose another plot directory")
 
 
 def save_figure(fig: Any, path: Path, command: str, about: dict[str, str] | None = None, dpi: int = 120) -> Path:

@@ -444,7 +444,7 @@ def load_round_modules(
     from transformers import AutoConfig
 
     from lilicorr_pl.builtin import resolve_target_path
-    from lilicorr_pl.target import default_layer_ids, refuse_drafter
+    from lilicorr_pl.target import check_feature_count, default_layer_ids, refuse_drafter
 
     model = _model_section(configs)
     target = model.get("target") or {}
@@ -473,6 +473,8 @@ def load_round_modules(
         pattern = list(config.layer_types)  # the same attention pattern, repeated to the new depth
         config.layer_types = [pattern[i % len(pattern)] for i in range(depth)]
     layer_ids = target.get("layer_ids")
+    if layer_ids:  # as fit refuses it: a count beside the list that disagrees with it
+        check_feature_count(layer_ids, target.get("num_features"))
     if not layer_ids:  # the default rule, at the depth being costed
         layer_ids = default_layer_ids(depth, min(int(target.get("num_features", 5)), depth))
     elif depth != layers:  # explicit ids at another depth: the same relative layers (the last stays the last)

@@ -85,7 +85,10 @@ def plain_data(value: Any) -> Any:
 
 def _target_identity(spec: Any) -> tuple[Any, ...]:
     spec = spec or {}
-    return (spec.get("name_or_path"), spec.get("dtype"), spec.get("layer_ids"), spec.get("num_features"))
+    # The feature count picks the layers only without a list (a run before lilicorr refused a disagreeing one
+    # recorded both, and is resumed with the count dropped).
+    count = spec.get("num_features") if spec.get("layer_ids") is None else None
+    return (spec.get("name_or_path"), spec.get("dtype"), spec.get("layer_ids"), count)
 
 
 # Decoder-only causal LMs with the Llama/Qwen layout (model.layers, model.norm, RoPE) that the drafter reads.
@@ -711,6 +714,9 @@ class DraftSystem(L.LightningModule):
         hparams = checkpoint.get("hyper_parameters") or {}
         check_class_paths(hparams, path, allow_modules)
         target = dict(hparams.get("target") or {})
+        # A count beside a list never picked a layer; a run from before a disagreeing one was refused recorded both.
+        if target.get("layer_ids") is not None:
+            target["num_features"] = len(target["layer_ids"])
         if target_path is not None:  # `builtin:` names are resolved at the command edge (bench, export), as in fit
             target["name_or_path"] = str(target_path)
         if target_dtype is not None:

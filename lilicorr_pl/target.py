@@ -182,21 +182,27 @@ class TargetOutput:
     cache: Any = None  # the target KV cache when use_cache=True
 
 
-def check_layer_ids(layer_ids: Sequence[int], n_layers: int, num_features: int | None = None) -> list[int]:
-    """The target layers a drafter reads, as ints: each in ``0..n_layers-1``, strictly increasing; a bad list is the
-    user's to fix (one line, ``model.target.layer_ids``). ``num_features``, given beside a list, must count it: it
-    applies only without one, and a changed count next to a list was ignored without a word (its default, 5, cannot
-    be told from unset, so it passes)."""
+def check_feature_count(layer_ids: Sequence[int], num_features: int | None) -> None:
+    """Refuse a ``num_features`` beside a ``layer_ids`` list that it does not count: the count applies only without a
+    list, and one beside it was ignored without a word (its default, 5, cannot be told from unset, so it passes)."""
     ids = [int(i) for i in layer_ids]
-    if not ids:  # it fell through to the default rule in one place and was an empty feature list in another
-        raise UserInputError("model.target.layer_ids is empty; list the target layers the drafter reads (e.g. "
-                             "[1, 8, 15]), or leave it unset for the default rule")
     default = TargetSpec.__dataclass_fields__["num_features"].default
-    if num_features is not None and num_features not in (default, len(ids)):
+    if num_features is not None and int(num_features) not in (default, len(ids)):
         raise UserInputError(
             f"model.target.num_features {num_features} disagrees with model.target.layer_ids {ids} ({len(ids)} "
             "layers): the count applies only without a list; drop num_features, or drop layer_ids for the default rule"
         )
+
+
+def check_layer_ids(layer_ids: Sequence[int], n_layers: int, num_features: int | None = None) -> list[int]:
+    """The target layers a drafter reads, as ints: each in ``0..n_layers-1``, strictly increasing; a bad list is the
+    user's to fix (one line, ``model.target.layer_ids``); ``num_features``, if given, must count it
+    (:func:`check_feature_count`)."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:  # it fell through to the default rule in one place and was an empty feature list in another
+        raise UserInputError("model.target.layer_ids is empty; list the target layers the drafter reads (e.g. "
+                             "[1, 8, 15]), or leave it unset for the default rule")
+    check_feature_count(ids, num_features)
     bad = [i for i in ids if not 0 <= i < n_layers]
     if bad:
         raise UserInputError(

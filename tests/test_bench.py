@@ -208,6 +208,10 @@ def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run,
             assert c["selectors"][name]["tau"] == e["selectors"][name]["tau"]
             if e["temperature"] > 0:
                 assert c["selectors"][name]["point_mass"]["histogram"] == e["selectors"][name]["point_mass"]["histogram"]
+    # Sampled drafts alone (the proposal rule) run the heads eagerly: no wrapper is claimed for that run, whatever ran
+    # compiled before it in the same process.
+    proposal = cli_main([*args[:-2], "--draft_sampling", "proposal", "--compile", "true"])
+    assert [r["compile_wrapper"] is None for r in proposal] == [r["temperature"] > 0 for r in proposal]
 
 
 def test_bench_compiles_the_heads_in_the_mode_asked_for(tiny_run, tmp_path, monkeypatch):

@@ -696,3 +696,26 @@ def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that
     with pytest.raises(CheckpointError, match=r"was validated on data.val_files \['held.jsonl'\] and trained on every "
                                               r"example of data.train_files"):
         check(saved_data={**data, "val_files": ["held.jsonl"]})
+
+
+def test_a_checkpoint_recording_a_count_beside_its_layer_list_still_loads_and_resumes(tiny_run, tmp_path):
+    """A run from before a num_features that disagrees with layer_ids was refused recorded both (the list won): its
+    checkpoint still loads for bench/export, and a resume with the count dropped, as the refusal says, is not refused
+    as another target."""
+    from lilicorr_pl.system import DraftSystem, check_resume_settings
+
+    _, good = tiny_run
+    checkpoint = torch.load(good, map_location="cpu", weights_only=True)
+    target = checkpoint["hyper_parameters"]["target"]
+    assert target["layer_ids"] == [1, 2]
+    target["num_features"] = 4
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    system = DraftSystem.from_checkpoint(old, map_location="cpu", load_target=False)
+    assert system.drafter.target_layer_ids == [1, 2]
+    now = {"target": {**target, "num_features": 5}}
+    assert check_resume_settings({"target": target}, now) == []
+    # Without a list the count picks the layers: another count is another target, refused as before.
+    with pytest.raises(CheckpointError, match=r"model.target.num_features: checkpoint 4 vs now 5"):
+        check_resume_settings({"target": {**target, "layer_ids": None}},
+                              {"target": {**now["target"], "layer_ids": None}})

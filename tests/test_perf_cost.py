@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import save_tiny_target, user_error
+from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.cli import main as cli_main
 from lilicorr_pl.heads.base import SelectContext
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
@@ -279,6 +280,12 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     assert deep.layer_types == ["full_attention"] * 36  # the attention pattern, repeated to the new depth
     with pytest.raises(ValueError, match=r"do not stay 2 distinct layers at 1 \(\[0\]\); set model.target.layer_ids"):
         load_round_modules([str(config)], None, {"num_hidden_layers": 1})
+    # A count beside the list that disagrees with it: refused as fit refuses it (it was ignored without a word).
+    counted = json.loads(config.read_text())
+    counted["model"]["target"]["num_features"] = 3
+    (tmp_path / "counted.yaml").write_text(json.dumps(counted))
+    with pytest.raises(UserInputError, match=r"model.target.num_features 3 disagrees with model.target.layer_ids"):
+        load_round_modules([str(tmp_path / "counted.yaml")], None, {})
     assert "time at least 2" in user_error(capsys, [*base[:4], "--new-tokens", "1"])
     # tau is an acceptance length: 1 to the block size (4 here), the bonus included; the default 6 becomes the block.
     assert result["settings"]["tau"] == 4.0

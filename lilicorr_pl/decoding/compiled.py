@@ -102,7 +102,9 @@ class CompiledSelector(nn.Module):
             options = {**self._options, **(cpu_wrapper_options() if device.type == "cpu" else {})}
             # torch.compile takes a mode or options, not both: the mode's own options, spelled out.
             self._select = torch.compile(self.selector.select, dynamic=False, options=options or None)
-            self.wrapper = "cpp" if options.get("cpp_wrapper") else "python"
+            # Asked for here, or switched on for the whole process (TORCHINDUCTOR_CPP_WRAPPER=1).
+            cpp = options.get("cpp_wrapper", getattr(torch._inductor.config, "cpp_wrapper", False))
+            self.wrapper = "cpp" if cpp else "python"
         return self._select
 
     @property
