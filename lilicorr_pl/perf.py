@@ -25,6 +25,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
+from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.checkpoint import CHECKSUM_KEY, first_line
 from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
@@ -943,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # What the JSON's numbers were measured with (it held the numbers alone): the weights, steps and threads.
     measured_with = {"ckpt": os.path.abspath(options.ckpt) if options.ckpt else None,
                      "state_sha256": (cli.checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY) if cli.checkpoint else None,
-                     "steps": options.steps, "threads": torch.get_num_threads()}
+                     "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy()}
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():

@@ -19,6 +19,7 @@ import torch
 
 from conftest import user_error
 from helpers import make_tiny_target_dir
+from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.checkpoint import CheckpointError, UserInputError, read_checkpoint, state_checksum
 from lilicorr_pl.cli import main as cli_main
 
@@ -206,7 +207,8 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
     # ... and the JSON says with what (it held the phase times alone).
     assert json.loads(out.read_text())["measured_with"] == {
-        "ckpt": str(path), "state_sha256": state["lilicorr"]["state_sha256"], "steps": 1, "threads": 1, "warmup": 0}
+        "ckpt": str(path), "state_sha256": state["lilicorr"]["state_sha256"], "steps": 1, "threads": 1, "warmup": 0,
+        "malloc": malloc_policy()}
     # --ckpt beside the round reports, which time fresh weights, was ignored without a word.
     err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--cost_model", "true", "--ckpt",
                               str(path)])

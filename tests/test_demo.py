@@ -16,6 +16,7 @@ import yaml
 
 from conftest import user_error
 from lilicorr_pl import __version__
+from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,7 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert result["settings"]["jobs"] == 2 and result["settings"]["point_mass"] is True
     # The two benchmarks measured at once too, one process each, with their output and progress kept.
     assert result["benchmark"] == {"processes": 2, "threads": max(1, torch.get_num_threads() // 2)}
+    assert result["malloc"] == malloc_policy()  # how its processes reused freed memory (their seconds depend on it)
     for bench in ("humaneval", "stdlib-heldout"):
         scratch = tmp_path / "demo" / "bench" / result["stages"]["bench"]
         assert f"{bench} T=1 dflash: tau" in (scratch / f"{bench}.log").read_text()

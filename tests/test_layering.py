@@ -17,7 +17,8 @@ PACKAGES = ("lilicorr_pl", "callbacks")
 
 # Lowest first: a module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("plumbing", ("lilicorr_pl.files", "lilicorr_pl.progress", "lilicorr_pl.checkpoint", "lilicorr_pl.optim")),
+    ("plumbing", ("lilicorr_pl.files", "lilicorr_pl.progress", "lilicorr_pl.checkpoint", "lilicorr_pl.optim",
+                  "lilicorr_pl.allocator")),
     ("parts", ("lilicorr_pl.models", "lilicorr_pl.heads", "lilicorr_pl.losses", "lilicorr_pl.target",
                "lilicorr_pl.metrics", "lilicorr_pl.data", "lilicorr_pl.interop")),
     ("decoding", ("lilicorr_pl.decoding",)),

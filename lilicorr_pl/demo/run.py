@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 
+from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, stop_on_sigterm
 from lilicorr_pl.command import shipped_configs
 from lilicorr_pl.files import InUseError, atomic_file, check_plot_files, hold_alone, save_figure
@@ -1114,6 +1115,9 @@ def demo(
             "benchmark": {"processes": cached.get("processes"), "threads": cached.get("threads")},
             "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
             "wall_seconds": round(time.time() - t_start, 1),
+            # How this run's processes reuse freed host memory (lilicorr_pl.allocator): it moves the seconds above
+            # (a stage reused from an earlier run keeps that run's seconds), never a number of the table.
+            "malloc": malloc_policy(),
         }
         # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
         plots = plot_curves(rows, workdir / "plots" / bench_key)

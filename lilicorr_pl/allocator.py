@@ -1,0 +1,95 @@
+"""Host memory reused across steps: glibc's malloc told to keep what a step frees for the next step.
+
+A training step allocates and frees the same large tensors every step (in the demo's head stage, the lattice's
+``[blocks, heads, nodes, nodes]`` attention scores: 30 MB each, several a step). glibc's malloc gives freed memory
+at the top of its heap back to the system once more than its trim threshold is free there: 128 KiB, raised by its
+own adjustment to at most 64 MiB. A step frees more than that at its end, so the next step writes to fresh pages
+again and the kernel zero-fills each on its first touch: about 19,000 page faults a step in the demo's head stage.
+With the trim threshold at 1 GiB (and the mmap threshold at 32 MiB, its largest on a 64-bit system, which fixing
+the trim threshold requires: it turns glibc's adjustment of both off), a step's memory stays in the heap and is
+reused: the same numbers, with 60 % fewer page faults and less time per step (README, "Training step").
+
+``lilicorr`` sets this at its start, on Linux with glibc, and exports it to the processes it starts (the demo's
+background stages, Lightning's launched ranks, data-loader workers); it leaves malloc alone where the user tuned it
+(``MALLOC_*_`` variables or ``glibc.malloc`` tunables) or opted out (``LILICORR_MALLOC=default``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+MMAP_THRESHOLD = 32 * 2**20
+"""Blocks below this come from the heap and are reused; glibc's largest allowed value on a 64-bit system."""
+TRIM_THRESHOLD = 2**30
+"""Free memory at the heap's top kept for reuse before it goes back to the system."""
+OPT_OUT = "LILICORR_MALLOC"
+"""``LILICORR_MALLOC=default``: leave glibc's malloc as it is."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_EXPORTED = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD}
+
+_applied: dict[str, Any] | None = None
+
+
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
+
+
+def _user_tuned(environ: MutableMapping[str, str]) -> dict[str, str]:
+    tuned = {name: environ[name] for name in _USER_SETTINGS if environ.get(name)}
+    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        tuned["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
+    return tuned
+
+
+def policy(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """What this process's malloc does with freed blocks, for a results file: ``{"policy": ..., ...}``.
+
+    ``policy`` is ``lilicorr`` (:func:`reuse_freed_memory` set it here), ``environment`` (the variables or tunables
+    this process started with: the user's, or a ``lilicorr`` parent's), ``default`` (glibc's own) or
+    ``unavailable`` (no glibc).
+    """
+    if _applied is not None:
+        return dict(_applied)
+    environ = os.environ if environ is None else environ
+    if _glibc_mallopt() is None:
+        return {"policy": "unavailable"}
+    tuned = _user_tuned(environ)
+    return {"policy": "environment", "settings": tuned} if tuned else {"policy": "default"}
+
+
+def reuse_freed_memory(environ: MutableMapping[str, str] | None = None,
+                       mallopt: Callable[[int, int], int] | None = None) -> dict[str, Any]:
+    """Keep freed blocks of up to 32 MiB in the heap for reuse, in this process and the ones it starts.
+
+    Does nothing where the user tuned malloc themselves or set ``LILICORR_MALLOC=default``, or without glibc.
+    Returns :func:`policy`'s answer. ``environ`` and ``mallopt`` are for tests (default: ``os.environ`` and glibc's).
+    """
+    global _applied
+    environ = os.environ if environ is None else environ
+    if environ.get(OPT_OUT, "").strip().lower() == "default":
+        return {"policy": "default", "opted_out": f"{OPT_OUT}=default"}
+    mallopt = mallopt or _glibc_mallopt()
+    if mallopt is None:
+        return {"policy": "unavailable"}
+    tuned = _user_tuned(environ)
+    if tuned:  # the user's choice, applied by glibc at this process's start: left as it is
+        return {"policy": "environment", "settings": tuned}
+    # Threshold first: setting either turns off glibc's own adjustment of both.
+    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        return {"policy": "unavailable"}
+    for name, value in _EXPORTED.items():  # processes started from here begin with the same policy
+        environ[name] = str(value)
+    _applied = {"policy": "lilicorr", "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+    return dict(_applied)
