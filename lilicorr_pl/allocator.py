@@ -17,6 +17,7 @@ background stages, Lightning's launched ranks, data-loader workers); it leaves m
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import platform
 from collections.abc import Callable, MutableMapping
@@ -30,41 +31,57 @@ OPT_OUT = "LILICORR_MALLOC"
 """``LILICORR_MALLOC=default``: leave glibc's malloc as it is."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
+                  "glibc.malloc.mmap_max")  # the same four settings under their other spelling
 _EXPORTED = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD}
 
-_applied: dict[str, Any] | None = None
+_applied: dict[str, Any] | None = None  # what reuse_freed_memory decided in this process
 
 
-def _glibc_mallopt() -> Callable[[int, int], int] | None:
+def _glibc_malloc() -> tuple[Callable[[int, int], int] | None, str | None]:
+    """glibc's ``mallopt``, or None and why: no glibc, or another malloc in use (``LD_PRELOAD`` of jemalloc,
+    tcmalloc or mimalloc: glibc's thresholds would then tune an allocator that serves nothing)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+        return None, "no glibc"
     try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+        process, libc = ctypes.CDLL(None), ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+            return None, "another malloc is in use (LD_PRELOAD)"
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return None
+        return None, "no glibc"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt
+    return mallopt, None
 
 
 def _user_tuned(environ: MutableMapping[str, str]) -> dict[str, str]:
     tuned = {name: environ[name] for name in _USER_SETTINGS if environ.get(name)}
-    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+    if any(name in environ.get("GLIBC_TUNABLES", "") for name in _USER_TUNABLES):
         tuned["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
     return tuned
+
+
+def _opted_out(environ: MutableMapping[str, str]) -> bool:
+    value = environ.get(OPT_OUT, "").strip()
+    if value not in ("", "default"):
+        raise ValueError(f"{OPT_OUT}={value!r} is not a setting; set {OPT_OUT}=default to leave glibc's malloc as it "
+                         "is, or unset it")
+    return value == "default"
 
 
 def policy(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
     """What this process's malloc does with freed blocks, for a results file: ``{"policy": ..., ...}``.
 
     ``policy`` is ``lilicorr`` (:func:`reuse_freed_memory` set it here), ``environment`` (the variables or tunables
-    this process started with: the user's, or a ``lilicorr`` parent's), ``default`` (glibc's own) or
-    ``unavailable`` (no glibc).
+    this process started with: the user's, or the ones a ``lilicorr`` parent exported), ``default`` (glibc's own)
+    or ``unavailable`` (no glibc, or another malloc), with why.
     """
     if _applied is not None:
         return dict(_applied)
     environ = os.environ if environ is None else environ
-    if _glibc_mallopt() is None:
-        return {"policy": "unavailable"}
+    mallopt, why = _glibc_malloc()
+    if mallopt is None:
+        return {"policy": "unavailable", "why": why}
     tuned = _user_tuned(environ)
     return {"policy": "environment", "settings": tuned} if tuned else {"policy": "default"}
 
@@ -73,23 +90,29 @@ def reuse_freed_memory(environ: MutableMapping[str, str] | None = None,
                        mallopt: Callable[[int, int], int] | None = None) -> dict[str, Any]:
     """Keep freed blocks of up to 32 MiB in the heap for reuse, in this process and the ones it starts.
 
-    Does nothing where the user tuned malloc themselves or set ``LILICORR_MALLOC=default``, or without glibc.
-    Returns :func:`policy`'s answer. ``environ`` and ``mallopt`` are for tests (default: ``os.environ`` and glibc's).
+    Does nothing where the user tuned malloc themselves or set ``LILICORR_MALLOC=default``, without glibc, or under
+    another malloc. Returns what it decided, which :func:`policy` reports from then on. ``environ`` and ``mallopt``
+    are for tests (default: ``os.environ`` and glibc's). Raises ``ValueError`` for another ``LILICORR_MALLOC``.
     """
     global _applied
     environ = os.environ if environ is None else environ
-    if environ.get(OPT_OUT, "").strip().lower() == "default":
-        return {"policy": "default", "opted_out": f"{OPT_OUT}=default"}
-    mallopt = mallopt or _glibc_mallopt()
-    if mallopt is None:
-        return {"policy": "unavailable"}
-    tuned = _user_tuned(environ)
-    if tuned:  # the user's choice, applied by glibc at this process's start: left as it is
-        return {"policy": "environment", "settings": tuned}
-    # Threshold first: setting either turns off glibc's own adjustment of both.
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return {"policy": "unavailable"}
-    for name, value in _EXPORTED.items():  # processes started from here begin with the same policy
-        environ[name] = str(value)
-    _applied = {"policy": "lilicorr", "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
-    return dict(_applied)
+    if _opted_out(environ):
+        decided: dict[str, Any] = {"policy": "default", "opted_out": f"{OPT_OUT}=default"}
+    else:
+        why = None
+        if mallopt is None:
+            mallopt, why = _glibc_malloc()
+        tuned = _user_tuned(environ)
+        if mallopt is None:
+            decided = {"policy": "unavailable", "why": why}
+        elif tuned:  # the user's choice, applied by glibc at this process's start: left as it is
+            decided = {"policy": "environment", "settings": tuned}
+        # Threshold first: setting either turns off glibc's own adjustment of both.
+        elif not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+            decided = {"policy": "unavailable", "why": "glibc refused the thresholds"}
+        else:
+            for name, value in _EXPORTED.items():  # processes started from here begin with the same policy
+                environ[name] = str(value)
+            decided = {"policy": "lilicorr", "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+    _applied = decided
+    return dict(decided)

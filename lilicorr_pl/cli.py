@@ -154,11 +154,14 @@ def main(args: Sequence[str] | None = None) -> Any:
     """
     argv = list(sys.argv[1:] if args is None else args)
     name = argv[0] if argv and not argv[0].startswith("-") else None
-    if args is None:  # a command run from the shell (tests' in-process calls leave their process's malloc alone)
-        from lilicorr_pl.allocator import reuse_freed_memory
-
-        reuse_freed_memory()
     try:
+        if args is None:  # a command run from the shell (tests' in-process calls leave their process's malloc alone)
+            from lilicorr_pl.allocator import reuse_freed_memory
+
+            try:
+                reuse_freed_memory()
+            except ValueError as err:
+                raise UserInputError(str(err)) from None
         result = run(argv)
     except UserInputError as err:
         # A user's mistake or an unsafe file: one line naming the problem and the fix, not a traceback.

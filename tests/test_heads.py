@@ -595,22 +595,23 @@ def test_same_slot_bias_covers_the_node_itself():
     assert (bias.diagonal(dim1=-2, dim2=-1) == 1).all()  # the node itself gets the same-slot bias
 
 
-def test_training_attention_equals_sdpa_in_value_and_gradient():
+@pytest.mark.parametrize("width", [16, 24])  # head widths 4 and 6: a scale of 1/2, and one that is no power of two
+def test_training_attention_equals_sdpa_in_value_and_gradient(width):
     """Training writes attention out (SDPA's math fallback is slow with a bias that takes gradient); decoding
     keeps SDPA. Both must be the same function, gradients of q, k, v and the learned bias included."""
     from lilicorr_pl.heads.lilicorr import _LatticeAttention
 
     torch.manual_seed(0)
-    attn = _LatticeAttention(width=16, num_heads=4, dropout=0.0)
-    x = torch.randn(3, 10, 16, requires_grad=True)
+    attn = _LatticeAttention(width=width, num_heads=4, dropout=0.0)
+    x = torch.randn(3, 10, width, requires_grad=True)
     bias = torch.randn(4, 10, 10, requires_grad=True)
     out = attn(x, bias.unsqueeze(0))  # grad enabled: the written-out path
     grads = torch.autograd.grad(out.square().sum(), (x, bias, attn.in_proj_weight))
     # SDPA, with gradient through the same inputs: the reference the written-out path must equal.
     qkv = torch.nn.functional.linear(x, attn.in_proj_weight, attn.in_proj_bias)
-    q, k, v = (t.view(3, 10, 4, 4).transpose(1, 2) for t in qkv.chunk(3, -1))
+    q, k, v = (t.view(3, 10, 4, width // 4).transpose(1, 2) for t in qkv.chunk(3, -1))
     ref = attn.out_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
-                        .transpose(1, 2).reshape(3, 10, 16))
+                        .transpose(1, 2).reshape(3, 10, width))
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, torch.autograd.grad(ref.square().sum(), (x, bias, attn.in_proj_weight))):
         torch.testing.assert_close(g, r)

@@ -209,9 +209,9 @@ def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
 
 def _kept_training_record(meta: dict[str, Any], previous: dict[str, Any] | None, started: float) -> dict[str, Any]:
     """A stage's new metadata; when it was restored from its last checkpoint without a step to train (its files had
-    been damaged), the finished training's own record (seconds, threads, diagnostics) instead of the restore's."""
+    been damaged), the finished training's own record (seconds, threads, malloc, diagnostics) instead of the restore's."""
     if previous is not None and not meta["diagnostics"]:
-        meta.update({k: previous.get(k) for k in ("seconds", "threads") if k in meta},
+        meta.update({k: previous.get(k) for k in ("seconds", "threads", "malloc") if k in meta},
                     diagnostics=previous.get("diagnostics", {}), restored_in_seconds=round(time.time() - started, 1))
     return meta
 
@@ -437,7 +437,7 @@ def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, d
     stage.mkdir(parents=True, exist_ok=True)
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     meta = {"key": key, "steps": steps, "seed": seed, "seconds": round(time.time() - started, 1),
-            "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
+            "malloc": malloc_policy(), "resumed": cli.trainer.ckpt_path is not None, "diagnostics": _diagnostics(cli),
             "artifacts": artifact_digests(drafter_dir / "model.safetensors")}
     _write_json(meta_path, _kept_training_record(meta, previous, started))
     return drafter_dir, key
@@ -495,7 +495,7 @@ def train_arm(arm: str, workdir: Path, target_dir: str, data_file: Path, init_di
     export_drafter(cli.model.drafter, drafter_dir, overwrite=True)
     meta = {"key": key, "arm": arm, "init": init_key, "steps": steps, "seed": seed,
             "head_stage_of": ARMS[arm].head_stage_of, "seconds": round(time.time() - started, 1),
-            "threads": torch.get_num_threads(), "resumed": cli.trainer.ckpt_path is not None,
+            "threads": torch.get_num_threads(), "malloc": malloc_policy(), "resumed": cli.trainer.ckpt_path is not None,
             "diagnostics": _diagnostics(cli), "artifacts": artifact_digests(ckpt, drafter_dir / "model.safetensors")}
     meta = _kept_training_record(meta, previous, started)
     _write_json(meta_path, meta)  # last: the stage counts as done only once everything above is in place
@@ -1094,6 +1094,7 @@ def demo(
             # ``resumed``: the seconds of the run that finished an interrupted stage, not the whole stage's);
             # head-stage arms add head_steps on their source's drafter.
             "training": {a: {"seconds": m.get("seconds"), "steps": m.get("steps"), "threads": m.get("threads"),
+                             "malloc": m.get("malloc"),
                              "resumed": bool(m.get("resumed")), "head_stage_of": m.get("head_stage_of"),
                              "diagnostics": m.get("diagnostics", {})}
                          for a, (_, m, _) in trained.items()},
@@ -1115,8 +1116,8 @@ def demo(
             "benchmark": {"processes": cached.get("processes"), "threads": cached.get("threads")},
             "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
             "wall_seconds": round(time.time() - t_start, 1),
-            # How this run's processes reuse freed host memory (lilicorr_pl.allocator): it moves the seconds above
-            # (a stage reused from an earlier run keeps that run's seconds), never a number of the table.
+            # How this run's processes reuse freed host memory (lilicorr_pl.allocator): it moves stage_seconds and
+            # the benchmark's timings, never a number of the table (each arm's own seconds carry their run's, above).
             "malloc": malloc_policy(),
         }
         # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.

@@ -5,14 +5,14 @@
 Each CONFIG (a run's recorded config.yaml, e.g. a demo stage's runs/<stage>/config.yaml) is timed by
 `lilicorr perf -c CONFIG --threads 1 --steps N --json ...` in a fresh process, N pairs, the two settings in
 alternating order within each pair (the machine's drift over minutes falls on both alike): once as `lilicorr` runs
-by default, once with LILICORR_MALLOC=default (glibc's own malloc behaviour). Each process's minor page faults and
-user / system CPU seconds come from getrusage; they include building the system and data, which both settings share.
+by default, once with LILICORR_MALLOC=default (glibc's own malloc behaviour). Each process's minor page faults,
+user / system CPU seconds and peak resident memory come from wait4 (series measured before 54e58c1 read
+getrusage's children totals: no peak there); they include building the system and data, which both settings share.
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,16 +26,18 @@ def run_once(config: str, steps: int, opt_out: bool) -> dict:
         env["LILICORR_MALLOC"] = "default"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "perf.json")
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(["lilicorr", "perf", "-c", config, "--threads", "1", "--steps", str(steps), "--json", out],
-                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        process = subprocess.Popen(["lilicorr", "perf", "-c", config, "--threads", "1", "--steps", str(steps),
+                                    "--json", out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(process.pid, 0)  # this process's own resource use
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode:
+            raise SystemExit(f"lilicorr perf -c {config} failed (exit status {process.returncode})")
         with open(out) as f:
             result = json.load(f)
     return {"step_ms": 1000 * result["step_total"], "head_ms": 1000 * result.get("head", 0.0),
             "backward_ms": 1000 * result["backward"], "malloc": result["measured_with"]["malloc"]["policy"],
-            "minor_faults": after.ru_minflt - before.ru_minflt,
-            "user_s": round(after.ru_utime - before.ru_utime, 2), "system_s": round(after.ru_stime - before.ru_stime, 2)}
+            "minor_faults": usage.ru_minflt, "max_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "user_s": round(usage.ru_utime, 2), "system_s": round(usage.ru_stime, 2)}
 
 
 def main() -> None:
