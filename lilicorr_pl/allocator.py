@@ -7,7 +7,7 @@ own adjustment to at most 64 MiB. A step frees more than that at its end, so the
 again and the kernel zero-fills each on its first touch: about 19,000 page faults a step in the demo's head stage.
 With the trim threshold at 1 GiB (and the mmap threshold at 32 MiB, its largest on a 64-bit system, which fixing
 the trim threshold requires: it turns glibc's adjustment of both off), a step's memory stays in the heap and is
-reused: the same numbers, with 60 % fewer page faults and less time per step (README, "Training step").
+reused: the same numbers, with 60 % fewer page faults and half the system time (README, "Training step").
 
 ``lilicorr`` sets this at its start, on Linux with glibc, and exports it to the processes it starts (the demo's
 background stages, Lightning's launched ranks, data-loader workers); it leaves malloc alone where the user tuned it
