@@ -45,13 +45,18 @@ def _glibc_malloc() -> tuple[Callable[[int, int], int] | None, str | None]:
         return None, "no glibc"
     try:
         process, libc = ctypes.CDLL(None), ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+        if _malloc_interposed(process, libc):
             return None, "another malloc is in use (LD_PRELOAD)"
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return None, "no glibc"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt, None
+
+
+def _malloc_interposed(process: ctypes.CDLL, libc: ctypes.CDLL) -> bool:
+    """Whether the process's ``malloc`` is not the C library's own (a preloaded allocator interposes it)."""
+    return ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value
 
 
 def _user_tuned(environ: MutableMapping[str, str]) -> dict[str, str]:

@@ -74,6 +74,18 @@ def test_opt_out_a_failed_mallopt_and_an_unknown_setting():
         allocator.reuse_freed_memory({"LILICORR_MALLOC": "off"}, FakeMallopt())
 
 
+@pytest.mark.skipif(allocator._glibc_malloc()[0] is None, reason="glibc's own malloc only")
+def test_a_preloaded_malloc_is_left_alone(monkeypatch):
+    """Under jemalloc or tcmalloc (LD_PRELOAD) glibc's thresholds would tune an allocator that serves nothing, and the
+    JSON would claim a policy that is not in effect."""
+    assert allocator._glibc_malloc()[0] is not None  # this process: glibc's own malloc, found as such
+    monkeypatch.setattr(allocator, "_malloc_interposed", lambda process, libc: True)
+    environ = {}
+    expected = {"policy": "unavailable", "why": "another malloc is in use (LD_PRELOAD)"}
+    assert allocator.policy(environ) == expected
+    assert allocator.reuse_freed_memory(environ) == expected and environ == {}
+
+
 def test_other_malloc_tunables_are_not_the_users_thresholds():
     environ, mallopt = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, FakeMallopt()
     assert allocator.reuse_freed_memory(environ, mallopt)["policy"] == "lilicorr" and len(mallopt.calls) == 2
