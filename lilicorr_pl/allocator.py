@@ -23,6 +23,8 @@ import platform
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from lilicorr_pl.checkpoint import UserInputError
+
 MMAP_THRESHOLD = 32 * 2**20
 """Blocks below this come from the heap and are reused; glibc's largest allowed value on a 64-bit system."""
 TRIM_THRESHOLD = 2**30
@@ -69,9 +71,19 @@ def _user_tuned(environ: MutableMapping[str, str]) -> dict[str, str]:
 def _opted_out(environ: MutableMapping[str, str]) -> bool:
     value = environ.get(OPT_OUT, "").strip()
     if value not in ("", "default"):
-        raise ValueError(f"{OPT_OUT}={value!r} is not a setting; set {OPT_OUT}=default to leave glibc's malloc as it "
+        raise UserInputError(f"{OPT_OUT}={value!r} is not a setting; set {OPT_OUT}=default to leave glibc's malloc as it "
                          "is, or unset it")
     return value == "default"
+
+
+def _standing(environ: MutableMapping[str, str], mallopt: Callable[[int, int], int] | None,
+              why: str | None) -> dict[str, Any] | None:
+    """What holds without lilicorr's setting: no usable glibc malloc, the user's own tuning (applied by glibc at this
+    process's start, and left as it is), or None: glibc's defaults, which :func:`reuse_freed_memory` replaces."""
+    if mallopt is None:
+        return {"policy": "unavailable", "why": why}
+    tuned = _user_tuned(environ)
+    return {"policy": "environment", "settings": tuned} if tuned else None
 
 
 def policy(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
@@ -83,12 +95,7 @@ def policy(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
     """
     if _applied is not None:
         return dict(_applied)
-    environ = os.environ if environ is None else environ
-    mallopt, why = _glibc_malloc()
-    if mallopt is None:
-        return {"policy": "unavailable", "why": why}
-    tuned = _user_tuned(environ)
-    return {"policy": "environment", "settings": tuned} if tuned else {"policy": "default"}
+    return _standing(os.environ if environ is None else environ, *_glibc_malloc()) or {"policy": "default"}
 
 
 def reuse_freed_memory(environ: MutableMapping[str, str] | None = None,
@@ -97,23 +104,20 @@ def reuse_freed_memory(environ: MutableMapping[str, str] | None = None,
 
     Does nothing where the user tuned malloc themselves or set ``LILICORR_MALLOC=default``, without glibc, or under
     another malloc. Returns what it decided, which :func:`policy` reports from then on. ``environ`` and ``mallopt``
-    are for tests (default: ``os.environ`` and glibc's). Raises ``ValueError`` for another ``LILICORR_MALLOC``.
+    are for tests (default: ``os.environ`` and glibc's). Raises ``UserInputError`` for another ``LILICORR_MALLOC``.
     """
     global _applied
     environ = os.environ if environ is None else environ
     if _opted_out(environ):
-        decided: dict[str, Any] = {"policy": "default", "opted_out": f"{OPT_OUT}=default"}
+        decided: dict[str, Any] | None = {"policy": "default", "opted_out": f"{OPT_OUT}=default"}
     else:
         why = None
         if mallopt is None:
             mallopt, why = _glibc_malloc()
-        tuned = _user_tuned(environ)
-        if mallopt is None:
-            decided = {"policy": "unavailable", "why": why}
-        elif tuned:  # the user's choice, applied by glibc at this process's start: left as it is
-            decided = {"policy": "environment", "settings": tuned}
+        decided = _standing(environ, mallopt, why)
+    if decided is None:
         # Threshold first: setting either turns off glibc's own adjustment of both.
-        elif not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
             decided = {"policy": "unavailable", "why": "glibc refused the thresholds"}
         else:
             for name, value in _EXPORTED.items():  # processes started from here begin with the same policy

@@ -158,10 +158,7 @@ def main(args: Sequence[str] | None = None) -> Any:
         if args is None:  # a command run from the shell (tests' in-process calls leave their process's malloc alone)
             from lilicorr_pl.allocator import reuse_freed_memory
 
-            try:
-                reuse_freed_memory()
-            except ValueError as err:
-                raise UserInputError(str(err)) from None
+            reuse_freed_memory()  # an unknown LILICORR_MALLOC is the user's error, answered below in one line
         result = run(argv)
     except UserInputError as err:
         # A user's mistake or an unsafe file: one line naming the problem and the fix, not a traceback.

@@ -209,7 +209,8 @@ def _previous_meta(meta_path: Path, key: str) -> dict[str, Any] | None:
 
 def _kept_training_record(meta: dict[str, Any], previous: dict[str, Any] | None, started: float) -> dict[str, Any]:
     """A stage's new metadata; when it was restored from its last checkpoint without a step to train (its files had
-    been damaged), the finished training's own record (seconds, threads, malloc, diagnostics) instead of the restore's."""
+    been damaged), the finished training's own record (seconds, threads, malloc, diagnostics) instead of the
+    restore's."""
     if previous is not None and not meta["diagnostics"]:
         meta.update({k: previous.get(k) for k in ("seconds", "threads", "malloc") if k in meta},
                     diagnostics=previous.get("diagnostics", {}), restored_in_seconds=round(time.time() - started, 1))
