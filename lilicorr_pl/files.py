@@ -88,6 +88,10 @@ def check_output_paths(output: str | None, plot: str | None, output_flag: str = 
         check_writable_dir(directory, f"{plot_flag} {directory}")
 
 
+_PROBE = ".lilicorr-probe-"
+"""The name's start of the empty folder :func:`check_writable_dir` makes and removes to learn a folder is writable."""
+
+
 def check_writable_dir(directory: Path, what: str, writable: bool = True) -> None:
     """Raise ``ValueError`` unless ``directory`` exists or can be created, and is writable (``what`` names it;
     ``writable=False``: a folder that may already hold everything a command reads, write access left to its writer)."""
@@ -102,8 +106,10 @@ def check_writable_dir(directory: Path, what: str, writable: bool = True) -> Non
     if writable and not os.access(probe, os.W_OK):
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
     if writable or probe != directory:  # tried, not read from the mode bits: root, read-only mounts, /proc
+        # A probe killed before its removal left its empty folder, named by its writer: the next probe here removes it.
+        remove_gone_writers(probe, f"{_PROBE}*.tmp")
         try:  # a folder still to be made needs one made in its nearest existing parent
-            made = tempfile.mkdtemp(prefix=".lilicorr-probe-", dir=probe)
+            made = tempfile.mkdtemp(prefix=_PROBE, suffix=f".{writer_tag()}.tmp", dir=probe)
         except OSError as err:
             raise ValueError(f"{what}: no folder can be created in {probe} ({err.strerror or type(err).__name__}); "
                              "choose another path") from None
