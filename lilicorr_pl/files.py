@@ -107,7 +107,7 @@ def check_writable_dir(directory: Path, what: str, writable: bool = True) -> Non
         raise ValueError(f"{what}: {probe} is not writable; choose another path")
     if writable or probe != directory:  # tried, not read from the mode bits: root, read-only mounts, /proc
         # A probe killed before its removal left its empty folder, named by its writer: the next probe here removes it.
-        remove_gone_writers(probe, f"{_PROBE}*.tmp")
+        remove_gone_writers(probe, f"{_PROBE}*.tmp", empty_folders=True)
         try:  # a folder still to be made needs one made in its nearest existing parent
             made = tempfile.mkdtemp(prefix=_PROBE, suffix=f".{writer_tag()}.tmp", dir=probe)
         except OSError as err:
@@ -382,22 +382,26 @@ def writer_is_gone(tmp: Path) -> bool:
             os.kill(int(tag.group(2)), 0)  # (on Windows, signal 0 is CTRL_C_EVENT: sent, not a check; the day rule)
             return False
         return (_dt.datetime.now().timestamp() - tmp.lstat().st_mtime) > 86400  # a link's own age
-    except (ValueError, ProcessLookupError, FileNotFoundError):
+    except (ValueError, OverflowError, ProcessLookupError, FileNotFoundError):  # Overflow: no pid is that large
         return True
     except PermissionError:  # alive, owned by someone else
         return False
 
 
-def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False) -> None:
+def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False, empty_folders: bool = False) -> None:
     """Remove what killed writers left in ``folder``: the files and folders matching the glob ``pattern`` whose writer
     tag (:func:`writer_tag`) names a process that is gone (:func:`writer_is_gone`). A name without a writer tag was not
-    made that way and is kept, unless ``untagged`` (a folder only this tool writes into). Best effort: what cannot be
-    removed (another user's, in a shared folder) stays, and the write that asked goes on."""
+    made that way and is kept, unless ``untagged`` (a folder only this tool writes into); ``empty_folders``: what the
+    writer made is an empty folder, and only an empty folder is removed (one with anything in it is not its). Best
+    effort: what cannot be removed (another user's, in a shared folder) stays, and the write that asked goes on."""
     for path in sorted(Path(folder).glob(pattern)):
         if (_WRITER.search(path.name) is None and not untagged) or not writer_is_gone(path):
             continue
         try:
-            if path.is_dir() and not path.is_symlink():
+            if empty_folders:
+                if path.is_dir() and not path.is_symlink():
+                    os.rmdir(path)  # fails on a folder that holds anything
+            elif path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)

@@ -319,8 +319,8 @@ def test_links_in_an_output_path_are_named_before_any_work(tmp_path):
 def test_a_killed_probes_folder_is_removed_by_the_next_probe_and_nothing_else_is(tmp_path, monkeypatch):
     """check_writable_dir learns that a folder is writable by making an empty folder in it and removing it: a process
     killed between the two left ``.lilicorr-probe-…`` in the user's folder for good. Its name now says which process
-    made it, and the next probe there removes it once that process is gone; a live process's probe, a name without
-    a writer, and the user's own files stay."""
+    made it, and the next probe there removes it once that process is gone; a live process's probe, a fresh one of
+    another pid space, a name without a writer, a folder with something in it, and the user's own files stay."""
     import os
     import socket
 
@@ -333,17 +333,22 @@ def test_a_killed_probes_folder_is_removed_by_the_next_probe_and_nothing_else_is
     live = tmp_path / f".lilicorr-probe-z3w4.{files.writer_tag()}.tmp"
     untagged = tmp_path / ".lilicorr-probe-q8r9"
     mine = tmp_path / f"notes.{tag}.tmp"  # the user's (or another tool's) file with a dead writer's name: not a probe
-    for folder in (killed, live, untagged):
+    held = tmp_path / f".lilicorr-probe-h5j6.{tag}.tmp"  # a dead writer's name, but something is in it: not a probe's
+    no_pid = tmp_path / f".lilicorr-probe-k7l8.w@{host}@{10 ** 30}@1a2b3c4d.tmp"  # no process has it (os.kill overflows)
+    elsewhere = tmp_path / f".lilicorr-probe-m9n0.w@{host}@{dead_pid}@m0123456789ab-1a2b3c4d.tmp"  # another pid space
+    for folder in (killed, live, untagged, held, no_pid, elsewhere):
         folder.mkdir()
+    (held / "data.txt").write_text("keep")
     mine.write_text("keep")
     files.check_writable_dir(tmp_path / "runs" / "a", "--output")  # a folder still to be made: probed in tmp_path
-    assert not killed.exists()
-    assert live.is_dir() and untagged.is_dir() and mine.read_text() == "keep"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, untagged.name, mine.name])
+    assert not killed.exists() and not no_pid.exists()
+    assert live.is_dir() and untagged.is_dir() and mine.read_text() == "keep" and (held / "data.txt").is_file()
+    kept = [live, untagged, mine, held, elsewhere]  # another pid space's: gone only after a day untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)
 
     # A probe that cannot be removed stays behind under its writer's name, so a later probe can tell whose it is.
     monkeypatch.setattr(os, "rmdir", lambda path: (_ for _ in ()).throw(PermissionError(13, "denied")))
     files.check_writable_dir(tmp_path, "--output")
-    left = [p for p in tmp_path.iterdir() if p.name.startswith(".lilicorr-probe-") and p not in (live, untagged)]
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".lilicorr-probe-") and p not in kept]
     assert len(left) == 1 and files._WRITER.search(left[0].name) and f"@{os.getpid()}@" in left[0].name
     assert not files.writer_is_gone(left[0])
