@@ -418,17 +418,34 @@ class InUseError(ValueError):
     """Another process holds what this one would write (:func:`hold_alone`)."""
 
 
-def hold_alone(fh: IO[Any], busy: str) -> None:
-    """Take an exclusive advisory lock on the open file ``fh``, held until it is closed (or its process ends, however it
-    ends), or raise ``InUseError(busy)`` at once when another process holds it: two runs appending to one output
-    would write every record twice and one would cut the other's half-written line. Where the system or the file
-    system has no ``flock`` (Windows, some network mounts) nothing is locked."""
+@contextlib.contextmanager
+def folder_held_alone(folder: Path, busy: str) -> Iterator[None]:
+    """Hold ``folder`` for this process alone while the block runs (:func:`hold_alone` on the folder itself: nothing
+    is created in it), or raise ``InUseError(busy)`` at once when another process holds it. Where a folder cannot be
+    opened for a lock (Windows) nothing is locked."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - Windows opens no folder
+        yield
+        return
+    try:
+        hold_alone(fd, busy)
+        yield
+    finally:
+        os.close(fd)
+
+
+def hold_alone(fh: IO[Any] | int, busy: str) -> None:
+    """Take an exclusive advisory lock on the open file ``fh`` (or file descriptor), held until it is closed (or its
+    process ends, however it ends), or raise ``InUseError(busy)`` at once when another process holds it: two runs
+    appending to one output would write every record twice and one would cut the other's half-written line. Where the
+    system or the file system has no ``flock`` (Windows, some network mounts) nothing is locked."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         return
     try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fh if isinstance(fh, int) else fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise InUseError(busy) from None
     except OSError:  # a file system without locks (ENOLCK on some network mounts): unlocked, as before

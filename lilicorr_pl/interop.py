@@ -27,13 +27,14 @@ size).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lilicorr_pl.checkpoint import first_line, state_checksum
-from lilicorr_pl.files import check_writable_dir, new_file_mode, remove_gone_writers, writer_tag
+from lilicorr_pl.files import (
+    InUseError,
+    check_writable_dir,
+    folder_held_alone,
+    new_file_mode,
+    remove_gone_writers,
+    writer_tag,
+)
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
 from lilicorr_pl.models.dflash import DFlashDrafter
 
@@ -329,9 +337,34 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
         )
     if head is not None:
         _check_head_fits(head, drafter)
+    # One export at a time into a folder: two at once would each publish their two files, and the folder could end
+    # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither export).
+    if output and Path(output).is_dir():
+        with _held_alone(Path(output)):  # said first: another export's temporary files would read as "not empty"
+            pass
     output = check_output_dir(output, overwrite)
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
+    with _held_alone(output):
+        _export_into(drafter, output, head, extra, dtype, head_mlp_names, created)
+    return output
+
+
+@contextlib.contextmanager
+def _held_alone(output: Path) -> Iterator[None]:
+    """``output`` held by this export alone while the block runs, or one line saying another export holds it."""
+    try:
+        with folder_held_alone(output, f"--output {output}: another lilicorr export is writing into it; wait for it "
+                                       "to finish, or choose another directory"):
+            yield
+    except InUseError as err:
+        raise ExportError(str(err)) from None
+
+
+def _export_into(drafter: DFlashDrafter, output: Path, head: LiLiCorrHead | None, extra: dict[str, Any] | None,
+                 dtype: torch.dtype | None, head_mlp_names: str, created: bool) -> None:
+    """:func:`export_drafter`'s writing, with ``output`` made and held: the files under temporary names inside it,
+    then renamed into place (``created``: the folder is this call's, removed again if the export fails empty)."""
     # The temporary files live inside the destination (same filesystem: each rename is atomic).
     tmp = Path(tempfile.mkdtemp(prefix=_EXPORT_TMP, suffix=f".{writer_tag()}.tmp", dir=output))
     try:
@@ -356,7 +389,6 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
             output.rmdir()  # the empty directory this call made, nothing else
         raise
     shutil.rmtree(tmp, ignore_errors=True)  # our own temporary directory, empty by now
-    return output
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:

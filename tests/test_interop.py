@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -695,3 +696,34 @@ def test_export_cli_refuses_a_linked_config_in_the_output_before_loading(tmp_pat
     err = user_error(capsys, ["export", "--ckpt", str(ckpt), "--output", str(out), "--overwrite"])
     assert "exB/config.json is a symbolic link" in err and "move it away" in err
     assert (out / "config.json").is_symlink()
+
+
+def test_a_second_export_into_a_folder_another_export_is_writing_is_refused_and_touches_nothing(tiny_target, tmp_path):
+    """Two exports into one folder at once each published their two files by two renames, so the folder could end with
+    one's config.json and the other's model.safetensors: neither export. The folder is now held by one export at a
+    time (a lock on the folder itself, no file made for it); the second is one line naming the first, said before the
+    first's temporary files could be read as "not empty", and leaves everything as it was. Once released, it exports."""
+    fcntl = pytest.importorskip("fcntl")
+    from lilicorr_pl.files import writer_tag
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out = tmp_path / "export"
+    out.mkdir()
+    in_flight = out / f".lilicorr-export.x1y2.{writer_tag()}.tmp"  # the first export's temporary folder
+    in_flight.mkdir()
+    (in_flight / "config.json").write_text("{}")
+    fd = os.open(out, os.O_RDONLY)  # what the first export holds while it writes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for overwrite in (False, True):
+            with pytest.raises(ExportError, match=r"export: another lilicorr export is writing into it; wait for it "
+                                                  "to finish, or choose another directory"):
+                export_drafter(drafter, out, overwrite=overwrite)
+        assert [p.name for p in out.iterdir()] == [in_flight.name] and (in_flight / "config.json").read_text() == "{}"
+    finally:
+        os.close(fd)
+    shutil.rmtree(in_flight)  # the first export finished
+    export_drafter(drafter, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_drafter(out).block_size == 4
