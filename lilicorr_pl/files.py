@@ -422,10 +422,13 @@ class InUseError(ValueError):
 def folder_held_alone(folder: Path, busy: str) -> Iterator[None]:
     """Hold ``folder`` for this process alone while the block runs (:func:`hold_alone` on the folder itself: nothing
     is created in it), or raise ``InUseError(busy)`` at once when another process holds it. Where a folder cannot be
-    opened for a lock (Windows) nothing is locked."""
+    opened (Windows, an unreadable folder) or locked (NFS, whose emulated locks need a file open for writing) nothing
+    is locked. Another open of the folder conflicts even in this process (a lock belongs to its open file)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - Windows opens no folder
+    except OSError:  # Windows opens no folder; an unreadable folder, one removed meanwhile: nothing to lock
+        fd = None
+    if fd is None:
         yield
         return
     try:

@@ -239,6 +239,21 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise ExportError(f"--output {output} is a file, not a directory; choose a new directory name")
+    if output.is_dir():  # said first: another export's temporary files would read as "not empty"
+        with _held_alone(output):
+            pass
+    _check_contents(output, overwrite)
+    try:
+        check_writable_dir(output, f"--output {output}")
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    return output
+
+
+def _check_contents(output: Path, overwrite: bool) -> None:
+    """What :func:`check_output_dir` refuses in the folder itself: anything in it without ``overwrite``; with it, a
+    link or a folder under an exported file's name, and another model's files. Checked again while the export holds
+    the folder: another export may have finished into it since."""
     if output.is_dir():  # an export killed here left its temporary folder: not the user's, and in the way of a retry
         remove_gone_writers(output, f"{_EXPORT_TMP}*.tmp")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
@@ -249,11 +264,6 @@ def check_output_dir(output: str | Path, overwrite: bool = False) -> Path:
     if output.is_dir() and overwrite:
         _refuse_links_and_folders(output)  # first: the marker check below reads through a link
         _refuse_another_model(output)
-    try:
-        check_writable_dir(output, f"--output {output}")
-    except ValueError as err:
-        raise ExportError(str(err)) from None
-    return output
 
 
 def _refuse_links_and_folders(output: Path) -> None:
@@ -337,15 +347,13 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
         )
     if head is not None:
         _check_head_fits(head, drafter)
-    # One export at a time into a folder: two at once would each publish their two files, and the folder could end
-    # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither export).
-    if output and Path(output).is_dir():
-        with _held_alone(Path(output)):  # said first: another export's temporary files would read as "not empty"
-            pass
     output = check_output_dir(output, overwrite)
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
+    # One export at a time into a folder: two at once would each publish their two files, and the folder could end
+    # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither export).
     with _held_alone(output):
+        _check_contents(output, overwrite)  # again, held: another export may have finished into it since the check
         _export_into(drafter, output, head, extra, dtype, head_mlp_names, created)
     return output
 

@@ -698,14 +698,18 @@ def test_export_cli_refuses_a_linked_config_in_the_output_before_loading(tmp_pat
     assert (out / "config.json").is_symlink()
 
 
-def test_a_second_export_into_a_folder_another_export_is_writing_is_refused_and_touches_nothing(tiny_target, tmp_path):
+def test_a_second_export_into_a_folder_another_export_is_writing_is_refused_and_touches_nothing(tiny_target, tmp_path,
+                                                                                                  monkeypatch):
     """Two exports into one folder at once each published their two files by two renames, so the folder could end with
     one's config.json and the other's model.safetensors: neither export. The folder is now held by one export at a
     time (a lock on the folder itself, no file made for it); the second is one line naming the first, said before the
     first's temporary files could be read as "not empty", and leaves everything as it was. Once released, it exports."""
     fcntl = pytest.importorskip("fcntl")
+    from lilicorr_pl import interop
     from lilicorr_pl.files import writer_tag
     from lilicorr_pl.interop import ExportError
+
+    busy = r"export: another lilicorr export is writing into it; wait for it to finish, or choose another directory"
 
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
     out = tmp_path / "export"
@@ -717,13 +721,43 @@ def test_a_second_export_into_a_folder_another_export_is_writing_is_refused_and_
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         for overwrite in (False, True):
-            with pytest.raises(ExportError, match=r"export: another lilicorr export is writing into it; wait for it "
-                                                  "to finish, or choose another directory"):
+            with pytest.raises(ExportError, match=busy):
                 export_drafter(drafter, out, overwrite=overwrite)
+            with pytest.raises(ExportError, match=busy):  # what `lilicorr export` checks before loading the checkpoint
+                interop.check_output_dir(out, overwrite)
         assert [p.name for p in out.iterdir()] == [in_flight.name] and (in_flight / "config.json").read_text() == "{}"
     finally:
         os.close(fd)
     shutil.rmtree(in_flight)  # the first export finished
+
+    # The folder stays held through the whole write: an export started while another publishes is refused.
+    publish, refused = interop._publish, []
+
+    def publish_while_another_starts(files, output):
+        with pytest.raises(ExportError, match=busy) as err:
+            export_drafter(drafter, output, overwrite=True)
+        refused.append(str(err.value))
+        publish(files, output)
+
+    monkeypatch.setattr(interop, "_publish", publish_while_another_starts)
     export_drafter(drafter, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    monkeypatch.setattr(interop, "_publish", publish)
+    assert len(refused) == 1 and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert load_drafter(out).block_size == 4
+
+    # Another export finishing into a new folder between this one's checks and its hold: checked again, held.
+    fresh, check, first = tmp_path / "fresh", interop.check_output_dir, []
+
+    def check_then_another_finishes(output, overwrite=False):
+        checked = check(output, overwrite)
+        if not first:
+            first.append(None)
+            first[0] = export_drafter(drafter, output)  # the other export, done before this one holds the folder
+        return checked
+
+    monkeypatch.setattr(interop, "check_output_dir", check_then_another_finishes)
+    with pytest.raises(ExportError, match="is not empty"):
+        export_drafter(drafter, fresh)
+    monkeypatch.setattr(interop, "check_output_dir", check)
+    assert first == [fresh] and sorted(p.name for p in fresh.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_drafter(fresh).block_size == 4
