@@ -398,12 +398,9 @@ def remove_gone_writers(folder: Path, pattern: str, untagged: bool = False, empt
         if (_WRITER.search(path.name) is None and not untagged) or not writer_is_gone(path):
             continue
         try:
-            if empty_folders:
-                if path.is_dir() and not path.is_symlink():
-                    os.rmdir(path)  # fails on a folder that holds anything
-            elif path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
+            if path.is_dir() and not path.is_symlink():
+                (os.rmdir if empty_folders else shutil.rmtree)(path)  # rmdir fails on a folder that holds anything
+            elif not empty_folders:
                 path.unlink(missing_ok=True)
         except OSError:
             continue
