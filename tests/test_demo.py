@@ -18,6 +18,7 @@ from conftest import user_error
 from lilicorr_pl import __version__
 from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.cli import main
+from lilicorr_pl.files import png_written_by_lilicorr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +112,12 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
 
     report = tmp_path / "results.md"
     assert markdown_table(rows) in report.read_text(encoding="utf-8")
+    # Below it, the run's two plots as images, linked from where the table is (the workdir is elsewhere here).
+    import re
+
+    images = re.findall(r"!\[[^\]]*\]\(<?([^)>]+)>?\)", report.read_text(encoding="utf-8"))
+    assert [(report.parent / i).resolve() for i in images] == [Path(p).resolve() for p in result["plots"]]
+    assert all(not Path(i).is_absolute() for i in images)
     assert markdown_written_by_lilicorr(report, "demo") and not markdown_written_by_lilicorr(report, "bench")
     # The test target's 64 positions hold no HumanEval prompt (75 tokens and more) with 8 new tokens: each is cut to
     # its last 56 tokens, and every row says how many were (it decoded past the trained positions, unsaid).
@@ -171,7 +178,10 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
         tau = {r["arm"]: r["tau"] for r in rows if r["benchmark"] == bench and r["temperature"] == 0.0}
         assert tau["oracle"] + 1e-9 >= tau["lilicorr"] or math.isclose(tau["oracle"], tau["lilicorr"])
     plot = tmp_path / "demo" / "plots" / result["stages"]["bench"] / "acceptance_curves.png"
-    assert result["plots"] == [str(plot)] and plot.stat().st_size > 1000
+    ratios = plot.with_name("ratios.png")
+    assert result["plots"] == [str(plot), str(ratios)]
+    assert plot.stat().st_size > 1000 and ratios.stat().st_size > 1000
+    assert png_written_by_lilicorr(ratios, "demo")
     # One folder per demo: every run's W&B files and checkpoints under <workdir>/runs/<stage>.
     runs = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "demo" / "runs").iterdir())
     assert runs == sorted(["base", *ARMS])
@@ -213,6 +223,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert f"{plot_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
     assert plot_file.read_bytes() == b"a user's figure"
     plot_file.write_bytes(drawn)
+    ratio_file = Path(again["plots"][1])  # the same for the ratio plot beside it
+    drawn = ratio_file.read_bytes()
+    ratio_file.write_bytes(b"a user's figure")
+    err = user_error(capsys, demo_argv(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true"))
+    assert f"{ratio_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
+    assert ratio_file.read_bytes() == b"a user's figure"
+    ratio_file.write_bytes(drawn)
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
     third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_joint")
     log = capsys.readouterr().out
@@ -890,3 +907,102 @@ def test_the_readmes_across_machines_table_is_the_jsons_of_its_runs():
         assert cells[7] == f"{by[('stdlib-heldout', 'dflash')]['per_position_acceptance'][0]:.2f}", commit
         costs = [r["round_cost_ratio"] for (_, a), r in by.items() if a != "oracle"]
         assert cells[8] == f"{min(costs):.2f}–{max(costs):.2f}", commit
+
+
+def test_the_ratio_plot_draws_each_rows_ratio_and_interval_and_leaves_out_what_was_not_measured(tmp_path, monkeypatch):
+    """One row of panels per benchmark and temperature (τ / DFlash, tokens/s / DFlash, tokens/s / plain decoding):
+    each point is its row's ratio, its bar the row's interval; an untimed arm (the oracle) or a NaN is left out, never
+    drawn at 0; issue 9's goals are marked at T = 0 only."""
+    from matplotlib.container import ErrorbarContainer
+
+    import lilicorr_pl.demo.run as run
+
+    def row(bench, temp, arm, tau_ratio, tps_ratio, speedup):
+        def interval(value, prefix):
+            if value is None:
+                return {prefix + "low": None, prefix + "high": None}
+            return {prefix + "low": value - 0.1, prefix + "high": value + 0.2}
+        return {"benchmark": bench, "temperature": temp, "arm": arm,
+                "ratio_to_dflash": tau_ratio, **interval(tau_ratio, "ci_"),
+                "tokens_per_s_ratio_to_dflash": tps_ratio, **interval(tps_ratio, "tps_ci_"),
+                "speedup_vs_target": speedup, **interval(speedup, "speedup_ci_")}
+
+    rows = [row("humaneval", 0.0, "dflash", 1.0, 1.0, 1.3), row("humaneval", 0.0, "lilicorr", 1.07, 0.95, 1.25),
+            row("humaneval", 0.0, "oracle", 1.7, None, None),
+            row("humaneval", 1.0, "dflash", 1.0, 1.0, 0.5), row("humaneval", 1.0, "lilicorr", 0.9, float("nan"), 0.45)]
+    seen = {}
+
+    def capture(fig, path, command, about=None, dpi=120):
+        seen.update(fig=fig, path=path, command=command, about=about)
+        path.write_bytes(b"png")
+        return path
+
+    monkeypatch.setattr(run, "save_figure", capture)
+    out = run.plot_ratios(rows, tmp_path / "ratios.png", {"comparison": "k"})
+    assert out == tmp_path / "ratios.png" and seen["command"] == "demo" and seen["about"] == {"comparison": "k"}
+    axes = seen["fig"].axes
+    assert len(axes) == 2 * 3  # (humaneval, 0) and (humaneval, 1), three ratios each
+    columns = [("ratio_to_dflash", "ci_"), ("tokens_per_s_ratio_to_dflash", "tps_ci_"),
+               ("speedup_vs_target", "speedup_ci_")]
+    for i, temp in enumerate((0.0, 1.0)):
+        group = [r for r in rows if r["temperature"] == temp]
+        for j, (key, prefix) in enumerate(columns):
+            ax = axes[3 * i + j]
+            drawn = []
+            for c in ax.containers:
+                assert isinstance(c, ErrorbarContainer)
+                (x,), (y,) = c.lines[0].get_xdata(), c.lines[0].get_ydata()
+                (segment,) = c.lines[2][0].get_segments()
+                drawn.append((round(float(y)), float(x), float(segment[0][0]), float(segment[1][0])))
+            # y runs from the table's first row at the top down to its last at 0
+            expected = [(len(group) - 1 - k, r[key], r[prefix + "low"], r[prefix + "high"])
+                        for k, r in enumerate(group) if r[key] is not None and math.isfinite(r[key])]
+            assert [y for y, *_ in sorted(drawn)] == [y for y, *_ in sorted(expected)]
+            values = [v for _, *e in sorted(expected) for v in e]
+            assert [v for _, *d in sorted(drawn) for v in d] == pytest.approx(values)
+            goals = sorted(round(float(line.get_xdata()[0]), 3) for line in ax.lines if line.get_linestyle() == "--")
+            assert goals == ([[1.09], [1.0], [1.5]][j] if temp == 0.0 else [])
+    # The oracle is in the τ panel, not in the timed ones; the NaN tokens/s ratio at T = 1 is not drawn.
+    assert len(axes[0].containers) == 3 and len(axes[1].containers) == 2 and len(axes[4].containers) == 1
+    labels = {round(y): t.get_text() for y, t in zip(axes[0].get_yticks(), axes[0].get_yticklabels())}
+    assert labels == {2: "dflash", 1: "lilicorr", 0: "oracle"}  # each arm beside its own point, the table's order
+
+
+def test_the_ratio_plot_script_draws_a_committed_results_file_and_never_over_a_users_file(tmp_path):
+    """``docs/measurements/demo/plot_ratios.py`` (the README's ratio figure, from the JSON it cites): a PNG the demo's
+    plot check accepts, drawn again over its own; a user's file of that name and a file with no results are one line."""
+    import subprocess
+    import sys
+
+    script = ROOT / "docs" / "measurements" / "demo" / "plot_ratios.py"
+    results = ROOT / "docs" / "measurements" / "demo" / "results-machine7-d60a00c.json"
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+
+    def draw(source, out):
+        return subprocess.run([sys.executable, str(script), str(source), str(out)], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    out = tmp_path / "ratios.png"
+    for _ in range(2):  # the second run replaces its own plot
+        done = draw(results, out)
+        assert done.returncode == 0, done.stderr
+        assert png_written_by_lilicorr(out, "demo") and out.stat().st_size > 10_000
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"a user's figure")
+    done = draw(results, mine)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"plot_ratios: OUT.png: {mine} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten; "
+        "move it or choose another OUT.png"]
+    assert mine.read_bytes() == b"a user's figure"
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    done = draw(empty, tmp_path / "new.png")
+    assert done.returncode != 0 and "holds no demo results" in done.stderr and not (tmp_path / "new.png").exists()
+
+
+def test_the_markdown_tables_images_link_the_plots_from_where_the_table_is(tmp_path):
+    from lilicorr_pl.demo.run import markdown_images
+
+    plots = [tmp_path / "work" / "plots" / "k" / "acceptance_curves.png", tmp_path / "my work" / "ratios.png"]
+    text = markdown_images(plots, tmp_path / "out")
+    assert text == "![acceptance curves](../work/plots/k/acceptance_curves.png)\n\n![ratios](<../my work/ratios.png>)"

@@ -756,6 +756,8 @@ def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tok
 
 
 PLOT_NAME = "acceptance_curves.png"  # in <workdir>/plots/<comparison key>/
+RATIO_PLOT_NAME = "ratios.png"  # beside it: every ratio of the table with its interval, and issue 9's goals
+PLOT_NAMES = (PLOT_NAME, RATIO_PLOT_NAME)
 
 
 def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
@@ -791,6 +793,65 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
     return paths
 
 
+# The ratios ``plot_ratios`` draws: (axis title, value, interval low, interval high, issue 9's goal at T = 0).
+RATIO_PANELS = (
+    ("τ / DFlash", "ratio_to_dflash", "ci_low", "ci_high", 1.09),  # LiLiCorr's, with the interval above 1
+    ("tokens/s / DFlash", "tokens_per_s_ratio_to_dflash", "tps_ci_low", "tps_ci_high", 1.0),  # LiLiCorr's
+    ("tokens/s / plain decoding", "speedup_vs_target", "speedup_ci_low", "speedup_ci_high", 1.5),  # the best arm's
+)
+
+
+def _undefined(*values: Any) -> bool:
+    """Null in the JSON, NaN in the rows before it is written, or not measured (the oracle's timings)."""
+    return any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in values)
+
+
+def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | None = None) -> Path:
+    """Every arm's ratios with their 95 % intervals, one row of panels per benchmark and temperature: τ and tokens/s
+    against DFlash's, and tokens/s against plain decoding's, with 1 and issue 9's goal marked in each; a ratio the
+    rows leave undefined (the oracle is not timed) is left out, never drawn as 0. Written atomically to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["benchmark"], r["temperature"]) for r in rows))
+    arms = {key: [r for r in rows if (r["benchmark"], r["temperature"]) == key] for key in keys}
+    heights = [0.8 + 0.3 * len(arms[key]) for key in keys]
+    fig, axes = plt.subplots(len(keys), len(RATIO_PANELS), figsize=(4.6 * len(RATIO_PANELS), sum(heights) + 0.6),
+                             squeeze=False, gridspec_kw={"height_ratios": heights})
+    for i, key in enumerate(keys):
+        group = arms[key]
+        ys = range(len(group))[::-1]  # the table's order, top to bottom
+        for j, (title, value, low, high, goal) in enumerate(RATIO_PANELS):
+            ax = axes[i][j]
+            for y, r in zip(ys, group):
+                v, lo, hi = r.get(value), r.get(low), r.get(high)
+                if _undefined(v, lo, hi):
+                    continue
+                colour = "C3" if r["arm"] == "lilicorr" else ("0.35" if r["arm"] == "dflash" else "C0")
+                ax.errorbar(v, y, xerr=[[v - lo], [hi - v]], fmt="o", ms=4, color=colour, capsize=3, lw=1.2)
+                ax.annotate(f"{v:.3f}" if j < 2 else f"{v:.2f}×", (hi, y), xytext=(4, 0),
+                            textcoords="offset points", va="center", fontsize=7, color=colour)
+            ax.axvline(1.0, color="0.5", lw=0.8)
+            if key[1] == 0:
+                ax.axvline(goal, color="C2", ls="--", lw=1.2)
+            ax.set_yticks(list(ys))
+            ax.set_yticklabels([r["arm"] for r in group] if j == 0 else [], fontsize=8)
+            ax.set_ylim(-0.6, len(group) - 0.4)
+            ax.margins(x=0.15)
+            ax.grid(axis="x", alpha=0.3)
+            ax.set_title(f"{key[0]}, T={key[1]:g}: {title}", fontsize=9)
+    fig.suptitle("Ratios with paired-bootstrap 95 % intervals over prompts (τ includes the bonus token; red: "
+                 "LiLiCorr)\ngreen dashed, at T = 0: issue 9's goals: LiLiCorr's τ ≥ 1.09× DFlash's, LiLiCorr's "
+                 "tokens/s ≥ DFlash's, the best arm ≥ 1.5× plain decoding", fontsize=9)
+    fig.tight_layout()
+    try:
+        return save_figure(fig, path, "demo", about, dpi=110)
+    finally:
+        plt.close(fig)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
              f"{'tok/s vs dflash [95% CI]':>24} {'by median round [95% CI]':>24} {'speedup':>8} {'round/step':>10} "
@@ -823,21 +884,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The comparison as README.md shows it, one Markdown row per results row ("—" where a statistic is undefined
     or not measured, e.g. the oracle's timings): the demo writes it beside its JSON, and a test checks that
     README.md's table is this function of the JSON it cites."""
-    def undefined(*values: Any) -> bool:  # null in the JSON, NaN in the rows before it is written
-        return any(v is None or (isinstance(v, float) and not math.isfinite(v)) for v in values)
-
     def number(value: Any, spec: str) -> str:
-        return "—" if undefined(value) else format(value, spec)
+        return "—" if _undefined(value) else format(value, spec)
 
     def interval(value: Any, low: Any, high: Any, spec: str, unit: str = "") -> str:
-        if undefined(value, low, high):
+        if _undefined(value, low, high):
             return "—"
         return f"{value:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
 
     lines = [MARKDOWN_HEADER]
     for r in rows:
         slot1 = number((r.get("per_position_acceptance") or [None])[0], ".2f")
-        if not undefined(r.get("slot1_first_round"), r.get("slot1_later_rounds")):
+        if not _undefined(r.get("slot1_first_round"), r.get("slot1_later_rounds")):
             slot1 += f" ({r['slot1_first_round']:.2f} / {r['slot1_later_rounds']:.2f})"
         split = [r.get(k) for k in ("draft_ms", "head_ms", "verify_ms", "bookkeeping_ms")]
         cells = [r["benchmark"], f"{r['temperature']:g}", r["arm"], number(r.get("tau"), ".2f"),
@@ -846,9 +904,23 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  interval(r.get("tokens_per_s_ratio_to_dflash"), r.get("tps_ci_low"), r.get("tps_ci_high"), ".2f"),
                  interval(r.get("speedup_vs_target"), r.get("speedup_ci_low"), r.get("speedup_ci_high"), ".2f", "×"),
                  number(r.get("round_cost_ratio"), ".2f"),
-                 "—" if undefined(*split) else " / ".join(f"{v:.1f}" for v in split)]
+                 "—" if _undefined(*split) else " / ".join(f"{v:.1f}" for v in split)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def markdown_images(plots: list[Path], folder: Path) -> str:
+    """The plots as Markdown images, by their path from ``folder`` (where the table is written) so the table shows them
+    in an editor or on a forge wherever the workdir is moved with it; an absolute path where there is no relative one
+    (another drive)."""
+    def link(path: Path) -> str:
+        try:
+            text = Path(os.path.relpath(path, folder)).as_posix()
+        except ValueError:
+            text = path.as_posix()
+        return f"<{text}>" if any(c in text for c in " ()") else text  # CommonMark's form for such a path
+
+    return "\n\n".join(f"![{path.stem.replace('_', ' ')}]({link(path)})" for path in plots)
 
 
 def markdown_path(output: Path) -> Path:
@@ -1060,7 +1132,8 @@ def demo(
         bench_key = stage_key(stage="bench", arms=measured, **bench_settings)
         bench_file = workdir / "bench" / f"{bench_key}.json"
         try:  # before the benchmark: a file the demo did not draw under its plot's name is never replaced
-            check_plot_files([workdir / "plots" / bench_key / PLOT_NAME], "demo", flag="the demo's plot")
+            check_plot_files([workdir / "plots" / bench_key / name for name in PLOT_NAMES], "demo",
+                             flag="the demo's plot")
         except ValueError as err:
             raise UserInputError(str(err)) from None
         cached = _stage_done(bench_file, bench_key)
@@ -1123,10 +1196,11 @@ def demo(
         }
         # Keyed like the comparison they draw: a run with other arms or settings never overwrites another's plot.
         plots = plot_curves(rows, workdir / "plots" / bench_key)
+        plots.append(plot_ratios(rows, workdir / "plots" / bench_key / RATIO_PLOT_NAME, {"comparison": bench_key}))
         result["plots"] = [str(p) for p in plots]
         write_results_json(out, result, "demo")
         write_markdown(table_file, f"τ includes the target's bonus token; from {out.name}, written beside it.\n\n"
-                       + markdown_table(rows), "demo")
+                       + markdown_table(rows) + "\n\n" + markdown_images(plots, table_file.parent), "demo")
         print(format_table(rows))
         print(f"target: held-out loss {result['target']['heldout_loss']}, top-1 {result['target']['heldout_top1']}, "
               f"greedy repetition {result['target']['repetition_rate_greedy']}  (tau includes the bonus token)")
