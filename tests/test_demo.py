@@ -948,12 +948,17 @@ def test_the_ratio_plot_draws_each_rows_ratio_and_interval_and_leaves_out_what_w
         group = [r for r in rows if r["temperature"] == temp]
         for j, (key, prefix) in enumerate(columns):
             ax = axes[3 * i + j]
-            drawn = []
+            bars, points = {}, {}
             for c in ax.containers:
                 assert isinstance(c, ErrorbarContainer)
-                (x,), (y,) = c.lines[0].get_xdata(), c.lines[0].get_ydata()
                 (segment,) = c.lines[2][0].get_segments()
-                drawn.append((round(float(y)), float(x), float(segment[0][0]), float(segment[1][0])))
+                bars[round(float(segment[0][1]))] = (float(segment[0][0]), float(segment[1][0]))
+            for line in ax.lines:
+                if line.get_marker() == "o":
+                    (x,), (y,) = line.get_xdata(), line.get_ydata()
+                    points[round(float(y))] = float(x)
+            assert set(bars) == set(points)
+            drawn = [(y, points[y], *bars[y]) for y in bars]
             # y runs from the table's first row at the top down to its last at 0
             expected = [(len(group) - 1 - k, r[key], r[prefix + "low"], r[prefix + "high"])
                         for k, r in enumerate(group) if r[key] is not None and math.isfinite(r[key])]
@@ -964,8 +969,20 @@ def test_the_ratio_plot_draws_each_rows_ratio_and_interval_and_leaves_out_what_w
             assert goals == ([[1.09], [1.0], [1.5]][j] if temp == 0.0 else [])
     # The oracle is in the τ panel, not in the timed ones; the NaN tokens/s ratio at T = 1 is not drawn.
     assert len(axes[0].containers) == 3 and len(axes[1].containers) == 2 and len(axes[4].containers) == 1
+    assert not [t for ax in axes for t in ax.texts if t.get_text() == "not in these results"]
     labels = {round(y): t.get_text() for y, t in zip(axes[0].get_yticks(), axes[0].get_yticklabels())}
     assert labels == {2: "dflash", 1: "lilicorr", 0: "oracle"}  # each arm beside its own point, the table's order
+
+    # A point a rounding step outside its recorded interval is drawn on it, the interval as recorded; a results file
+    # without timings (an older one) says so in those panels instead of drawing nothing unexplained.
+    edge = {"benchmark": "b", "temperature": 0.0, "arm": "lilicorr", "ratio_to_dflash": 1.0,
+            "ci_low": 1.0 + 1e-12, "ci_high": 1.2}
+    run.plot_ratios([edge], tmp_path / "edge.png")
+    tau_ax, tps_ax, speed_ax = seen["fig"].axes
+    (bar,) = tau_ax.containers
+    assert bar.lines[2][0].get_segments()[0][:, 0] == pytest.approx([1.0 + 1e-12, 1.2])
+    assert [float(line.get_xdata()[0]) for line in tau_ax.lines if line.get_marker() == "o"] == [1.0]
+    assert [t.get_text() for t in tps_ax.texts] == [t.get_text() for t in speed_ax.texts] == ["not in these results"]
 
 
 def test_the_ratio_plot_script_draws_a_committed_results_file_and_never_over_a_users_file(tmp_path):
@@ -994,10 +1011,18 @@ def test_the_ratio_plot_script_draws_a_committed_results_file_and_never_over_a_u
         f"plot_ratios: OUT.png: {mine} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten; "
         "move it or choose another OUT.png"]
     assert mine.read_bytes() == b"a user's figure"
-    empty = tmp_path / "empty.json"
-    empty.write_text("{}")
-    done = draw(empty, tmp_path / "new.png")
-    assert done.returncode != 0 and "holds no demo results" in done.stderr and not (tmp_path / "new.png").exists()
+    for name, text, said in [("empty.json", "{}", "holds no demo results"),
+                             ("sweep.json", '{"results": {"k": 1}}', "holds no demo results"),
+                             ("list.json", "[1]", "holds no demo results"),
+                             ("broken.json", '{"results": [', "cannot be read as JSON"),
+                             ("missing.json", None, "cannot be read as JSON")]:
+        source = tmp_path / name
+        if text is not None:
+            source.write_text(text)
+        done = draw(source, tmp_path / "new.png")
+        assert done.returncode != 0 and not (tmp_path / "new.png").exists()
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"plot_ratios: {source} {said}") and line.endswith("pass the results.json a demo wrote")
 
 
 def test_the_markdown_tables_images_link_the_plots_from_where_the_table_is(tmp_path):

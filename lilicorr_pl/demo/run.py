@@ -793,11 +793,12 @@ def plot_curves(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
     return paths
 
 
-# The ratios ``plot_ratios`` draws: (axis title, value, interval low, interval high, issue 9's goal at T = 0).
+# The ratios ``plot_ratios`` draws: (axis title, value, interval low, interval high, issue 9's goal at T = 0, the
+# value's format, as the Markdown table writes it).
 RATIO_PANELS = (
-    ("τ / DFlash", "ratio_to_dflash", "ci_low", "ci_high", 1.09),  # LiLiCorr's, with the interval above 1
-    ("tokens/s / DFlash", "tokens_per_s_ratio_to_dflash", "tps_ci_low", "tps_ci_high", 1.0),  # LiLiCorr's
-    ("tokens/s / plain decoding", "speedup_vs_target", "speedup_ci_low", "speedup_ci_high", 1.5),  # the best arm's
+    ("τ / DFlash", "ratio_to_dflash", "ci_low", "ci_high", 1.09, "{:.3f}"),  # LiLiCorr's, with the interval above 1
+    ("tokens/s / DFlash", "tokens_per_s_ratio_to_dflash", "tps_ci_low", "tps_ci_high", 1.0, "{:.2f}"),  # LiLiCorr's
+    ("tokens/s / plain decoding", "speedup_vs_target", "speedup_ci_low", "speedup_ci_high", 1.5, "{:.2f}×"),  # best
 )
 
 
@@ -823,16 +824,24 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
     for i, key in enumerate(keys):
         group = arms[key]
         ys = range(len(group))[::-1]  # the table's order, top to bottom
-        for j, (title, value, low, high, goal) in enumerate(RATIO_PANELS):
+        for j, (title, value, low, high, goal, spec) in enumerate(RATIO_PANELS):
             ax = axes[i][j]
+            drawn = 0
             for y, r in zip(ys, group):
                 v, lo, hi = r.get(value), r.get(low), r.get(high)
                 if _undefined(v, lo, hi):
                     continue
                 colour = "C3" if r["arm"] == "lilicorr" else ("0.35" if r["arm"] == "dflash" else "C0")
-                ax.errorbar(v, y, xerr=[[v - lo], [hi - v]], fmt="o", ms=4, color=colour, capsize=3, lw=1.2)
-                ax.annotate(f"{v:.3f}" if j < 2 else f"{v:.2f}×", (hi, y), xytext=(4, 0),
-                            textcoords="offset points", va="center", fontsize=7, color=colour)
+                # The interval as recorded, from its ends (a bar around the point could not show a point a rounding
+                # step outside it), and the point on it.
+                ax.errorbar((lo + hi) / 2, y, xerr=(hi - lo) / 2, fmt="none", ecolor=colour, capsize=3, lw=1.2)
+                ax.plot([v], [y], "o", ms=4, color=colour)
+                ax.annotate(spec.format(v), (max(v, hi), y), xytext=(4, 0), textcoords="offset points", va="center",
+                            fontsize=7, color=colour)
+                drawn += 1
+            if not drawn:  # an older results file without these fields, or nothing timed
+                ax.text(0.5, 0.5, "not in these results", transform=ax.transAxes, ha="center", va="center",
+                        fontsize=8, color="0.4")
             ax.axvline(1.0, color="0.5", lw=0.8)
             if key[1] == 0:
                 ax.axvline(goal, color="C2", ls="--", lw=1.2)

@@ -29,9 +29,16 @@ def main() -> None:
                        "choose another OUT.png")
     except ValueError as err:
         raise SystemExit(f"plot_ratios: {err}") from None
-    rows = json.loads(Path(args.results).read_text(encoding="utf-8")).get("results")
-    if not rows:
-        raise SystemExit(f"plot_ratios: {args.results} holds no demo results; pass the results.json a demo wrote")
+    try:
+        data = json.loads(Path(args.results).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"plot_ratios: {args.results} cannot be read as JSON ({err}); pass the results.json a demo "
+                         "wrote") from None
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and {"benchmark", "temperature", "arm"} <= r.keys() for r in rows):
+        raise SystemExit(f"plot_ratios: {args.results} holds no demo results (a list of rows, each with a benchmark, "
+                         "temperature and arm); pass the results.json a demo wrote")
     print(plot_ratios(rows, out, {"results": Path(args.results).name}))
 
 
