@@ -216,20 +216,13 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert "by median round [95% CI]" in log and robust in line[line.index(pooled) + len(pooled):]
     # A file the demo did not draw under its plot's name: the rerun is refused in one line before the benchmark and
     # the file stays; put back, the rerun goes on.
-    plot_file = Path(again["plots"][0])
-    drawn = plot_file.read_bytes()
-    plot_file.write_bytes(b"a user's figure")
-    err = user_error(capsys, demo_argv(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true"))
-    assert f"{plot_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
-    assert plot_file.read_bytes() == b"a user's figure"
-    plot_file.write_bytes(drawn)
-    ratio_file = Path(again["plots"][1])  # the same for the ratio plot beside it
-    drawn = ratio_file.read_bytes()
-    ratio_file.write_bytes(b"a user's figure")
-    err = user_error(capsys, demo_argv(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true"))
-    assert f"{ratio_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
-    assert ratio_file.read_bytes() == b"a user's figure"
-    ratio_file.write_bytes(drawn)
+    for plot_file in map(Path, again["plots"]):  # the acceptance curves, then the ratio plot
+        drawn = plot_file.read_bytes()
+        plot_file.write_bytes(b"a user's figure")
+        err = user_error(capsys, demo_argv(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true"))
+        assert f"{plot_file} exists and is not a plot `lilicorr demo` wrote, so it is not overwritten" in err
+        assert plot_file.read_bytes() == b"a user's figure"
+        plot_file.write_bytes(drawn)
     # Other steps: the arms retrain under a new key (the shared stage and data are reused); old files stay.
     third = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "dflash,lilicorr_joint")
     log = capsys.readouterr().out
