@@ -997,6 +997,17 @@ def test_the_ratio_plot_script_draws_a_committed_results_file_and_never_over_a_u
         done = draw(results, out)
         assert done.returncode == 0, done.stderr
         assert png_written_by_lilicorr(out, "demo") and out.stat().st_size > 10_000
+    # more_prompts.py's files (their "rows"), one per benchmark, in one figure; the same rows twice are refused.
+    more = [ROOT / "docs" / "measurements" / "demo" / f"more-prompts-machine9-54e58c1-{b}.json"
+            for b in ("humaneval", "stdlib-heldout")]
+    done = subprocess.run([sys.executable, str(script), *map(str, more), str(tmp_path / "164.png")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert png_written_by_lilicorr(tmp_path / "164.png", "demo")
+    done = subprocess.run([sys.executable, str(script), str(results), str(results), str(tmp_path / "twice.png")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "twice.png").exists()
+    assert "hold the same benchmark, temperature and arm more than once" in done.stderr
     mine = tmp_path / "mine.png"
     mine.write_bytes(b"a user's figure")
     done = draw(results, mine)
