@@ -1035,3 +1035,48 @@ def test_the_markdown_tables_images_link_the_plots_from_where_the_table_is(tmp_p
     plots = [tmp_path / "work" / "plots" / "k" / "acceptance_curves.png", tmp_path / "my work" / "ratios.png"]
     text = markdown_images(plots, tmp_path / "out")
     assert text == "![acceptance curves](../work/plots/k/acceptance_curves.png)\n\n![ratios](<../my work/ratios.png>)"
+
+
+def test_the_more_prompts_script_refuses_what_is_not_a_finished_demo_before_decoding_and_never_says_more_prompts(
+        tmp_path, monkeypatch, capsys):
+    """``docs/measurements/demo/more_prompts.py``: an unreadable or non-demo results file, a gone checkpoint and a count
+    that is not one are one line before any checkpoint loads; a benchmark that gave fewer prompts than asked writes no
+    file that says it measured that many."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("more_prompts", ROOT / "docs" / "measurements" / "demo" /
+                                                  "more_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    decoded = []
+    monkeypatch.setattr(script, "measure", lambda *a, **k: decoded.append(a) or (
+        [{"arm": "dflash", "per_prompt_tau": [2.0] * 3}, {"arm": "oracle", "per_prompt_tau": [3.0] * 3}], {}))
+    out = tmp_path / "out.json"
+
+    def refusal(results, count="5"):
+        monkeypatch.setattr(sys, "argv", ["more_prompts.py", str(out), "humaneval", count, str(results)])
+        with pytest.raises(SystemExit) as err:
+            script.main()
+        return str(err.value)
+
+    demo_dir = tmp_path / "demo"
+    (demo_dir / "checkpoints").mkdir(parents=True)
+    (demo_dir / "checkpoints" / "dflash-k.ckpt").write_bytes(b"ckpt")
+    results = demo_dir / "results.json"
+    good = {"settings": {"bench_new_tokens": 32, "prefix_tokens": 64, "compile": False, "bench_prompts": 3},
+            "seed": 0, "results": [], "checkpoints": {"dflash": "/elsewhere/checkpoints/dflash-k.ckpt"}}
+    assert refusal(tmp_path / "missing.json").startswith(f"more_prompts: {tmp_path / 'missing.json'} cannot be read "
+                                                         "as JSON")
+    results.write_text(json.dumps({"rows": []}))
+    assert refusal(results) == (f"more_prompts: {results} is not the results.json of a finished demo (its settings, "
+                                "seed, checkpoints and results); pass that file")
+    results.write_text(json.dumps({**good, "checkpoints": {"dflash": "/elsewhere/dspark-k.ckpt"}}))
+    assert refusal(results).startswith("more_prompts: the dflash checkpoint /elsewhere/dspark-k.ckpt is gone")
+    assert not decoded and not out.exists()
+    results.write_text(json.dumps(good))
+    assert refusal(results, count="0") == "2"  # argparse's own exit, with its message
+    assert "0 is not a count of prompts; pass 1 or more" in capsys.readouterr().err and not decoded
+    # The checkpoint found beside the moved results file; the benchmark gave 3 of the 5 asked: nothing written.
+    assert refusal(results) == "more_prompts: the humaneval benchmark gave 3 prompts, fewer than 5; ask for at most 3"
+    assert decoded and decoded[0][0] == {"dflash": demo_dir / "checkpoints" / "dflash-k.ckpt"} and not out.exists()

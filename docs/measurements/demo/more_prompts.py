@@ -17,6 +17,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,11 +27,41 @@ from lilicorr_pl.files import check_output_paths, write_results_json
 COMMAND = "demo more-prompts"
 
 
+def read_demo(path: str) -> tuple[dict[str, Any], dict[str, Path]]:
+    """A finished demo's results and its checkpoints, each looked for beside the results file where the workdir was
+    moved since; one line naming the problem when the file is not that, or a checkpoint is gone."""
+    try:
+        demo = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"more_prompts: {path} cannot be read as JSON ({err}); pass the results.json of a finished "
+                         "demo") from None
+    settings = demo.get("settings") if isinstance(demo, dict) else None
+    needed = ("bench_new_tokens", "prefix_tokens", "compile", "bench_prompts")
+    if not isinstance(settings, dict) or not all(k in settings for k in needed) or not isinstance(
+            demo.get("checkpoints"), dict) or "seed" not in demo or not isinstance(demo.get("results"), list):
+        raise SystemExit(f"more_prompts: {path} is not the results.json of a finished demo (its settings, seed, "
+                         "checkpoints and results); pass that file")
+    ckpts = {arm: Path(p) if Path(p).is_file() else Path(path).parent / "checkpoints" / Path(p).name
+             for arm, p in demo["checkpoints"].items()}
+    gone = [arm for arm, p in ckpts.items() if not p.is_file()]
+    if gone:
+        raise SystemExit(f"more_prompts: the {gone[0]} checkpoint {demo['checkpoints'][gone[0]]} is gone (not beside "
+                         f"{path} either); run the demo again, or pass a demo's results whose checkpoints are here")
+    return demo, ckpts
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a count of prompts; pass 1 or more")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
     parser.add_argument("benchmark", choices=("humaneval", "stdlib-heldout"))
-    parser.add_argument("num_prompts", type=int)
+    parser.add_argument("num_prompts", type=positive)
     parser.add_argument("results", help="<workdir>/runs/demo/results.json of a finished demo")
     args = parser.parse_args()
     # Before minutes of decoding: a place the results can be written, never over a file lilicorr did not write.
@@ -38,15 +69,16 @@ def main() -> None:
         check_output_paths(args.output, None, command=COMMAND)
     except ValueError as err:
         raise SystemExit(f"more_prompts: {err}") from None
-    demo = json.loads(Path(args.results).read_text())
+    demo, ckpts = read_demo(args.results)
     settings = demo["settings"]
-    # Where the workdir was moved since, each checkpoint is looked for beside the results file.
-    ckpts = {arm: path if Path(path).is_file() else Path(args.results).parent / "checkpoints" / Path(path).name
-             for arm, path in demo["checkpoints"].items()}
     torch.set_num_threads(1)
     start = time.time()
     rows, plain = measure(ckpts, [args.benchmark], [0.0], args.num_prompts, settings["bench_new_tokens"],
                           settings["prefix_tokens"], demo["seed"], compile=settings["compile"])
+    measured = {len(r["per_prompt_tau"]) for r in rows}
+    if measured != {args.num_prompts}:  # the benchmark holds fewer: never a file that says more than was measured
+        raise SystemExit(f"more_prompts: the {args.benchmark} benchmark gave {min(measured)} prompts, fewer than "
+                         f"{args.num_prompts}; ask for at most {min(measured)}")
     add_ratio_intervals(rows, plain, seed=demo["seed"])
     shown = {r["arm"]: r for r in demo["results"] if r["benchmark"] == args.benchmark and r["temperature"] == 0}
     result = {
