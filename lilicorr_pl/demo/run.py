@@ -756,7 +756,7 @@ def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tok
 
 
 PLOT_NAME = "acceptance_curves.png"  # in <workdir>/plots/<comparison key>/
-RATIO_PLOT_NAME = "ratios.png"  # beside it: every ratio of the table with its interval, and issue 9's goals
+RATIO_PLOT_NAME = "ratios.png"  # beside it: the τ and tokens/s ratios with their intervals, and issue 9's goals
 PLOT_NAMES = (PLOT_NAME, RATIO_PLOT_NAME)
 
 
