@@ -125,16 +125,84 @@ def description(function: Callable[..., Any]) -> str:
     return "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
 
 
+# What jsonargparse writes around the reason a value was refused: the union it tried, each member's type, the value's
+# Python type, and its try of the value as a config file's path. None of it says more than the reason itself.
+_PARSE_NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:$|Given value type: "
+                          r"|Given value: |Expected a <class 'NoneType'>|Expected a path but .* either not accessible "
+                          r"or invalid$|Problem with given class_path |Type .* expects a function or a callable class)")
+_KINDS = {"PositiveInt": "a positive integer (1 or more)", "NonNegativeInt": "an integer >= 0",
+          "PositiveFloat": "a number > 0", "NonNegativeFloat": "a number >= 0 (not nan)",
+          "ClosedUnitInterval": "a number from 0 to 1", "OpenUnitInterval": "a number between 0 and 1",
+          "DeviceName": "a device: cpu, cuda, cuda:N or mps", "int": "an integer", "float": "a number",
+          "bool": "true or false", "str": "a string", "dict": "a mapping, e.g. {name: value}",
+          "list": "a list, e.g. [a, b]"}
+
+
+def _literal_choices(text: str) -> list[str]:
+    """The choices of every ``typing.Literal[...]`` named in ``text``, in order, without quotes or repeats."""
+    found: list[str] = []
+    for inner in re.findall(r"typing\.Literal\[(.*?)\]", text):
+        for choice in (c.strip().strip("'\"") for c in inner.split(",")):
+            if choice and choice not in found:
+                found.append(choice)
+    return found
+
+
+def plain_parse_error(message: str) -> str:
+    """jsonargparse's refusal of a value, as one line that names the option, the value and what it takes.
+
+    ``Parser key "num_prompts":\n  Not of type PositiveInt: 0 does not conform to restriction v>0`` becomes
+    ``--num_prompts 0: not a positive integer (1 or more)``; an optional or a nested value (a class's ``init_args``)
+    is unwrapped the same way, with the option spelled as typed. Any other message is returned as it is.
+    """
+    if not message.startswith('Parser key "'):
+        return message
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    option = "--" + keys[0] + "".join(f".init_args.{k}" for k in keys[1:])
+    given = re.search(r"Given value: (.*?)(?:\. Got value: .*)?$", message, re.MULTILINE)
+    reasons = []
+    for line in message.splitlines()[1:]:
+        line = line.strip().removeprefix("- ").strip()
+        if line and not _PARSE_NOISE.match(line) and not line.startswith("Parser key "):
+            reasons.append(line)
+    # The value as the reason names it (the one item of a list that was refused), else as it was given.
+    named = (re.search(r"Got value: (.*)$|Not of type \w+: (.+?) does not conform|dot import path string: (.*)$", r)
+             for r in reasons)
+    value = next((next(g for g in m.groups() if g is not None) for m in named if m), given and given.group(1))
+    text = " ".join(reasons)
+    choices = _literal_choices(text)
+    kind = re.search(r"Not of type (\w+)|Expected a <class '(\w+)'>", text)
+    if choices:
+        what = "not one of " + ", ".join(choices)
+    elif kind and (kind.group(1) or kind.group(2)) in _KINDS:  # before a class: lr is a float or a Tensor class
+        what = "not " + _KINDS[kind.group(1) or kind.group(2)]
+    elif re.search(r"Expected a dot import path string", text):
+        what = "names no class; give a class name or its import path (see --help)"
+    elif kind:
+        what = f"not of type {kind.group(1) or kind.group(2)}"
+    else:
+        what = "".join(r + (" " if r.endswith(":") else "; ") for r in reasons).removesuffix("; ").strip()
+        return f"{option}: {what or 'refused'}"
+    return f"{option} {value}: {what}" if value is not None else f"{option}: {what}"
+
+
 class ShortUsage:
     """A parser whose error is not buried under its usage (mixed in before the parser class): ``fit`` has hundreds of
     options, and a mistyped value printed ninety lines of them above the one error line. The usage printed before an
     error is cut to its first line and an ellipsis when it is longer than a few lines; ``--help`` prints every option,
-    as before."""
+    as before. A refused value's error is one line (:func:`plain_parse_error`), not jsonargparse's account of every
+    type it tried."""
 
     def format_usage(self) -> str:
         usage = super().format_usage()  # type: ignore[misc]
         lines = usage.splitlines()
         return usage if len(lines) <= 4 else f"{lines[0]} …\n"
+
+    def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
+        # A nested parser (a class's init_args) raises to the parser above it, which reads its message: only the
+        # error that is printed is rewritten.
+        printed = getattr(self, "exit_on_error", True)
+        super().error(plain_parse_error(message) if printed else message, ex)  # type: ignore[misc]
 
 
 class ToolParser(ShortUsage, ArgumentParser):

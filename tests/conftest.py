@@ -83,8 +83,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def user_error(capsys, argv: list[str]) -> str:
     """Run ``lilicorr argv`` expecting a user error: exit status 2, no traceback; returns stderr.
 
-    A value refused when parsed gets jsonargparse's usage and ``error:`` lines; a refusal after parsing is the
-    single line ``lilicorr <subcommand>: error: ...``.
+    A value refused when parsed gets the usage's first line, a tip and one ``error:`` line, the last; a refusal after
+    parsing is the single line ``lilicorr <subcommand>: error: ...``.
     """
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -95,6 +95,9 @@ def user_error(capsys, argv: list[str]) -> str:
     lines = [line for line in err.splitlines() if line.startswith("lilicorr")]
     if lines:  # refused after parsing: exactly one line, and it names the subcommand
         assert len(lines) == 1 and lines[0].startswith(f"lilicorr {argv[0]}: error: "), err
+    parsed = [line for line in err.splitlines() if line.startswith("error: ")]
+    if parsed:  # refused when parsed: one line, the last, not jsonargparse's account of the types it tried
+        assert len(parsed) == 1 and err.endswith(parsed[0] + "\n") and "<class" not in err, err
     return err
 
 

@@ -275,12 +275,12 @@ def write(path: Path, text: str) -> str:
         ("latin1_jsonl", r"prompts\.jsonl line 2: not UTF-8 text \(byte 0xe9 at column 16\); save the file as UTF-8"),
         ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
         ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
-        ("negative_temperature", r"-0.5 does not conform to restriction v>=0"),  # refused when parsed
-        ("nan_temperature", r"nan does not conform to restriction v>=0"),
+        ("negative_temperature", r"error: --temperature -0\.5: not a number >= 0 \(not nan\)\n"),  # when parsed
+        ("nan_temperature", r"error: --temperature nan: not a number >= 0 \(not nan\)\n"),
         ("inf_temperature", "must be finite and >= 0"),
-        ("zero_prompts", r"Parser key \"num_prompts\".*\n.*0 does not conform to restriction v>0"),
-        ("bad_chat_template", r"Parser key \"chat_template\""),
-        ("bad_draft_sampling", r"Parser key \"draft_sampling\""),
+        ("zero_prompts", r"error: --num_prompts 0: not a positive integer \(1 or more\)\n"),
+        ("bad_chat_template", r"error: --chat_template maybe: not one of auto, yes, no\n"),
+        ("bad_draft_sampling", r"error: --draft_sampling greedy: not one of both, proposal, point_mass\n"),
         ("output_is_a_directory", "is a directory"),
         ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
         ("output_is_a_users_file", r"--output .*notes\.json exists and is not a results file lilicorr wrote, so it is "
