@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.resources
 import inspect
+import itertools
 import json
 import os
 import re
@@ -125,17 +126,22 @@ def description(function: Callable[..., Any]) -> str:
     return "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
 
 
-# What jsonargparse writes around the reason a value was refused: the union it tried, each member's type, the value's
-# Python type, and its try of the value as a config file's path. None of it says more than the reason itself.
-_PARSE_NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:$|Given value type: "
-                          r"|Given value: |Expected a <class 'NoneType'>|Expected a path but .* either not accessible "
-                          r"or invalid$|Problem with given class_path |Type .* expects a function or a callable class)")
+# What jsonargparse writes around the reasons a value was refused: the union it tried and each member's type, the
+# value's Python type, the try of the value as a config file's path, and a union's None member. None of it is a reason.
+_PARSE_NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:$"
+                          r"|Given value type: |Given value: |Expected a <class 'NoneType'>"
+                          r"|Expected a path but .* either not accessible or invalid$|Problem with given class_path )")
+_CALLABLE = re.compile(r"^Type .* expects a function or a callable class: ")  # a prefix before the reason
 _KINDS = {"PositiveInt": "a positive integer (1 or more)", "NonNegativeInt": "an integer >= 0",
           "PositiveFloat": "a number > 0", "NonNegativeFloat": "a number >= 0 (not nan)",
           "ClosedUnitInterval": "a number from 0 to 1", "OpenUnitInterval": "a number between 0 and 1",
           "DeviceName": "a device: cpu, cuda, cuda:N or mps", "int": "an integer", "float": "a number",
-          "bool": "true or false", "str": "a string", "dict": "a mapping, e.g. {name: value}",
-          "list": "a list, e.g. [a, b]"}
+          "bool": "true/false", "str": "a string", "dict": "a mapping", "list": "a list", "Iterable": "a list",
+          "tuple": "a list of fixed length", "class": "a class name or import path"}
+# The value a reason names (the one item of a list that was refused), most specific first.
+_VALUE = re.compile(r"Got value: (.*?)(?:\. Got value: .*)?$|Not of type \w+: (.+?) does not conform|could not convert "
+                    r"string to float: '(.*)'$|invalid literal for int\(\) with base 10: '(.*)'$|dot import path "
+                    r"string: (.*)$")
 
 
 def _literal_choices(text: str) -> list[str]:
@@ -148,42 +154,69 @@ def _literal_choices(text: str) -> list[str]:
     return found
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" -"))
+
+
 def plain_parse_error(message: str) -> str:
-    """jsonargparse's refusal of a value, as one line that names the option, the value and what it takes.
+    """jsonargparse's refusal of a value, as one line: the option's key, the value and what the option takes.
 
     ``Parser key "num_prompts":\n  Not of type PositiveInt: 0 does not conform to restriction v>0`` becomes
-    ``--num_prompts 0: not a positive integer (1 or more)``; an optional or a nested value (a class's ``init_args``)
-    is unwrapped the same way, with the option spelled as typed. Any other message is returned as it is.
+    ``num_prompts: 0 is not a positive integer (1 or more)`` (the key, as ``--num_prompts`` on the command line or
+    ``num_prompts:`` in a ``-c`` file). A value inside a class's ``init_args`` is named by its full key and the class;
+    a union's members are all named. A message of any other shape keeps every reason it gives, on one line. Any other
+    parse error (an unknown option, a missing one) is returned as it is.
     """
     if not message.startswith('Parser key "'):
         return message
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    option = "--" + keys[0] + "".join(f".init_args.{k}" for k in keys[1:])
-    given = re.search(r"Given value: (.*?)(?:\. Got value: .*)?$", message, re.MULTILINE)
-    reasons = []
-    for line in message.splitlines()[1:]:
-        line = line.strip().removeprefix("- ").strip()
-        if line and not _PARSE_NOISE.match(line) and not line.startswith("Parser key "):
+    lines = message.splitlines()
+    outer = re.match(r'Parser key "([^"]+)"', lines[0]).group(1)  # type: ignore[union-attr]
+    # The deepest option refused inside a class (its init_args): its key, its class and only its own block of lines.
+    focus, key, nested_key = lines[1:], outer, False
+    for i, line in enumerate(lines[1:], 1):
+        found = re.search(r'Parser key "([^"]+)":$', line)
+        if found and found.group(1) != outer:
+            depth = _indent(line)
+            focus = list(itertools.takewhile(lambda x: not x.strip() or _indent(x) > depth, lines[i + 1:]))
+            classes = re.findall(r"Problem with given class_path '([^']+)'", "\n".join(lines[:i + 1]))
+            key = f"{outer}.init_args.{found.group(1)}" + (f" ({classes[-1].rsplit('.', 1)[-1]})" if classes else "")
+            nested_key = True
+    reasons: list[str] = []
+    for line in focus:
+        line = _CALLABLE.sub("", line.strip().removeprefix("- ").strip())
+        line = re.sub(r'^Parser key "[^"]+": ?', "", line)
+        seen = {r.replace('"', "'") for r in reasons}  # one reason per union member that gave it, quoted either way
+        if line and not _PARSE_NOISE.match(line) and line.replace('"', "'") not in seen:
             reasons.append(line)
-    # The value as the reason names it (the one item of a list that was refused), else as it was given.
-    named = (re.search(r"Got value: (.*)$|Not of type \w+: (.+?) does not conform|dot import path string: (.*)$", r)
-             for r in reasons)
-    value = next((next(g for g in m.groups() if g is not None) for m in named if m), given and given.group(1))
-    text = " ".join(reasons)
-    choices = _literal_choices(text)
-    kind = re.search(r"Not of type (\w+)|Expected a <class '(\w+)'>", text)
-    if choices:
+    text = "\n".join(reasons)
+    named = next((m for m in map(_VALUE.search, reasons) if m), None)
+    given = re.search(r"^\s*Given value: (.*)$", "\n".join(focus if nested_key else lines), re.MULTILINE)
+    nested = re.fullmatch(r"NestedArg\(key='.*', val='(.*)'\)", given.group(1)) if given else None
+    value = (next(g for g in named.groups() if g is not None) if named else
+             nested.group(1) if nested else given.group(1) if given else None)
+    value = "''" if value == "" else value
+    # A union of Literals (and None) takes their choices, whatever each member's error said (an int Literal's is
+    # "Expected a <class 'int'>").
+    members = next((x.strip()[len("Subtypes: "):] for x in focus if x.strip().startswith("Subtypes: ")), None)
+    literals_only = members is not None and not re.sub(r"typing\.Literal\[.*?\]|<class 'NoneType'>|[\[\], ]", "",
+                                                       members)
+    choices = _literal_choices(members if literals_only else text)
+    kinds = [k for pair in re.findall(r"Not of type (\w+)|Expected a <class '(?:[\w.]+\.)?(\w+)'>", text)
+             for k in pair if k]
+    kinds += ["class"] if re.search(r"Expected a dot import path string", text) else []
+    kinds = list(dict.fromkeys("float" if k == "int" and "float" in kinds else k for k in kinds))
+    if choices and (literals_only or all(r.startswith("Expected a typing.Literal") for r in reasons)):
         what = "not one of " + ", ".join(choices)
-    elif kind and (kind.group(1) or kind.group(2)) in _KINDS:  # before a class: lr is a float or a Tensor class
-        what = "not " + _KINDS[kind.group(1) or kind.group(2)]
-    elif re.search(r"Expected a dot import path string", text):
-        what = "names no class; give a class name or its import path (see --help)"
-    elif kind:
-        what = f"not of type {kind.group(1) or kind.group(2)}"
-    else:
-        what = "".join(r + (" " if r.endswith(":") else "; ") for r in reasons).removesuffix("; ").strip()
-        return f"{option}: {what or 'refused'}"
-    return f"{option} {value}: {what}" if value is not None else f"{option}: {what}"
+    elif kinds and all(k in _KINDS for k in kinds) and all(r.startswith(("Expected a ", "Not of type "))
+                                                            for r in reasons):
+        named_kinds = list(dict.fromkeys(_KINDS[k] for k in kinds))
+        what = "not " + (", ".join(named_kinds[:-1]) + " or " if len(named_kinds) > 1 else "") + named_kinds[-1]
+    else:  # a shape not known here: every reason it gives, on one line
+        what = " ".join(r + ("" if r.endswith(":") else ";") for r in reasons).removesuffix(";") or "refused"
+        what = re.sub(r"\. Got value: .*?(;|$)", r"\1", what)
+        shown = value is not None and not nested and not value.startswith("Namespace(") and value not in what
+        return f"{key}: {value}: {what}" if shown else f"{key}: {what}"
+    return f"{key}: {value} is {what}" if value is not None else f"{key}: {what}"
 
 
 class ShortUsage:

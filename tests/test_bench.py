@@ -275,12 +275,12 @@ def write(path: Path, text: str) -> str:
         ("latin1_jsonl", r"prompts\.jsonl line 2: not UTF-8 text \(byte 0xe9 at column 16\); save the file as UTF-8"),
         ("jsonl_without_prompt", r"prompts.jsonl:1: expected a non-empty string 'prompt'"),
         ("selector_not_in_checkpoint", "selector 'domino' is not available in this checkpoint"),
-        ("negative_temperature", r"error: --temperature -0\.5: not a number >= 0 \(not nan\)\n"),  # when parsed
-        ("nan_temperature", r"error: --temperature nan: not a number >= 0 \(not nan\)\n"),
+        ("negative_temperature", r"error: temperature: -0\.5 is not a number >= 0 \(not nan\)\n"),  # when parsed
+        ("nan_temperature", r"error: temperature: nan is not a number >= 0 \(not nan\)\n"),
         ("inf_temperature", "must be finite and >= 0"),
-        ("zero_prompts", r"error: --num_prompts 0: not a positive integer \(1 or more\)\n"),
-        ("bad_chat_template", r"error: --chat_template maybe: not one of auto, yes, no\n"),
-        ("bad_draft_sampling", r"error: --draft_sampling greedy: not one of both, proposal, point_mass\n"),
+        ("zero_prompts", r"error: num_prompts: 0 is not a positive integer \(1 or more\)\n"),
+        ("bad_chat_template", r"error: chat_template: maybe is not one of auto, yes, no\n"),
+        ("bad_draft_sampling", r"error: draft_sampling: greedy is not one of both, proposal, point_mass\n"),
         ("output_is_a_directory", "is a directory"),
         ("output_parent_is_a_file", "is a file, so the directory cannot be created"),
         ("output_is_a_users_file", r"--output .*notes\.json exists and is not a results file lilicorr wrote, so it is "

@@ -313,8 +313,8 @@ def test_a_rebuilt_target_with_other_weights_under_the_same_name_gets_new_stage_
 
 def test_demo_rejects_zero_steps_before_any_work(tmp_path, capsys):
     err = user_error(capsys, ["demo", "--quick", "--steps", "0", "--workdir", str(tmp_path / "demo")])
-    assert "error: --steps 0: not a positive integer (1 or more)\n" in err  # refused when parsed
-    assert ("error: --arms unknown_arm: not one of dflash, lilicorr, lilicorr_no_distractor, domino, dspark, "
+    assert "error: steps: 0 is not a positive integer (1 or more)\n" in err  # refused when parsed
+    assert ("error: arms: unknown_arm is not one of dflash, lilicorr, lilicorr_no_distractor, domino, dspark, "
             "lilicorr_joint\n") in user_error(capsys, ["demo", "--quick", "--arms", "dflash,unknown_arm",
                                                         "--workdir", str(tmp_path / "demo")])
     err = user_error(capsys, ["demo", "--quick", "--arms", "[]", "--workdir", str(tmp_path / "demo")])
