@@ -127,21 +127,29 @@ def description(function: Callable[..., Any]) -> str:
 
 
 # What jsonargparse writes around the reasons a value was refused: the union it tried and each member's type, the
-# value's Python type, the try of the value as a config file's path, and a union's None member. None of it is a reason.
+# value's Python type, its try of the value as a config file's path, a union's None member, and the forms a class
+# may be given in. None of it is a reason.
 _PARSE_NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:$"
                           r"|Given value type: |Given value: |Expected a <class 'NoneType'>"
-                          r"|Expected a path but .* either not accessible or invalid$|Problem with given class_path )")
+                          r"|Expected a path but .* either not accessible or invalid$|Problem with given class_path "
+                          r"|Subclass types expect one of:$|a class path \(str\)$|a dict with (class_path|init_args) "
+                          r"|a dict without class_path |a dict with parameters accepted by the base class )")
 _CALLABLE = re.compile(r"^Type .* expects a function or a callable class: ")  # a prefix before the reason
+_SCOPE = re.compile(r"""(?:Parser key "([^"]+)"|Problem with given class_path '([^']+)'):$""")
 _KINDS = {"PositiveInt": "a positive integer (1 or more)", "NonNegativeInt": "an integer >= 0",
           "PositiveFloat": "a number > 0", "NonNegativeFloat": "a number >= 0 (not nan)",
           "ClosedUnitInterval": "a number from 0 to 1", "OpenUnitInterval": "a number between 0 and 1",
           "DeviceName": "a device: cpu, cuda, cuda:N or mps", "int": "an integer", "float": "a number",
           "bool": "true/false", "str": "a string", "dict": "a mapping", "list": "a list", "Iterable": "a list",
-          "tuple": "a list of fixed length", "class": "a class name or import path"}
+          "tuple": "a list of fixed length", "class": "a class name or import path",
+          "config": "a config file or a mapping of its keys"}
+_KIND = re.compile(r"^(?:Not of type (\w+)|Expected a?\s?<class '(?:[\w.]+\.)?(\w+)'>|Expected a?\s?dot import "
+                   r"path string|Not a valid subclass of \w+$|Unable to load config '(.*)'$)")
 # The value a reason names (the one item of a list that was refused), most specific first.
-_VALUE = re.compile(r"Got value: (.*?)(?:\. Got value: .*)?$|Not of type \w+: (.+?) does not conform|could not convert "
-                    r"string to float: '(.*)'$|invalid literal for int\(\) with base 10: '(.*)'$|dot import path "
-                    r"string: (.*)$")
+_VALUE = re.compile(r"Got value: (.*?)(?:\. Got value: .*)?$|Not of type \w+: (.*?) does not (?:conform|match)"
+                    r"|could not convert string to float: '(.*)'$|invalid literal for int\(\) with base 10: '(.*)'$"
+                    r"|dot import path string: (.*)$|^Import path (\S+) does not correspond"
+                    r"|^Unable to load config '(.*)'$")
 
 
 def _literal_choices(text: str) -> list[str]:
@@ -154,67 +162,93 @@ def _literal_choices(text: str) -> list[str]:
     return found
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip(" -"))
+def _spaces(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
 
 
-def plain_parse_error(message: str) -> str:
+def _shown(value: str | None) -> str | None:
+    """The value as the line shows it: quoted when empty or with spaces or a colon; None for a whole Namespace."""
+    if value is None or "Namespace(" in value:
+        return None
+    if value == "" or (re.search(r"\s|: ", value) and value[:1] not in "[{'\""):
+        return f"'{value}'"
+    return value
+
+
+def plain_parse_error(message: str, aliases: Mapping[str, str] | None = None) -> str:
     """jsonargparse's refusal of a value, as one line: the option's key, the value and what the option takes.
 
     ``Parser key "num_prompts":\n  Not of type PositiveInt: 0 does not conform to restriction v>0`` becomes
     ``num_prompts: 0 is not a positive integer (1 or more)`` (the key, as ``--num_prompts`` on the command line or
-    ``num_prompts:`` in a ``-c`` file). A value inside a class's ``init_args`` is named by its full key and the class;
-    a union's members are all named. A message of any other shape keeps every reason it gives, on one line. Any other
-    parse error (an unknown option, a missing one) is returned as it is.
+    ``num_prompts:`` in a ``-c`` file). A value inside a class's ``init_args`` (at any depth) is named by its full key
+    and its class; a union's members are all named. A message of any other shape keeps every reason it gives, on one
+    line. Any other parse error (an unknown option, a missing one) is returned as it is. ``aliases``: keys to report
+    as others (a linked option, which jsonargparse names by the key it is copied to).
     """
     if not message.startswith('Parser key "'):
         return message
-    lines = message.splitlines()
+    # An empty value ends its line: "Got value: " (stripped to "Got value:" below) is written as ''.
+    lines = [re.sub(r"((?:Got|Given) value|dot import path string):\s*$", r"\1: ''", x.rstrip()) for x in
+             message.splitlines()]
     outer = re.match(r'Parser key "([^"]+)"', lines[0]).group(1)  # type: ignore[union-attr]
-    # The deepest option refused inside a class (its init_args): its key, its class and only its own block of lines.
-    focus, key, nested_key = lines[1:], outer, False
-    for i, line in enumerate(lines[1:], 1):
-        found = re.search(r'Parser key "([^"]+)":$', line)
-        if found and found.group(1) != outer:
-            depth = _indent(line)
-            focus = list(itertools.takewhile(lambda x: not x.strip() or _indent(x) > depth, lines[i + 1:]))
-            classes = re.findall(r"Problem with given class_path '([^']+)'", "\n".join(lines[:i + 1]))
-            key = f"{outer}.init_args.{found.group(1)}" + (f" ({classes[-1].rsplit('.', 1)[-1]})" if classes else "")
-            nested_key = True
+    # The deepest scope with lines of its own (an option inside a class, a class inside a list), and its ancestors.
+    scopes = [i for i, x in enumerate(lines[1:], 1) if _SCOPE.search(x)
+              and _spaces(next((y for y in lines[i + 1:] if y.strip()), "")) > _spaces(x)]
+    deepest = max(scopes, key=lambda i: (_spaces(lines[i]), -i), default=0)  # the most nested; the first of equals
+    chain, depth = [], _spaces(lines[deepest]) + 1
+    for x in reversed(lines[1:deepest + 1]):
+        if (found := _SCOPE.search(x)) and _spaces(x) < depth:
+            chain.append(found.groups())
+            depth = _spaces(x)
+    key, cls = outer, None
+    for option, class_path in reversed(chain):
+        if class_path:
+            cls = class_path.rsplit(".", 1)[-1]
+        elif option.startswith(key + "."):  # a dataclass's own key: written in full
+            key = option
+        elif option != key:
+            key = f"{key}.init_args.{option}"
+    key = (aliases or {}).get(key, key) + (f" ({cls})" if cls else "")
+    top = _spaces(lines[deepest])
+    focus = list(itertools.takewhile(lambda x: not x.strip() or _spaces(x) > top, lines[deepest + 1:])) if deepest \
+        else lines[1:]
     reasons: list[str] = []
     for line in focus:
-        line = _CALLABLE.sub("", line.strip().removeprefix("- ").strip())
-        line = re.sub(r'^Parser key "[^"]+": ?', "", line)
+        line = re.sub(r'^Parser key "[^"]+": ?', "", _CALLABLE.sub("", line.strip().removeprefix("- ").strip()))
         seen = {r.replace('"', "'") for r in reasons}  # one reason per union member that gave it, quoted either way
         if line and not _PARSE_NOISE.match(line) and line.replace('"', "'") not in seen:
             reasons.append(line)
-    text = "\n".join(reasons)
     named = next((m for m in map(_VALUE.search, reasons) if m), None)
-    given = re.search(r"^\s*Given value: (.*)$", "\n".join(focus if nested_key else lines), re.MULTILINE)
+    given = re.search(r"^\s*Given value: (.*)$", "\n".join(focus if deepest else lines), re.MULTILINE)
     nested = re.fullmatch(r"NestedArg\(key='.*', val='(.*)'\)", given.group(1)) if given else None
-    value = (next(g for g in named.groups() if g is not None) if named else
-             nested.group(1) if nested else given.group(1) if given else None)
-    value = "''" if value == "" else value
-    # A union of Literals (and None) takes their choices, whatever each member's error said (an int Literal's is
+    value = _shown(next(g for g in named.groups() if g is not None) if named else
+                   nested.group(1) if nested else given.group(1).removesuffix(".") if given else None)
+    # A union of Literals (and None) takes all their choices, whatever each member's error said (an int Literal's is
     # "Expected a <class 'int'>").
     members = next((x.strip()[len("Subtypes: "):] for x in focus if x.strip().startswith("Subtypes: ")), None)
     literals_only = members is not None and not re.sub(r"typing\.Literal\[.*?\]|<class 'NoneType'>|[\[\], ]", "",
                                                        members)
+    text = "\n".join(reasons)
     choices = _literal_choices(members if literals_only else text)
-    kinds = [k for pair in re.findall(r"Not of type (\w+)|Expected a <class '(?:[\w.]+\.)?(\w+)'>", text)
-             for k in pair if k]
-    kinds += ["class"] if re.search(r"Expected a dot import path string", text) else []
+    kinds = []
+    for reason in reasons:
+        if (m := _KIND.match(reason)) and not reason.startswith("Expected a typing.Literal"):
+            kinds.append(m.group(1) or m.group(2) or ("config" if reason.startswith("Unable") else "class"))
     kinds = list(dict.fromkeys("float" if k == "int" and "float" in kinds else k for k in kinds))
-    if choices and (literals_only or all(r.startswith("Expected a typing.Literal") for r in reasons)):
+    literal_reasons = [r for r in reasons if r.startswith("Expected a typing.Literal")]
+    if choices and (literals_only or len(literal_reasons) == len(reasons)):
         what = "not one of " + ", ".join(choices)
-    elif kinds and all(k in _KINDS for k in kinds) and all(r.startswith(("Expected a ", "Not of type "))
-                                                            for r in reasons):
+    elif kinds and all(k in _KINDS for k in kinds) and all(_KIND.match(r) or r in literal_reasons for r in reasons):
         named_kinds = list(dict.fromkeys(_KINDS[k] for k in kinds))
+        if choices:
+            named_kinds.insert(0, "one of " + ", ".join(choices))
         what = "not " + (", ".join(named_kinds[:-1]) + " or " if len(named_kinds) > 1 else "") + named_kinds[-1]
-    else:  # a shape not known here: every reason it gives, on one line
+    else:  # a shape not known here: every reason it gives, on one line, Python's type names in words
+        reasons = [re.sub(r"Expected a?\s?<class '(?:[\w.]+\.)?(\w+)'>",
+                          lambda m: "expected " + _KINDS.get(m.group(1), m.group(1)), r) for r in reasons]
         what = " ".join(r + ("" if r.endswith(":") else ";") for r in reasons).removesuffix(";") or "refused"
         what = re.sub(r"\. Got value: .*?(;|$)", r"\1", what)
-        shown = value is not None and not nested and not value.startswith("Namespace(") and value not in what
+        shown = value is not None and value not in what
         return f"{key}: {value}: {what}" if shown else f"{key}: {what}"
     return f"{key}: {value} is {what}" if value is not None else f"{key}: {what}"
 
@@ -231,11 +265,14 @@ class ShortUsage:
         lines = usage.splitlines()
         return usage if len(lines) <= 4 else f"{lines[0]} …\n"
 
+    parse_aliases: typing.ClassVar[dict[str, str]] = {}
+    """Keys that a refusal names by another: a linked option is refused under the key it is copied to."""
+
     def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
         # A nested parser (a class's init_args) raises to the parser above it, which reads its message: only the
         # error that is printed is rewritten.
         printed = getattr(self, "exit_on_error", True)
-        super().error(plain_parse_error(message) if printed else message, ex)  # type: ignore[misc]
+        super().error(plain_parse_error(message, self.parse_aliases) if printed else message, ex)  # type: ignore[misc]
 
 
 class ToolParser(ShortUsage, ArgumentParser):

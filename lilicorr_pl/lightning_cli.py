@@ -321,6 +321,9 @@ def _honour_wandb_disabled(trainer: Trainer | None) -> None:
 class ShortUsageParser(ShortUsage, LightningArgumentParser):
     """LightningCLI's parser with :class:`~lilicorr_pl.command.ShortUsage`."""
 
+    # model.target is linked to data.target (LilicorrCLI.add_arguments_to_parser): a bad target is refused there.
+    parse_aliases = {"data.target": "model.target"}
+
 
 class LilicorrCLI(LightningCLI):
     """LightningCLI with the links that keep model and data consistent and the edge checks above.

@@ -97,7 +97,10 @@ def user_error(capsys, argv: list[str]) -> str:
         assert len(lines) == 1 and lines[0].startswith(f"lilicorr {argv[0]}: error: "), err
     parsed = [line for line in err.splitlines() if line.startswith("error: ")]
     if parsed:  # refused when parsed: one line, the last, not jsonargparse's account of the types it tried
-        assert len(parsed) == 1 and err.endswith(parsed[0] + "\n") and "<class" not in err, err
+        assert len(parsed) == 1 and err.endswith(parsed[0] + "\n"), err
+        for internal in ("<class", "Namespace(", "NestedArg(", "Got value", "Given value", "Subtypes"):
+            assert internal not in err, err
+        assert not parsed[0].endswith(": refused"), err
     return err
 
 

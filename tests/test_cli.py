@@ -643,16 +643,33 @@ def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name,
      "model.optimizer: torch.optim.Nope: module 'torch.optim' has no attribute 'Nope'"),
     (["fit", "-c", TINY, "--model.losses=[foo]"], "model.losses: foo is not a class name or import path"),
     (["fit", "-c", TINY, "--model.loss_weights=3"], "model.loss_weights: 3 is not a mapping"),
-    (["fit", "-c", TINY, "--model.target=abc"], "model.target: Unable to load config 'abc'"),
-    (["fit", "-c", TINY, "--model.head=[1,2]"], "model.head: [1, 2]: Not a valid subclass of Selector; Subclass types "
-     "expect one of: a class path (str); a dict with class_path entry; a dict without class_path but with init_args "
-     "entry (class path given previously); a dict with parameters accepted by the base class (implicit class_path)"),
+    (["fit", "-c", TINY, "--model.target=abc"], "model.target: abc is not a config file or a mapping of its keys"),
+    (["fit", "-c", TINY, "--model.head=[1,2]"], "model.head: [1, 2] is not a class name or import path"),
+    # A mapping typed for a dataclass option: its own key (it was model.target.init_args.model.target.dtype).
+    (["fit", "-c", TINY, "--model.target={name_or_path: x, dtype: fp8}"],
+     "model.target.dtype: fp8 is not one of float32, fp32, bfloat16, bf16, float16, fp16"),
+    # A linked option is refused under the key it is copied to (data.target); named by the one the user gave.
+    (["fit", "-c", TINY, "--model.target={name_or_path: x, bogus: 1}"],
+     "model.target (TargetSpec): Option 'bogus' is not accepted"),
+    # A class inside a class: every level of the key.
+    (["fit", "-c", TINY, "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
+      "--trainer.strategy.init_args.cluster_environment=lightning.pytorch.plugins.environments.SLURMEnvironment",
+      "--trainer.strategy.init_args.cluster_environment.init_args.auto_requeue=maybe"],
+     "trainer.strategy.init_args.cluster_environment.init_args.auto_requeue (SLURMEnvironment): maybe is not "
+     "true/false"),
+    # A class missing a required argument: the class, not every callback's Namespace (2,000 characters).
+    (["fit", "-c", TINY, "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"],
+     "trainer.callbacks (EarlyStopping): the following arguments are required: monitor"),
+    (["fit", "-c", TINY, "--model.optimizer={class_path: torch.optim.AdamW, init_args: {lr: x}}"],
+     "model.optimizer.init_args.lr: x is not a number or a class name or import path"),
     # Unions: every member is named, a union of Literals by all their choices.
     (["fit", "-c", TINY, "--trainer.precision=bf17"], "trainer.precision: bf17 is not one of 64, 32, 16, "
      "transformer-engine, transformer-engine-float16, 16-true, 16-mixed, bf16-true, bf16-mixed, 32-true, 64-true, "
      "bf16"),
     (["fit", "-c", TINY, "--trainer.logger=Nope"],
-     "trainer.logger: Nope is not a list, true/false or a class name or import path"),
+     "trainer.logger: Nope is not a class name or import path, a list or true/false"),
+    (["fit", "-c", TINY, "--trainer.logger=[Nope]"], "trainer.logger: Nope is not a class name or import path or "
+     "true/false"),
     (["fit", "-c", TINY, "--seed_everything=abc"], "seed_everything: abc is not true/false or an integer"),
     (["fit", "-c", TINY, "--trainer.gradient_clip_val=abc"], "trainer.gradient_clip_val: abc is not a number"),
     (["bench", "--ckpt", "x.ckpt", "--device", "gpu"], "device: gpu is not a device: cpu, cuda, cuda:N or mps"),
@@ -663,6 +680,12 @@ def test_every_subcommand_has_help_from_its_signature_and_accepts_a_config(name,
     (["bench", "--ckpt", "x.ckpt", "--max_new_tokens", "1.5"],
      "max_new_tokens: 1.5 is not a positive integer (1 or more)"),
     (["bench", "--ckpt", "x.ckpt", "--num_prompts", ""], "num_prompts: '' is not a positive integer (1 or more)"),
+    # An empty value, or one with spaces, quoted (an empty one was left out).
+    (["bench", "--ckpt", "x.ckpt", "--draft_sampling", ""], "draft_sampling: '' is not one of both, proposal, "
+     "point_mass"),
+    (["bench", "--ckpt", "x.ckpt", "--device", ""], "device: '' is not a device: cpu, cuda, cuda:N or mps"),
+    (["fit", "-c", TINY, "--model.num_anchors=x is y"], "model.num_anchors: 'x is y' is not an integer"),
+    (["perf", "-c", TINY, "--device", "gpu"], "device: gpu is not a device: cpu, cuda, cuda:N or mps"),
     (["export", "--ckpt", "x.ckpt", "--output", "out", "--overwrite=maybe"], "overwrite: maybe is not true/false"),
     (["export", "--ckpt", "x.ckpt", "--output", "out", "--dtype", "fp8"],
      "dtype: fp8 is not one of auto, bfloat16, float16, float32"),
@@ -695,13 +718,24 @@ def test_a_bad_value_is_rejected_when_parsed(argv, line, capsys, tmp_path, monke
     ("fit", "model:\n  losses:\n    - {class_path: lilicorr_pl.losses.DFlashCE, init_args: {weight: abc}}",
      "model.losses.init_args.weight (DFlashCE): abc is not a number"),
     ("bench", "ckpt: x.ckpt\nnum_prompts: 0", "num_prompts: 0 is not a positive integer (1 or more)"),
+    # The second item of a list: its class (the list was printed as jsonargparse had read it, Namespaces and all).
+    ("fit", "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+            "    - class_path: lightning.pytorch.callbacks.Nope",
+     "trainer.callbacks (Nope): module 'lightning.pytorch.callbacks' has no attribute 'Nope'"),
+    ("fit", "trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n    init_args:\n"
+            "      cluster_environment:\n        class_path: lightning.pytorch.plugins.environments.SLURMEnvironment\n"
+            "        init_args: {auto_requeue: maybe}",
+     "trainer.strategy.init_args.cluster_environment.init_args.auto_requeue (SLURMEnvironment): maybe is not "
+     "true/false"),
+    ("perf", "device: gpu", "device: gpu is not a device: cpu, cuda, cuda:N or mps"),
+    ("export", "ckpt: x.ckpt\noutput: out\ndtype: fp8", "dtype: fp8 is not one of auto, bfloat16, float16, float32"),
 ])
 def test_a_bad_value_in_a_config_file_is_named_by_its_key(subcommand, text, line, capsys, tmp_path, monkeypatch):
     """The key the value has in the file (the same as the option's on the command line, without the dashes), and the
     class of the list item it is in."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.yaml").write_text(text + "\n")
-    argv = [subcommand, *(["-c", TINY] if subcommand == "fit" else []), "-c", "bad.yaml"]
+    argv = [subcommand, *(["-c", TINY] if subcommand in ("fit", "perf") else []), "-c", "bad.yaml"]
     assert user_error(capsys, argv).splitlines()[-1] == "error: " + line
 
 
@@ -710,6 +744,9 @@ def test_a_parse_error_other_than_a_refused_value_is_left_as_it_is(capsys):
 
     for message in ("unrecognized arguments: --nope 3", "the following arguments are required: ckpt"):
         assert plain_parse_error(message) == message
+    # A refusal that is not of a value's type keeps its reason, on one line.
+    err = user_error(capsys, ["fit", "-c", TINY, "--model.lr_scheduler=torch.optim.lr_scheduler.StepLR"])
+    assert err.splitlines()[-1] == "error: model.lr_scheduler: the following arguments are required: step_size", err
     # A nested parser's refusal reaches the parser above it as jsonargparse wrote it, so the key is spelled in full.
     err = user_error(capsys, ["fit", "-c", TINY, "--model.drafter.init_args.num_layers=two"])
     assert err.splitlines()[-1] == "error: model.drafter.init_args.num_layers (DFlashDrafter): two is not an integer"
