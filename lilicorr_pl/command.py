@@ -143,8 +143,9 @@ _KINDS = {"PositiveInt": "a positive integer (1 or more)", "NonNegativeInt": "an
           "bool": "true/false", "str": "a string", "dict": "a mapping", "list": "a list", "Iterable": "a list",
           "tuple": "a list of fixed length", "class": "a class name or import path",
           "config": "a config file or a mapping of its keys"}
-_KIND = re.compile(r"^(?:Not of type (\w+)|Expected a?\s?<class '(?:[\w.]+\.)?(\w+)'>|Expected a?\s?dot import "
-                   r"path string|Not a valid subclass of \w+$|Unable to load config '(.*)'$)")
+_PY_CLASS = r"Expected a?\s?<class '(?:[\w.]+\.)?(\w+)'>"  # a Python type, named by its last part
+_KIND = re.compile(rf"^(?:Not of type (\w+)|{_PY_CLASS}|Expected a?\s?dot import path string|Not a valid subclass of "
+                   r"\w+$|(Unable to load config) '.*'$)")
 # The value a reason names (the one item of a list that was refused), most specific first.
 _VALUE = re.compile(r"Got value: (.*?)(?:\. Got value: .*)?$|Not of type \w+: (.*?) does not (?:conform|match)"
                     r"|could not convert string to float: '(.*)'$|invalid literal for int\(\) with base 10: '(.*)'$"
@@ -230,12 +231,10 @@ def plain_parse_error(message: str, aliases: Mapping[str, str] | None = None) ->
                                                        members)
     text = "\n".join(reasons)
     choices = _literal_choices(members if literals_only else text)
-    kinds = []
-    for reason in reasons:
-        if (m := _KIND.match(reason)) and not reason.startswith("Expected a typing.Literal"):
-            kinds.append(m.group(1) or m.group(2) or ("config" if reason.startswith("Unable") else "class"))
-    kinds = list(dict.fromkeys("float" if k == "int" and "float" in kinds else k for k in kinds))
     literal_reasons = [r for r in reasons if r.startswith("Expected a typing.Literal")]
+    kinds = [m.group(1) or m.group(2) or ("config" if m.group(3) else "class")
+             for r in reasons if r not in literal_reasons and (m := _KIND.match(r))]
+    kinds = list(dict.fromkeys("float" if k == "int" and "float" in kinds else k for k in kinds))
     if choices and (literals_only or len(literal_reasons) == len(reasons)):
         what = "not one of " + ", ".join(choices)
     elif kinds and all(k in _KINDS for k in kinds) and all(_KIND.match(r) or r in literal_reasons for r in reasons):
@@ -244,8 +243,7 @@ def plain_parse_error(message: str, aliases: Mapping[str, str] | None = None) ->
             named_kinds.insert(0, "one of " + ", ".join(choices))
         what = "not " + (", ".join(named_kinds[:-1]) + " or " if len(named_kinds) > 1 else "") + named_kinds[-1]
     else:  # a shape not known here: every reason it gives, on one line, Python's type names in words
-        reasons = [re.sub(r"Expected a?\s?<class '(?:[\w.]+\.)?(\w+)'>",
-                          lambda m: "expected " + _KINDS.get(m.group(1), m.group(1)), r) for r in reasons]
+        reasons = [re.sub(_PY_CLASS, lambda m: "expected " + _KINDS.get(m.group(1), m.group(1)), r) for r in reasons]
         what = " ".join(r + ("" if r.endswith(":") else ";") for r in reasons).removesuffix(";") or "refused"
         what = re.sub(r"\. Got value: .*?(;|$)", r"\1", what)
         shown = value is not None and value not in what

@@ -318,11 +318,16 @@ def _honour_wandb_disabled(trainer: Trainer | None) -> None:
             logger._offline = False  # the mode is wandb's to read: the environment's "disabled"
 
 
+LINKS = (("model.target", "data.target"), ("data.max_length", "model.max_length"))
+"""The options one sets for two (source, target): the data module tokenizes with, and precomputes logits from, the
+model's target; the model's context length is the data's."""
+
+
 class ShortUsageParser(ShortUsage, LightningArgumentParser):
     """LightningCLI's parser with :class:`~lilicorr_pl.command.ShortUsage`."""
 
-    # model.target is linked to data.target (LilicorrCLI.add_arguments_to_parser): a bad target is refused there.
-    parse_aliases = {"data.target": "model.target"}
+    # jsonargparse refuses a linked value under the key it is copied to: name the one the user gave.
+    parse_aliases = {target: source for source, target in LINKS}
 
 
 class LilicorrCLI(LightningCLI):
@@ -350,9 +355,8 @@ class LilicorrCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # The data module tokenizes with, and precomputes logits from, the model's target.
-        parser.link_arguments("model.target", "data.target", apply_on="parse")
-        parser.link_arguments("data.max_length", "model.max_length", apply_on="parse")
+        for source, target in LINKS:
+            parser.link_arguments(source, target, apply_on="parse")
 
     # ------------------------------------------------------------------ before anything is built
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
