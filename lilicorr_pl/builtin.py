@@ -14,6 +14,7 @@ progress); the core (system, target, data module) refuses a ``builtin:`` name in
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.files import atomic_file, cache_root, check_writable_dir
@@ -34,15 +35,29 @@ def resolve_target_path(name_or_path: str, progress: bool = False) -> str:
     """
     if not str(name_or_path).startswith(PREFIX):
         return str(name_or_path)
-    preset = str(name_or_path)[len(PREFIX):]
-    if preset not in TARGET_PRESETS:
-        raise ValueError(
-            f"unknown built-in target {name_or_path!r}; use one of "
-            f"{[PREFIX + p for p in TARGET_PRESETS]} or a hub name / local path"
-        )
     from lilicorr_pl.demo.tiny_target import build_tiny_target
 
-    return str(build_tiny_target(TARGET_PRESETS[preset], progress=progress))
+    return str(build_tiny_target(_preset(name_or_path), progress=progress))
+
+
+def _preset(name: str) -> str:
+    preset = str(name)[len(PREFIX):]
+    if preset not in TARGET_PRESETS:
+        raise ValueError(
+            f"unknown built-in target {name!r}; use one of {[PREFIX + p for p in TARGET_PRESETS]} or a hub name / "
+            "local path"
+        )
+    return TARGET_PRESETS[preset]
+
+
+def unbuilt_target_config(name: str) -> Any:
+    """The model config (``Qwen3Config``) a ``builtin:`` target will have, while it is not built: ``None`` once it is,
+    and for any other name. A command checks its settings against it before starting a build of minutes."""
+    if not is_builtin(name):
+        return None
+    from lilicorr_pl.demo.tiny_target import unbuilt_model_config
+
+    return unbuilt_model_config(_preset(name))
 
 
 def resolve_target_option(target: str, flag: str = "--target") -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, first_line
-from lilicorr_pl.command import run_function, shipped_config_path
+from lilicorr_pl.command import CONFIG_FLAGS, config_arguments, is_inline_config, run_function, shipped_config_path
 
 LIGHTNING = {
     "fit": "train a drafter (and head) against the frozen target",
@@ -46,7 +46,6 @@ AFTER_A_STOP = {
 }
 # Tools whose function parses its own argv (a LightningCLI parser extended with its options) instead of run_function.
 OWN_PARSER = ("prepare", "perf")
-CONFIG_FLAGS = ("-c", "--config")
 DESCRIPTION = (
     "Train and evaluate DFlash drafters with the LiLiCorr lattice-correction head. Every subcommand has its own "
     "--help, accepts -c/--config FILE.yaml, and checks its values before any work starts."
@@ -73,12 +72,9 @@ def top_parser() -> Any:
 def config_files(argv: Sequence[str]) -> list[str]:
     """``-c/--config`` values, with ``configs/...`` mapped to the shipped configs when no such file is here."""
     out = list(argv)
-    for i, token in enumerate(out):
-        flag, eq, value = token.partition("=")
-        if flag in CONFIG_FLAGS and eq:
-            out[i] = f"{flag}={shipped_config_path(value)}"
-        elif token in CONFIG_FLAGS and i + 1 < len(out):
-            out[i + 1] = shipped_config_path(out[i + 1])
+    for i, value in config_arguments(argv):
+        flag, eq, _ = out[i].partition("=")
+        out[i] = f"{flag}={shipped_config_path(value)}" if flag in CONFIG_FLAGS and eq else shipped_config_path(value)
     return out
 
 
@@ -86,12 +82,8 @@ def check_config_files(argv: Sequence[str]) -> None:
     """A missing or malformed YAML config is one line naming the file (jsonargparse would say ``<unicode string>``)."""
     import yaml
 
-    for i, token in enumerate(argv):
-        flag, eq, value = token.partition("=")
-        if not ((flag in CONFIG_FLAGS and eq) or (token in CONFIG_FLAGS and i + 1 < len(argv))):
-            continue
-        text = value if eq else argv[i + 1]
-        if text.lstrip().startswith(("{", "[")) or "\n" in text:
+    for _, text in config_arguments(argv):
+        if is_inline_config(text):
             continue  # an inline YAML/JSON config, not a file
         path = Path(text)
         if not path.exists():

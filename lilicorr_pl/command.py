@@ -29,8 +29,28 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+CONFIG_FLAGS = ("-c", "--config")
+
+
+def config_arguments(argv: Sequence[str]) -> list[tuple[int, str]]:
+    """The ``-c/--config`` values in ``argv``: (the index of the token that holds it, the value)."""
+    out = []
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        if flag in CONFIG_FLAGS and eq:
+            out.append((i, value))
+        elif token in CONFIG_FLAGS and i + 1 < len(argv):
+            out.append((i + 1, argv[i + 1]))
+    return out
+
+
+def is_inline_config(text: str) -> bool:
+    """A ``-c`` value that is YAML/JSON itself, not a file's name."""
+    return text.lstrip().startswith(("{", "[")) or "\n" in text
+
+
 CONFIG_HELP = "a YAML file with any of the options below (later options override it)"
-_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 _PLAIN_SCALAR = re.compile(r"^[\w./-][\w.+\-/:@~]*$")
 _YAML_WORDS = {"null", "~", "true", "false", "yes", "no", "on", "off", "y", "n"}
@@ -65,7 +85,8 @@ def _yaml_item(token: str) -> str:
 def argparse_spellings(argv: Sequence[str], hints: Mapping[str, Any]) -> list[str]:
     """Rewrite argparse-style spellings of the options in ``hints`` into the jsonargparse ones.
 
-    ``--a-b`` -> ``--a_b``; a bool option without a value -> ``--flag=true``; ``--no-flag`` -> ``--flag=false``;
+    ``--a-b`` -> ``--a_b``; a bool option without a value -> ``--flag=true`` (with one, ``--flag=VALUE``);
+    ``--no-flag`` -> ``--flag=false``;
     a list option followed by several values, given several times, or as ``a,b`` -> one ``--opt=[a, b]``. Anything else
     (including a lone ``--``, dropped) is passed through unchanged for jsonargparse to parse and validate.
     """
@@ -92,7 +113,9 @@ def argparse_spellings(argv: Sequence[str], hints: Mapping[str, Any]) -> list[st
         if eq:
             values = [value]
         elif _is_bool(hint):
-            if i < len(argv) and argv[i].lower() in _BOOL_WORDS:
+            # A value after the flag is its value, a word it does not know too: refused as the flag's
+            # (`--compile maybe` was "unrecognized arguments: maybe"; no command takes a positional argument).
+            if i < len(argv) and _is_value(argv[i]):
                 values, i = [argv[i]], i + 1
             else:
                 values = ["true"]

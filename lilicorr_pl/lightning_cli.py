@@ -16,8 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +38,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lilicorr_pl import builtin
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
                                     config_modules, first_line, read_verified, verified_first)
-from lilicorr_pl.command import ShortUsage
+from lilicorr_pl.command import ShortUsage, config_arguments, is_inline_config
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_chat_template
 from lilicorr_pl.data.store import CacheError
@@ -323,6 +325,62 @@ LINKS = (("model.target", "data.target"), ("data.max_length", "model.max_length"
 model's target; the model's context length is the data's."""
 
 
+_UNSET = object()
+
+
+def _yaml_at(mapping: Any, dotted: str) -> Any:
+    """The value at a dotted key of loaded YAML (``_UNSET`` when it is not there)."""
+    for part in dotted.split("."):
+        if not isinstance(mapping, dict) or part not in mapping:
+            return _UNSET
+        mapping = mapping[part]
+    return mapping
+
+
+def _config_sources(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """Each ``-c/--config`` of ``args`` (a file or inline YAML) as ``(how to name it, its options)``."""
+    import yaml
+
+    out = []
+    for _, text in config_arguments(args):
+        inline = is_inline_config(text)
+        try:
+            loaded = yaml.safe_load(text if inline else Path(text).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # the files were checked before parsing; jsonargparse has read what it could
+        out.append(("the inline -c config" if inline else f"config file {text}", loaded))
+    return out
+
+
+def refuse_linked_options(args: Sequence[str]) -> None:
+    """An option a link sets (:data:`LINKS`), typed on the command line: one line naming the option to set (jsonargparse
+    said ``argument data.max_length --> model.max_length: int | None is not callable``)."""
+    for token in args:
+        name = token[2:].partition("=")[0] if token.startswith("--") else ""
+        for source, target in LINKS:
+            if name == target or name.startswith(target + "."):
+                raise UserInputError(f"--{name} is set from --{source}, which it always equals; set "
+                                     f"--{source}{name[len(target):]} instead")
+
+
+def check_linked_options(args: Sequence[str], config: Any, subcommand: str | None) -> None:
+    """A config file's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a
+    word (``model.max_length: 5`` trained at ``data.max_length``). One equal to the value the link sets passes."""
+    section = config.get(subcommand) if subcommand else config
+    for where, loaded in _config_sources(args):
+        for source, target in LINKS:
+            given, final = _yaml_at(loaded, target), plain_data(section.get(source))
+            if given is _UNSET:
+                continue
+            pairs = ([(f"{target}.{k}", v, final.get(k), f"{source}.{k}") for k, v in given.items()]
+                     if isinstance(given, dict) and isinstance(final, dict) else [(target, given, final, source)])
+            for key, value, its, by in pairs:
+                if value != its:
+                    raise UserInputError(
+                        f"{key} {value} in {where} would be overwritten by {by} ({its}), which sets it; drop {key} "
+                        f"from that config, or set {by} instead")
+
+
 class ShortUsageParser(ShortUsage, LightningArgumentParser):
     """LightningCLI's parser with :class:`~lilicorr_pl.command.ShortUsage`."""
 
@@ -362,8 +420,14 @@ class LilicorrCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # `lilicorr` hands over the argv it has already checked (config files found, YAML readable), so LightningCLI's
         # warning about passing args while sys.argv also has some does not apply.
-        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
+        if isinstance(args, (dict, Namespace)):
+            self.config = parser.parse_object(args)
+        else:
+            refuse_linked_options(args or [])
+            self.config = parser.parse_args(args)
         subcommand = self.config.get("subcommand")
+        if not isinstance(args, (dict, Namespace)):
+            check_linked_options(args or [], self.config, subcommand)
         self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
@@ -379,6 +443,7 @@ class LilicorrCLI(LightningCLI):
                 check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
                                    output_fix="it writes <trainer.default_root_dir>/predict.json: set "
                                               "--trainer.default_root_dir to another folder, or move that file")
+            self._check_before_a_target_build(config)
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
@@ -422,6 +487,22 @@ class LilicorrCLI(LightningCLI):
                 files = [files]
             if files:
                 data[key] = [builtin.resolve_data_file(str(f)) for f in files]
+
+    @staticmethod
+    def _check_before_a_target_build(config: Any) -> None:
+        """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
+        the config the build will have, so a setting they refuse is refused now, not after a build of up to half an
+        hour (``--data.batch_size=-1`` was). A built one is loaded in seconds: the run's own constructors check."""
+        model = config.get("model")
+        target = model.get("target") if model is not None else None
+        name = target.get("name_or_path") if target is not None else None
+        preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
+        if preview is None:
+            return
+        with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run's own constructors warn, once
+            preview.save_pretrained(folder)
+            dry_build(config, folder)
 
     @staticmethod
     def _resolve_builtin_target(config: Any) -> None:
@@ -977,24 +1058,34 @@ class PrepareCLI(LilicorrCLI):
         add_saved_fit_arguments(parser, "prepare")  # the stores depend on the data and the target, not on weights
 
     def instantiate_classes(self) -> None:
-        import torch
-        from jsonargparse import namespace_to_dict
+        self.datamodule, _ = dry_build(self.config)
 
-        model = self.config["model"].clone()
-        model.init_drafter_from = model.init_head_from = None
-        model.init_drafter_layers_from_target = False
-        parser = LightningArgumentParser(parser_mode="omegaconf")
-        parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
-        try:
-            self.datamodule = DraftDataModule(**namespace_to_dict(self.config["data"]))
-            with torch.device("meta"):
-                system = parser.instantiate_classes(Namespace(model=model)).model
-        except (ValueError, TypeError) as err:
-            raise UserInputError(str(err).strip().splitlines()[-1]) from None
-        try:
-            wire_logit_cache(system, self.datamodule)
-        except ValueError as err:
-            raise UserInputError(str(err)) from None
+
+def dry_build(config: Any, target_path: str | None = None) -> tuple[DraftDataModule, DraftSystem]:
+    """A run's data module, and its system on the meta device (no weights, no warm starts): every setting their
+    constructors check, for the price of reading the target's config. ``target_path``: a folder holding the target's
+    ``config.json`` in place of the configured target (a built-in one not built yet). A refusal is one line."""
+    import torch
+    from jsonargparse import namespace_to_dict
+
+    model = config["model"].clone()
+    model.init_drafter_from = model.init_head_from = None
+    model.init_drafter_layers_from_target = False
+    data = namespace_to_dict(config["data"])
+    if target_path is not None:
+        model.target.name_or_path = target_path
+        if data.get("target") is not None:
+            data["target"]["name_or_path"] = target_path
+    parser = LightningArgumentParser(parser_mode="omegaconf")
+    parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
+    try:
+        datamodule = DraftDataModule(**data)
+        with torch.device("meta"):
+            system = parser.instantiate_classes(Namespace(model=model)).model
+        wire_logit_cache(system, datamodule)
+    except (ValueError, TypeError) as err:
+        raise UserInputError(str(err).strip().splitlines()[-1]) from None
+    return datamodule, system
 
 
 def prepare_command(argv: Sequence[str]) -> Any:

@@ -739,6 +739,26 @@ def test_a_bad_value_in_a_config_file_is_named_by_its_key(subcommand, text, line
     assert user_error(capsys, argv).splitlines()[-1] == "error: " + line
 
 
+@pytest.mark.parametrize("option, refusal", [
+    ("--data.batch_size=-1", "data.batch_size (-1) and data.precompute_batch_size (8) must be >= 1"),
+    ("--model.num_anchors=0", "num_anchors must be >= 1, got 0"),
+    # Against the config the build will have: 64 positions.
+    ("--data.max_length=100", "data.max_length 100 exceeds the target's max_position_embeddings 64; lower "
+                              "data.max_length (or extend RoPE, e.g. YaRN)"),
+    ("--data.logit_top_m=600", "data.logit_top_m 600 is more than the target's 576 output rows; keep the top M <= 576 "
+                               "logits (the demo keeps 32, the Qwen3 recipes 64)"),
+])
+def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys, option, refusal):
+    # The data module and the system refused these only once the target was built: after up to half an hour.
+    from lilicorr_pl.builtin import unbuilt_target_config
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    assert unbuilt_target_config("builtin:tiny").num_hidden_layers == 4
+    err = user_error(capsys, ["fit", "-c", TINY, option, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1] == f"lilicorr fit: error: {refusal}"
+    assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
+
+
 def test_a_parse_error_other_than_a_refused_value_is_left_as_it_is(capsys):
     from lilicorr_pl.command import plain_parse_error
 
@@ -751,6 +771,43 @@ def test_a_parse_error_other_than_a_refused_value_is_left_as_it_is(capsys):
     err = user_error(capsys, ["fit", "-c", TINY, "--model.drafter.init_args.num_layers=two"])
     assert err.splitlines()[-1] == "error: model.drafter.init_args.num_layers (DFlashDrafter): two is not an integer"
     assert user_error(capsys, ["bench", "--nope", "3"]).splitlines()[-1] == "error: unrecognized arguments: --nope 3"
+    # A word after a flag is the flag's value, refused as its (it was "unrecognized arguments: maybe").
+    err = user_error(capsys, ["bench", "--compile", "maybe"])
+    assert err.splitlines()[-1] == "error: compile: maybe is not true/false"
+
+
+@pytest.mark.parametrize("option, fix", [
+    ("--model.max_length=5", "--model.max_length is set from --data.max_length, which it always equals; set "
+                             "--data.max_length instead"),
+    ("--data.target={name_or_path: x}", "--data.target is set from --model.target, which it always equals; set "
+                                        "--model.target instead"),
+    ("--data.target.name_or_path=x", "--data.target.name_or_path is set from --model.target, which it always equals; "
+                                     "set --model.target.name_or_path instead"),
+])
+def test_an_option_a_link_sets_is_refused_on_the_command_line(capsys, option, fix):
+    # It was jsonargparse's "argument data.max_length --> model.max_length: int | None is not callable", or
+    # "unrecognized arguments".
+    assert user_error(capsys, ["fit", "-c", TINY, option]).splitlines()[-1] == f"lilicorr fit: error: {fix}"
+
+
+def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agrees(tmp_path, capsys):
+    # The link overwrote it without a word: model.max_length 5 trained at data.max_length's 64.
+    config = tmp_path / "overlay.yaml"
+    config.write_text("model:\n  max_length: 5\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
+    assert err.splitlines()[-1] == (
+        f"lilicorr fit: error: model.max_length 5 in config file {config} would be overwritten by data.max_length "
+        "(64), which sets it; drop model.max_length from that config, or set data.max_length instead")
+    # A mapping's keys one by one; an inline config is named as one.
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {dtype: float16}}}"])
+    assert err.splitlines()[-1] == (
+        "lilicorr fit: error: data.target.dtype float16 in the inline -c config would be overwritten by "
+        "model.target.dtype (float32), which sets it; drop data.target.dtype from that config, or set "
+        "model.target.dtype instead")
+    # Values equal to the ones the links set (an older saved config) pass: the next check is the one that refuses.
+    config.write_text("model:\n  max_length: 64\ndata:\n  target: {name_or_path: 'builtin:tiny', dtype: float32}\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config), "--trainer.max_steps=0"])
+    assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, err
 
 
 def test_argparse_spellings_still_work():
@@ -767,6 +824,10 @@ def test_argparse_spellings_still_work():
 
     assert argparse_spellings(["--no-progress", "--enable-thinking", "false"], type_hints(regenerate_command)) == [
         "--progress=false", "--enable_thinking=false"]
+    # A flag's value in a word it does not know is still its value (jsonargparse refuses it, naming the flag).
+    assert argparse_spellings(["--compile", "maybe", "--trust-remote-code", "yes", "--compile", "--seed", "1"],
+                              type_hints(bench)) == ["--compile=maybe", "--trust_remote_code=yes", "--compile=true",
+                                                     "--seed=1"]
 
 
 def test_a_tool_reads_its_options_from_a_config_file(tmp_path, capsys):

@@ -77,6 +77,17 @@ def test_loads_with_auto_classes_and_padded_vocab(built: tuple[Path, Path]) -> N
     assert logits.shape[-1] == rows
 
 
+def test_the_config_a_build_will_have_is_known_before_it_and_none_after(built: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """What a command checks its settings against before it starts a build: the build's own config.json, to the key."""
+    root, directory = built
+    assert tiny_target.unbuilt_model_config("test", cache_dir=root) is None  # built: the run reads the real one
+    preview = tiny_target.unbuilt_model_config("test", cache_dir=tmp_path)
+    assert preview is not None
+    preview.save_pretrained(tmp_path / "preview")
+    assert (tmp_path / "preview" / "config.json").read_text() == (directory / "config.json").read_text()
+
+
 def test_config_json_carries_a_top_level_rope_theta(built: tuple[Path, Path]) -> None:
     """transformers 4.x (which serving engines pin) reads a top-level rope_theta and else uses 10000."""
     import json

@@ -490,12 +490,18 @@ def _token_stream(documents: Sequence[str], tokenizer: Any) -> torch.Tensor:
 # Model, training, evaluation
 
 
-def make_model(config: TinyTargetConfig, tokenizer: Any) -> Any:
-    """An untrained ``Qwen3ForCausalLM`` with a padded vocabulary and the token ids of ``tokenizer``."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def special_token_id(config: TinyTargetConfig, token: str) -> int:
+    """A special token's id: :func:`train_tokenizer` adds them, in order, after the learned vocabulary."""
+    return config.vocab_size - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(token)
 
-    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+
+def model_config(config: TinyTargetConfig) -> Any:
+    """The ``Qwen3Config`` of a build of ``config``: a padded vocabulary, the tokenizer's special ids, the MASK row."""
+    from transformers import Qwen3Config
+
+    eos_id = special_token_id(config, EOS_TOKEN)
     model_config = Qwen3Config(
+        architectures=["Qwen3ForCausalLM"],
         vocab_size=config.embedding_rows,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -507,23 +513,31 @@ def make_model(config: TinyTargetConfig, tokenizer: Any) -> Any:
         rms_norm_eps=config.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=tokenizer.eos_token_id,  # Qwen3 also uses <|endoftext|> as bos
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=eos_id,  # Qwen3 also uses <|endoftext|> as bos
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,  # the tokenizer pads with <|endoftext|>
         dtype="float32",
     )
     # transformers 4.x (which serving engines pin) reads a top-level rope_theta; without it it silently uses 10000.
     model_config.rope_theta = config.rope_theta
     # Not a Qwen3Config field: the DFlash MASK row, saved with the config for drafters to read.
     model_config.mask_token_id = config.mask_token_id
+    return model_config
+
+
+def make_model(config: TinyTargetConfig, tokenizer: Any) -> Any:
+    """An untrained ``Qwen3ForCausalLM`` of :func:`model_config`, whose ids are ``tokenizer``'s."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    if ids != {token: special_token_id(config, token) for token in SPECIAL_TOKENS} or tokenizer.pad_token != EOS_TOKEN:
+        raise ValueError(f"the tokenizer's special ids {ids} are not the ones the model config names")
     torch.manual_seed(config.seed)
-    model = Qwen3ForCausalLM(model_config)
+    model = Qwen3ForCausalLM(model_config(config))
     # Stop at <|endoftext|> (raw code) and at <|im_end|> (chat), as Qwen3's generation config does.
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, im_end_id],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    eos_id = ids[EOS_TOKEN]
+    model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=[eos_id, ids[IM_END]],
+                                               pad_token_id=eos_id)
     return model
 
 
@@ -881,6 +895,27 @@ def _training_threads(config: TinyTargetConfig) -> int:
     return os.cpu_count() or 1
 
 
+def _build_place(preset: str | TinyTargetConfig, cache_dir: str | Path | None,
+                 progress: bool) -> tuple[TinyTargetConfig, Path, str, Path]:
+    """The config a build of ``preset`` trains, its cache root, fingerprint and folder."""
+    config = TinyTargetConfig.preset(preset) if isinstance(preset, str) else preset
+    config.validate()
+    if config.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        # Resolved before fingerprinting, so the cache key names the optimizer actually used.
+        _log(progress, f"torch {torch.__version__} has no torch.optim.Muon; training with AdamW (lr 3e-3) instead")
+        config = dataclasses.replace(config, optimizer="adamw", lr=3e-3)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    fingerprint = build_fingerprint(config)
+    return config, root, fingerprint, root / f"tiny-target-{config.name}-{fingerprint}"
+
+
+def unbuilt_model_config(preset: str | TinyTargetConfig, cache_dir: str | Path | None = None) -> Any:
+    """The ``Qwen3Config`` a build of ``preset`` will have, when no valid build is cached (``None`` when one is): what
+    a command checks its settings against before it starts a build of minutes."""
+    config, _, fingerprint, final = _build_place(preset, cache_dir, progress=False)
+    return None if _cache_problem(final, fingerprint) is None else model_config(config)
+
+
 def build_tiny_target(
     preset: str | TinyTargetConfig = "full",
     cache_dir: str | Path | None = None,
@@ -900,16 +935,8 @@ def build_tiny_target(
         force: rebuild even if a valid cached build exists.
         progress: print stages and a training progress bar to stderr.
     """
-    config = TinyTargetConfig.preset(preset) if isinstance(preset, str) else preset
-    config.validate()
-    if config.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
-        # Resolved before fingerprinting, so the cache key names the optimizer actually used.
-        _log(progress, f"torch {torch.__version__} has no torch.optim.Muon; training with AdamW (lr 3e-3) instead")
-        config = dataclasses.replace(config, optimizer="adamw", lr=3e-3)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    fingerprint = build_fingerprint(config)
-    name = f"tiny-target-{config.name}-{fingerprint}"
-    final = root / name
+    config, root, fingerprint, final = _build_place(preset, cache_dir, progress)
+    name = final.name
     _refuse_what_no_build_wrote(final, None)
     seen = _identity(final)
     problem = "rebuild forced" if force else _cache_problem(final, fingerprint)
