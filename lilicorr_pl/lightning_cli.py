@@ -11,6 +11,7 @@ and a setting that a constructor or the Trainer rejects becomes one line (``User
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -337,48 +338,82 @@ def _yaml_at(mapping: Any, dotted: str) -> Any:
     return mapping
 
 
-def _config_sources(args: Sequence[str]) -> list[tuple[str, Any]]:
-    """Each ``-c/--config`` of ``args`` (a file or inline YAML) as ``(how to name it, its options)``."""
+def _option_name(token: str) -> str:
+    """The key a command-line token sets (``--data.max_length=64`` -> ``data.max_length``; "" for a value)."""
+    return token[2:].partition("=")[0] if token.startswith("--") else ""
+
+
+def _config_sources(args: Sequence[str]) -> list[tuple[int, str, Any]]:
+    """Each config ``args`` give — ``-c/--config``, and ``--model`` / ``--data`` naming a section's file or inline
+    YAML — as ``(position in args, how to name it, its options under their full keys)``."""
     import yaml
 
+    given = [(i, "-c", text) for i, text in config_arguments(args)]
+    for i, token in enumerate(args):
+        flag, eq, value = token.partition("=")
+        if flag in ("--model", "--data") and (eq or i + 1 < len(args)):
+            given.append((i if eq else i + 1, flag, value if eq else args[i + 1]))
     out = []
-    for _, text in config_arguments(args):
+    for i, flag, text in sorted(given):
         inline = is_inline_config(text)
         try:
             loaded = yaml.safe_load(text if inline else Path(text).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue  # the files were checked before parsing; jsonargparse has read what it could
-        out.append(("the inline -c config" if inline else f"config file {text}", loaded))
+            continue  # the -c files were checked before parsing; jsonargparse has read what it could
+        where = f"the inline {flag} config" if inline else f"config file {text}"
+        out.append((i, where, loaded if flag == "-c" else {flag[2:]: loaded}))
     return out
 
 
 def refuse_linked_options(args: Sequence[str]) -> None:
     """An option a link sets (:data:`LINKS`), typed on the command line: one line naming the option to set (jsonargparse
     said ``argument data.max_length --> model.max_length: int | None is not callable``)."""
-    for token in args:
-        name = token[2:].partition("=")[0] if token.startswith("--") else ""
+    for name in map(_option_name, args):
         for source, target in LINKS:
             if name == target or name.startswith(target + "."):
                 raise UserInputError(f"--{name} is set from --{source}, which it always equals; set "
                                      f"--{source}{name[len(target):]} instead")
 
 
+def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
+    """omegaconf's refusal of a config's ``${...}``, in one line naming the key, its config and the fix."""
+    from omegaconf.errors import InterpolationKeyError
+
+    key = str(getattr(err, "full_key", "") or "")
+    where = next((w for _, w, loaded in _config_sources(args) if "${" in str(_yaml_at(loaded, key))), "a config")
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    fix = ("omegaconf resolves ${...} within each file: name a key of the same file, or write the value"
+           if isinstance(err, InterpolationKeyError) else "fix the ${...} or write the value")
+    return f"{key or 'a value'} in {where}: {reason}; {fix}"
+
+
+def _yaml_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def check_linked_options(args: Sequence[str], config: Any, subcommand: str | None) -> None:
-    """A config file's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a
-    word (``model.max_length: 5`` trained at ``data.max_length``). One equal to the value the link sets passes."""
+    """A config's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a word
+    (``model.max_length: 5`` trained at ``data.max_length``). Passed: a value equal to the one the link sets, null
+    (unset), an interpolation (``${data.max_length}``), and one whose source a later argument sets (the later one
+    wins, as anywhere)."""
     section = config.get(subcommand) if subcommand else config
-    for where, loaded in _config_sources(args):
+    sources = _config_sources(args)
+    for position, where, loaded in sources:
         for source, target in LINKS:
             given, final = _yaml_at(loaded, target), plain_data(section.get(source))
-            if given is _UNSET:
-                continue
+            later = any(name == source or name.startswith(source + ".") or source.startswith(name + ".")
+                        for name in map(_option_name, args[position + 1:]) if name) or any(
+                _yaml_at(other, source) is not _UNSET for at, _, other in sources if at > position)
+            if given is _UNSET or later or isinstance(given, dict) != isinstance(final, dict):
+                continue  # (a mapping's file name: jsonargparse reads it)
             pairs = ([(f"{target}.{k}", v, final.get(k), f"{source}.{k}") for k, v in given.items()]
                      if isinstance(given, dict) and isinstance(final, dict) else [(target, given, final, source)])
             for key, value, its, by in pairs:
-                if value != its:
-                    raise UserInputError(
-                        f"{key} {value} in {where} would be overwritten by {by} ({its}), which sets it; drop {key} "
-                        f"from that config, or set {by} instead")
+                if value is None or isinstance(value, str) and "${" in value or value == its:
+                    continue
+                raise UserInputError(
+                    f"{key} {_yaml_text(value)} in {where} would be overwritten by {by} ({_yaml_text(its)}), which "
+                    f"sets it; drop {key} from that config, or set {by} instead")
 
 
 class ShortUsageParser(ShortUsage, LightningArgumentParser):
@@ -424,7 +459,12 @@ class LilicorrCLI(LightningCLI):
             self.config = parser.parse_object(args)
         else:
             refuse_linked_options(args or [])
-            self.config = parser.parse_args(args)
+            from omegaconf.errors import OmegaConfBaseException
+
+            try:
+                self.config = parser.parse_args(args)
+            except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
+                raise UserInputError(interpolation_refusal(err, args or [])) from None
         subcommand = self.config.get("subcommand")
         if not isinstance(args, (dict, Namespace)):
             check_linked_options(args or [], self.config, subcommand)
@@ -488,8 +528,7 @@ class LilicorrCLI(LightningCLI):
             if files:
                 data[key] = [builtin.resolve_data_file(str(f)) for f in files]
 
-    @staticmethod
-    def _check_before_a_target_build(config: Any) -> None:
+    def _check_before_a_target_build(self, config: Any) -> None:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
         the config the build will have, so a setting they refuse is refused now, not after a build of up to half an
         hour (``--data.batch_size=-1`` was). A built one is loaded in seconds: the run's own constructors check."""
@@ -502,7 +541,7 @@ class LilicorrCLI(LightningCLI):
         with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
-            dry_build(config, folder)
+            dry_build(config, self.datamodule_class, self.model_class, folder)
 
     @staticmethod
     def _resolve_builtin_target(config: Any) -> None:
@@ -1058,17 +1097,23 @@ class PrepareCLI(LilicorrCLI):
         add_saved_fit_arguments(parser, "prepare")  # the stores depend on the data and the target, not on weights
 
     def instantiate_classes(self) -> None:
-        self.datamodule, _ = dry_build(self.config)
+        self.datamodule, _ = dry_build(self.config, self.datamodule_class, self.model_class)
 
 
-def dry_build(config: Any, target_path: str | None = None) -> tuple[DraftDataModule, DraftSystem]:
+def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataModule,
+              model_class: type[DraftSystem] = DraftSystem,
+              target_path: str | None = None) -> tuple[DraftDataModule, DraftSystem]:
     """A run's data module, and its system on the meta device (no weights, no warm starts): every setting their
-    constructors check, for the price of reading the target's config. ``target_path``: a folder holding the target's
+    constructors check, for the price of reading the target's config; with ``init_drafter_layers_from_target``, what
+    the target's config shows of it (enough layers, the same sizes). ``target_path``: a folder holding the target's
     ``config.json`` in place of the configured target (a built-in one not built yet). A refusal is one line."""
     import torch
     from jsonargparse import namespace_to_dict
 
+    from lilicorr_pl.models.target_init import check_target_layer_init
+
     model = config["model"].clone()
+    from_target_layers = bool(model.get("init_drafter_layers_from_target"))
     model.init_drafter_from = model.init_head_from = None
     model.init_drafter_layers_from_target = False
     data = namespace_to_dict(config["data"])
@@ -1077,11 +1122,13 @@ def dry_build(config: Any, target_path: str | None = None) -> tuple[DraftDataMod
         if data.get("target") is not None:
             data["target"]["name_or_path"] = target_path
     parser = LightningArgumentParser(parser_mode="omegaconf")
-    parser.add_lightning_class_args(DraftSystem, "model", subclass_mode=False)
+    parser.add_lightning_class_args(model_class, "model", subclass_mode=False)
     try:
-        datamodule = DraftDataModule(**data)
+        datamodule = datamodule_class(**data)
         with torch.device("meta"):
             system = parser.instantiate_classes(Namespace(model=model)).model
+            if from_target_layers:
+                check_target_layer_init(system.drafter)
         wire_logit_cache(system, datamodule)
     except (ValueError, TypeError) as err:
         raise UserInputError(str(err).strip().splitlines()[-1]) from None

@@ -747,6 +747,12 @@ def test_a_bad_value_in_a_config_file_is_named_by_its_key(subcommand, text, line
                               "data.max_length (or extend RoPE, e.g. YaRN)"),
     ("--data.logit_top_m=600", "data.logit_top_m 600 is more than the target's 576 output rows; keep the top M <= 576 "
                                "logits (the demo keeps 32, the Qwen3 recipes 64)"),
+    # The demo's base config initialises the drafter from the target's top layers: what the config shows of that.
+    ("--model.init_drafter_layers_from_target=true --model.drafter.init_args.num_layers=5",
+     "the drafter has 5 layers but the target only 4; use fewer drafter layers"),
+    ("--model.init_drafter_layers_from_target=true --model.drafter.init_args.intermediate_size=100",
+     "target tensor model.layers.2.mlp.gate_proj.weight has shape (128, 64) but drafter layers.0.mlp.gate_proj.weight "
+     "has (100, 64); initialising from the target needs the drafter at the target's sizes (leave the sizes unset)"),
 ])
 def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys, option, refusal):
     # The data module and the system refused these only once the target was built: after up to half an hour.
@@ -754,9 +760,36 @@ def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeyp
 
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
     assert unbuilt_target_config("builtin:tiny").num_hidden_layers == 4
-    err = user_error(capsys, ["fit", "-c", TINY, option, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    err = user_error(capsys, ["fit", "-c", TINY, *option.split(), f"--trainer.default_root_dir={tmp_path / 'run'}"])
     assert err.splitlines()[-1] == f"lilicorr fit: error: {refusal}"
     assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
+
+
+def test_the_check_before_a_target_build_uses_the_clis_own_classes(tmp_path, monkeypatch):
+    # A user's data module with a setting of its own was refused by DraftDataModule's constructor.
+    from lilicorr_pl import lightning_cli
+    from lilicorr_pl.data.datamodule import DraftDataModule
+    from lilicorr_pl.system import DraftSystem
+
+    class ShuffledData(DraftDataModule):
+        def __init__(self, *args, shuffle_seed: int = 0, **kwargs):
+            super().__init__(*args, **kwargs)
+            if shuffle_seed < 0:
+                raise ValueError(f"data.shuffle_seed must be >= 0, got {shuffle_seed}")
+
+    class Reached(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(lightning_cli.builtin, "resolve_target_path", build)
+    args = ["fit", "-c", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    with pytest.raises(Reached):  # checked, and on to the build
+        lightning_cli.LilicorrCLI(DraftSystem, ShuffledData, args=[*args, "--data.shuffle_seed=5"])
+    with pytest.raises(lightning_cli.UserInputError, match="data.shuffle_seed must be >= 0, got -1"):
+        lightning_cli.LilicorrCLI(DraftSystem, ShuffledData, args=[*args, "--data.shuffle_seed=-1"])
 
 
 def test_a_parse_error_other_than_a_refused_value_is_left_as_it_is(capsys):
@@ -804,10 +837,33 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
         "lilicorr fit: error: data.target.dtype float16 in the inline -c config would be overwritten by "
         "model.target.dtype (float32), which sets it; drop data.target.dtype from that config, or set "
         "model.target.dtype instead")
-    # Values equal to the ones the links set (an older saved config) pass: the next check is the one that refuses.
-    config.write_text("model:\n  max_length: 64\ndata:\n  target: {name_or_path: 'builtin:tiny', dtype: float32}\n")
-    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config), "--trainer.max_steps=0"])
-    assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, err
+    # A section's own file (--model FILE) too.
+    (tmp_path / "model.yaml").write_text("max_length: 5\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "--model", str(tmp_path / "model.yaml")])
+    assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.max_length 5 in config file {tmp_path}"), err
+    # Passed, to the next check, the one that refuses: values equal to the ones the links set (an older saved config),
+    # null (unset), an interpolation, and a value whose source a later argument sets (the later one wins, as anywhere).
+    for text, later in (("model:\n  max_length: 64\ndata:\n  target: {name_or_path: 'builtin:tiny', dtype: float32}\n",
+                         []),
+                        ("data:\n  target: null\n", []),
+                        ("data:\n  max_length: 64\nmodel:\n  max_length: ${data.max_length}\n", []),
+                        ("model:\n  max_length: 64\n", ["--data.max_length=32"])):
+        config.write_text(text)
+        err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config), *later, "--trainer.max_steps=0"])
+        assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, (text, err)
+
+
+@pytest.mark.parametrize("value, refusal", [
+    ("${data.max_length}", "Interpolation key 'data.max_length' not found; omegaconf resolves ${...} within each file: "
+                           "name a key of the same file, or write the value"),
+    ("${data.max_length", "no viable alternative at input '${data.max_length'; fix the ${...} or write the value"),
+])
+def test_an_interpolation_omegaconf_cannot_resolve_is_one_line(tmp_path, capsys, value, refusal):
+    # It was omegaconf's traceback, out of jsonargparse's parser.
+    config = tmp_path / "overlay.yaml"
+    config.write_text(f"model:\n  num_anchors: {value}\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
+    assert err.splitlines()[-1] == f"lilicorr fit: error: model.num_anchors in config file {config}: {refusal}"
 
 
 def test_argparse_spellings_still_work():

@@ -13,6 +13,7 @@ Only tensors are read, straight from the target's safetensors files (never a pic
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in fh.keys()}
 
 
-def _prefix(names: dict[str, Path]) -> str:
+def _prefix(names: Iterable[str]) -> str:
     for prefix in ("model.layers.", "model.language_model.layers.", "layers."):
         if any(n.startswith(prefix) for n in names):
             return prefix
@@ -66,6 +67,40 @@ def target_layer_mapping(drafter: DFlashDrafter, num_target_layers: int) -> dict
     return {i: num_target_layers - n + i for i in range(n)}
 
 
+def _plan(drafter: DFlashDrafter, names: Collection[str]) -> dict[str, str]:
+    """Drafter tensor -> the target tensor it is copied from, for the target's tensor ``names``; refused where the
+    target has too few layers or lacks one of the tensors."""
+    prefix = _prefix(names)
+    mapping = target_layer_mapping(drafter, int(drafter.target_config.num_hidden_layers))
+    wanted = {f"layers.{i}.{part}": f"{prefix}{j}.{part}" for i, j in mapping.items() for part in LAYER_PARTS}
+    wanted["norm.weight"] = prefix.replace("layers.", "norm.weight")
+    missing = sorted(src for src in wanted.values() if src not in names)
+    if missing:
+        raise ValueError(f"the target's weights lack {missing[:4]}; cannot initialise drafter layers from them")
+    return wanted
+
+
+def _check_shape(src: str, shape: tuple[int, ...], dst: str, own: tuple[int, ...]) -> None:
+    if shape != own:
+        raise ValueError(
+            f"target tensor {src} has shape {shape} but drafter {dst} has {own}; "
+            "initialising from the target needs the drafter at the target's sizes (leave the sizes unset)"
+        )
+
+
+def check_target_layer_init(drafter: DFlashDrafter) -> None:
+    """What :func:`init_drafter_from_target_layers` refuses that the target's config alone shows (too few layers, other
+    sizes), with no weight read: the target's tensors as its model class lays them out, on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in
+                  AutoModelForCausalLM.from_config(drafter.target_config).state_dict().items()}
+    own = drafter.state_dict()
+    for dst, src in _plan(drafter, shapes).items():
+        _check_shape(src, shapes[src], dst, tuple(own[dst].shape))
+
+
 @torch.no_grad()
 def init_drafter_from_target_layers(drafter: DFlashDrafter, target_dir: str | Path) -> dict[int, int]:
     """Copy the target's top decoder layers and final norm into a built drafter; returns the layer mapping."""
@@ -78,14 +113,8 @@ def init_drafter_from_target_layers(drafter: DFlashDrafter, target_dir: str | Pa
 
         directory = Path(snapshot_download(str(target_dir), allow_patterns=["*.safetensors", "*.json"]))
     files = _weight_files(directory)
-    prefix = _prefix(files)
-    mapping = target_layer_mapping(drafter, int(drafter.target_config.num_hidden_layers))
+    wanted = _plan(drafter, files)
     own = drafter.state_dict()
-    wanted = {f"layers.{i}.{part}": f"{prefix}{j}.{part}" for i, j in mapping.items() for part in LAYER_PARTS}
-    wanted["norm.weight"] = prefix.replace("layers.", "norm.weight")
-    missing = sorted(src for src in wanted.values() if src not in files)
-    if missing:
-        raise ValueError(f"the target's weights lack {missing[:4]}; cannot initialise drafter layers from them")
     handles: dict[Path, object] = {}
     try:
         for dst, src in wanted.items():
@@ -93,13 +122,9 @@ def init_drafter_from_target_layers(drafter: DFlashDrafter, target_dir: str | Pa
             if fh is None:
                 fh = handles[files[src]] = safe_open(str(files[src]), framework="pt").__enter__()
             tensor = fh.get_tensor(src)
-            if tuple(tensor.shape) != tuple(own[dst].shape):
-                raise ValueError(
-                    f"target tensor {src} has shape {tuple(tensor.shape)} but drafter {dst} has {tuple(own[dst].shape)}; "
-                    "initialising from the target needs the drafter at the target's sizes (leave the sizes unset)"
-                )
+            _check_shape(src, tuple(tensor.shape), dst, tuple(own[dst].shape))
             own[dst].copy_(tensor.to(own[dst].dtype))
     finally:
         for fh in handles.values():
             fh.__exit__(None, None, None)
-    return mapping
+    return target_layer_mapping(drafter, int(drafter.target_config.num_hidden_layers))
