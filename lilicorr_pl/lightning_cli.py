@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,9 +22,9 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -330,11 +331,14 @@ _UNSET = object()
 
 
 def _yaml_at(mapping: Any, dotted: str) -> Any:
-    """The value at a dotted key of loaded YAML (``_UNSET`` when it is not there)."""
-    for part in dotted.split("."):
-        if not isinstance(mapping, dict) or part not in mapping:
+    """The value at a key of loaded YAML (``model.losses[0].init_args``; ``_UNSET`` when it is not there)."""
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", dotted):
+        if name and isinstance(mapping, dict) and name in mapping:
+            mapping = mapping[name]
+        elif index and isinstance(mapping, list) and int(index) < len(mapping):
+            mapping = mapping[int(index)]
+        else:
             return _UNSET
-        mapping = mapping[part]
     return mapping
 
 
@@ -343,9 +347,21 @@ def _option_name(token: str) -> str:
     return token[2:].partition("=")[0] if token.startswith("--") else ""
 
 
-def _config_sources(args: Sequence[str]) -> list[tuple[int, str, Any]]:
-    """Each config ``args`` give — ``-c/--config``, and ``--model`` / ``--data`` naming a section's file or inline
-    YAML — as ``(position in args, how to name it, its options under their full keys)``."""
+class _Config(NamedTuple):
+    position: int  # in the arguments
+    where: str  # how to name it
+    section: str  # "model" / "data" for --model / --data FILE, "" for -c
+    loaded: Any  # its YAML, as written
+
+    @property
+    def options(self) -> Any:
+        """Its options under their full keys."""
+        return {self.section: self.loaded} if self.section else self.loaded
+
+
+def _config_sources(args: Sequence[str]) -> list[_Config]:
+    """Each config ``args`` give: ``-c/--config``, and ``--model`` / ``--data`` naming a section's file or inline
+    YAML."""
     import yaml
 
     given = [(i, "-c", text) for i, text in config_arguments(args)]
@@ -361,8 +377,31 @@ def _config_sources(args: Sequence[str]) -> list[tuple[int, str, Any]]:
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue  # the -c files were checked before parsing; jsonargparse has read what it could
         where = f"the inline {flag} config" if inline else f"config file {text}"
-        out.append((i, where, loaded if flag == "-c" else {flag[2:]: loaded}))
+        out.append(_Config(i, where, flag.lstrip("-") if flag != "-c" else "", loaded))
     return out
+
+
+def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[tuple[int, Any]]:
+    """``(position, value)`` of every argument that sets ``key``, in order: configs, and options typed for the key or
+    for a mapping that holds it (``--model.target={dtype: bf16}``)."""
+    import yaml
+
+    found = [(c.position, value) for c in sources if (value := _yaml_at(c.options, key)) is not _UNSET]
+    for i, token in enumerate(args):
+        name, eq, text = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if not name or name in ("model", "data") or not (key == name or key.startswith(name + ".")):
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            text = args[i + 1]
+        try:
+            value = _yaml_at({"v": yaml.safe_load(text)}, "v" + key[len(name):])
+        except yaml.YAMLError:
+            continue
+        if value is not _UNSET:
+            found.append((i, value))
+    return sorted(found, key=lambda pair: pair[0])
 
 
 def refuse_linked_options(args: Sequence[str]) -> None:
@@ -375,45 +414,64 @@ def refuse_linked_options(args: Sequence[str]) -> None:
                                      f"--{source}{name[len(target):]} instead")
 
 
+def _same_setting(key: str, a: Any, b: Any) -> bool:
+    """Whether two values of ``key`` set the same (a quoted ``"64"`` and 64; ``bf16`` and ``bfloat16``)."""
+    if a == b or (isinstance(a, (str, int, float)) and isinstance(b, (str, int, float)) and str(a) == str(b)):
+        return True
+    if key.endswith(".dtype"):
+        from lilicorr_pl.target import resolve_dtype
+
+        try:
+            return resolve_dtype(a) == resolve_dtype(b)
+        except ValueError:
+            return False
+    return False
+
+
+def check_linked_options(args: Sequence[str], config: Any, subcommand: str | None,
+                         default: Callable[[str], Any]) -> None:
+    """A config's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a word
+    (``model.max_length: 5`` trained at ``data.max_length``). Passed: the value the link sets; null (unset); an
+    interpolation (``${data.max_length}``); and a value equal to its source as that stood where the config was read (the
+    source's last setting up to it, else its ``default(key)``): a later argument that changes the source carries the
+    linked option along, as a later argument wins anywhere."""
+    section = config.get(subcommand) if subcommand else config
+    sources = _config_sources(args)
+    for where in sources:
+        for source, target in LINKS:
+            given, final = _yaml_at(where.options, target), plain_data(section.get(source))
+            if given is _UNSET or isinstance(given, dict) != isinstance(final, dict):
+                continue  # (a mapping's file name: jsonargparse reads it)
+            items = [(f".{k}", v) for k, v in given.items()] if isinstance(given, dict) else [("", given)]
+            for suffix, value in items:
+                its = final.get(suffix[1:]) if suffix else final
+                if value is None or isinstance(value, str) and "${" in value or _same_setting(suffix, value, its):
+                    continue
+                before = [v for at, v in _assignments(args, sources, source + suffix) if at <= where.position]
+                stood = before[-1] if before else default(source + suffix)
+                if stood is not _UNSET and _same_setting(suffix, value, stood):
+                    continue
+                raise UserInputError(
+                    f"{target}{suffix} {_yaml_text(value)} in {where.where} would be overwritten by {source}{suffix} "
+                    f"({_yaml_text(its)}), which sets it; drop {target}{suffix} from that config, or set "
+                    f"{source}{suffix} instead")
+
+
 def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
     """omegaconf's refusal of a config's ``${...}``, in one line naming the key, its config and the fix."""
     from omegaconf.errors import InterpolationKeyError
 
-    key = str(getattr(err, "full_key", "") or "")
-    where = next((w for _, w, loaded in _config_sources(args) if "${" in str(_yaml_at(loaded, key))), "a config")
+    key = str(getattr(err, "full_key", "") or "")  # relative to the file omegaconf read
+    found = next((c for c in _config_sources(args) if "${" in str(_yaml_at(c.loaded, key))), None)
+    where = f"{found.section}.{key}" if found is not None and found.section else key
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     fix = ("omegaconf resolves ${...} within each file: name a key of the same file, or write the value"
            if isinstance(err, InterpolationKeyError) else "fix the ${...} or write the value")
-    return f"{key or 'a value'} in {where}: {reason}; {fix}"
+    return f"{where or 'a value'} in {found.where if found is not None else 'a config'}: {reason}; {fix}"
 
 
 def _yaml_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def check_linked_options(args: Sequence[str], config: Any, subcommand: str | None) -> None:
-    """A config's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a word
-    (``model.max_length: 5`` trained at ``data.max_length``). Passed: a value equal to the one the link sets, null
-    (unset), an interpolation (``${data.max_length}``), and one whose source a later argument sets (the later one
-    wins, as anywhere)."""
-    section = config.get(subcommand) if subcommand else config
-    sources = _config_sources(args)
-    for position, where, loaded in sources:
-        for source, target in LINKS:
-            given, final = _yaml_at(loaded, target), plain_data(section.get(source))
-            later = any(name == source or name.startswith(source + ".") or source.startswith(name + ".")
-                        for name in map(_option_name, args[position + 1:]) if name) or any(
-                _yaml_at(other, source) is not _UNSET for at, _, other in sources if at > position)
-            if given is _UNSET or later or isinstance(given, dict) != isinstance(final, dict):
-                continue  # (a mapping's file name: jsonargparse reads it)
-            pairs = ([(f"{target}.{k}", v, final.get(k), f"{source}.{k}") for k, v in given.items()]
-                     if isinstance(given, dict) and isinstance(final, dict) else [(target, given, final, source)])
-            for key, value, its, by in pairs:
-                if value is None or isinstance(value, str) and "${" in value or value == its:
-                    continue
-                raise UserInputError(
-                    f"{key} {_yaml_text(value)} in {where} would be overwritten by {by} ({_yaml_text(its)}), which "
-                    f"sets it; drop {key} from that config, or set {by} instead")
 
 
 class ShortUsageParser(ShortUsage, LightningArgumentParser):
@@ -467,8 +525,20 @@ class LilicorrCLI(LightningCLI):
                 raise UserInputError(interpolation_refusal(err, args or [])) from None
         subcommand = self.config.get("subcommand")
         if not isinstance(args, (dict, Namespace)):
-            check_linked_options(args or [], self.config, subcommand)
+            check_linked_options(args or [], self.config, subcommand, self._default_of(subcommand))
         self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
+
+    def _default_of(self, subcommand: str | None) -> Callable[[str], Any]:
+        """A key's default in the subcommand's parser (``_UNSET``: none)."""
+        parser = self._parser(subcommand)
+
+        def default(key: str) -> Any:
+            try:
+                return plain_data(parser.get_default(key))
+            except (KeyError, ValueError):
+                return _UNSET
+
+        return default
 
     def check_before_building(self, config: Any, subcommand: str | None) -> None:
         """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
@@ -1116,7 +1186,7 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
     from_target_layers = bool(model.get("init_drafter_layers_from_target"))
     model.init_drafter_from = model.init_head_from = None
     model.init_drafter_layers_from_target = False
-    data = namespace_to_dict(config["data"])
+    data = {k: v for k, v in namespace_to_dict(config["data"]).items() if not k.startswith("__")}  # __path__: a file's
     if target_path is not None:
         model.target.name_or_path = target_path
         if data.get("target") is not None:
@@ -1128,7 +1198,7 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
         with torch.device("meta"):
             system = parser.instantiate_classes(Namespace(model=model)).model
             if from_target_layers:
-                check_target_layer_init(system.drafter)
+                check_target_layer_init(system.drafter, system.target_spec.trust_remote_code)
         wire_logit_cache(system, datamodule)
     except (ValueError, TypeError) as err:
         raise UserInputError(str(err).strip().splitlines()[-1]) from None

@@ -765,6 +765,15 @@ def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeyp
     assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
 
 
+def test_a_data_section_file_is_checked_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys):
+    # --data FILE: jsonargparse's __path__ beside the settings was passed to the data module's constructor.
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "data.yaml").write_text("train_files: ['builtin:stdlib-train:64']\nmax_length: 64\nbatch_size: -1\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "--data", str(tmp_path / "data.yaml")])
+    assert err.splitlines()[-1] == ("lilicorr fit: error: data.batch_size (-1) and data.precompute_batch_size (8) must "
+                                    "be >= 1")
+
+
 def test_the_check_before_a_target_build_uses_the_clis_own_classes(tmp_path, monkeypatch):
     # A user's data module with a setting of its own was refused by DraftDataModule's constructor.
     from lilicorr_pl import lightning_cli
@@ -823,14 +832,21 @@ def test_an_option_a_link_sets_is_refused_on_the_command_line(capsys, option, fi
     assert user_error(capsys, ["fit", "-c", TINY, option]).splitlines()[-1] == f"lilicorr fit: error: {fix}"
 
 
+def _configs(tmp_path, texts):
+    """Each text written as a config file; ``-c`` before each."""
+    args = []
+    for i, text in enumerate(texts):
+        (tmp_path / f"c{i}.yaml").write_text(text)
+        args += ["-c", str(tmp_path / f"c{i}.yaml")]
+    return args
+
+
 def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agrees(tmp_path, capsys):
     # The link overwrote it without a word: model.max_length 5 trained at data.max_length's 64.
-    config = tmp_path / "overlay.yaml"
-    config.write_text("model:\n  max_length: 5\n")
-    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
+    err = user_error(capsys, ["fit", "-c", TINY, *_configs(tmp_path, ["model:\n  max_length: 5\n"])])
     assert err.splitlines()[-1] == (
-        f"lilicorr fit: error: model.max_length 5 in config file {config} would be overwritten by data.max_length "
-        "(64), which sets it; drop model.max_length from that config, or set data.max_length instead")
+        f"lilicorr fit: error: model.max_length 5 in config file {tmp_path / 'c0.yaml'} would be overwritten by "
+        "data.max_length (64), which sets it; drop model.max_length from that config, or set data.max_length instead")
     # A mapping's keys one by one; an inline config is named as one.
     err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {dtype: float16}}}"])
     assert err.splitlines()[-1] == (
@@ -841,16 +857,34 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
     (tmp_path / "model.yaml").write_text("max_length: 5\n")
     err = user_error(capsys, ["fit", "-c", TINY, "--model", str(tmp_path / "model.yaml")])
     assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.max_length 5 in config file {tmp_path}"), err
-    # Passed, to the next check, the one that refuses: values equal to the ones the links set (an older saved config),
-    # null (unset), an interpolation, and a value whose source a later argument sets (the later one wins, as anywhere).
-    for text, later in (("model:\n  max_length: 64\ndata:\n  target: {name_or_path: 'builtin:tiny', dtype: float32}\n",
-                         []),
-                        ("data:\n  target: null\n", []),
-                        ("data:\n  max_length: 64\nmodel:\n  max_length: ${data.max_length}\n", []),
-                        ("model:\n  max_length: 64\n", ["--data.max_length=32"])):
-        config.write_text(text)
-        err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config), *later, "--trainer.max_steps=0"])
-        assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, (text, err)
+
+
+@pytest.mark.parametrize("texts, before, after, refused_at", [
+    # Disagreeing with the source as it stood where the file was read, set before it on the command line ...
+    (["model:\n  max_length: 128\n"], ["--data.max_length=32"], [], 32),
+    # ... or in the same file, whatever sets the source to the same value later.
+    (["model:\n  max_length: 128\ndata:\n  max_length: 64\n", "data:\n  max_length: 64\n"], [], [], 64),
+    # Passed: the value the link sets (an older saved config), the same written otherwise (a quoted number, a dtype's
+    # other name), null, an interpolation, and a value equal to its source where it was read, which a later argument
+    # (a file or the command line) changes: the link carries it along, as a later argument wins anywhere.
+    (["model:\n  max_length: 64\ndata:\n  target: {name_or_path: 'builtin:tiny', dtype: float32}\n"], [], [], None),
+    (["model:\n  max_length: '64'\ndata:\n  target: {dtype: fp32}\n"], [], [], None),
+    (["model:\n  max_length: null\ndata:\n  target: null\n"], [], [], None),
+    (["data:\n  max_length: 64\nmodel:\n  max_length: ${data.max_length}\n"], [], [], None),
+    (["model:\n  max_length: 64\n"], [], ["--data.max_length=32"], None),
+    (["model:\n  max_length: 64\n", "data:\n  max_length: 32\n"], [], [], None),
+])
+def test_a_linked_option_in_a_config_is_read_where_the_config_stands(tmp_path, capsys, texts, before, after,
+                                                                     refused_at):
+    configs = _configs(tmp_path, texts)
+    err = user_error(capsys, ["fit", "-c", TINY, *before, *configs, *after, "--trainer.max_steps=0"])
+    if refused_at is None:  # to the next check, the one that refuses
+        assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, err
+    else:
+        assert err.splitlines()[-1] == (
+            f"lilicorr fit: error: model.max_length 128 in config file {tmp_path / 'c0.yaml'} would be overwritten by "
+            f"data.max_length ({refused_at}), which sets it; drop model.max_length from that config, or set "
+            "data.max_length instead")
 
 
 @pytest.mark.parametrize("value, refusal", [
@@ -864,6 +898,15 @@ def test_an_interpolation_omegaconf_cannot_resolve_is_one_line(tmp_path, capsys,
     config.write_text(f"model:\n  num_anchors: {value}\n")
     err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
     assert err.splitlines()[-1] == f"lilicorr fit: error: model.num_anchors in config file {config}: {refusal}"
+    # A section's file (its keys are the section's) and a list's item, by their full keys.
+    config.write_text(f"num_anchors: {value}\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "--model", str(config)])
+    assert err.splitlines()[-1] == f"lilicorr fit: error: model.num_anchors in config file {config}: {refusal}"
+    config.write_text("model:\n  losses:\n    - class_path: lilicorr_pl.losses.DFlashCE\n"
+                      f"      init_args:\n        weight: {value}\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
+    assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.losses[0].init_args.weight in config file "
+                                           f"{config}: "), err
 
 
 def test_argparse_spellings_still_work():

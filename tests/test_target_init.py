@@ -34,3 +34,36 @@ def test_init_from_target_refuses_mismatched_sizes(tmp_path):
         init_drafter_from_target_layers(drafter, path)
     with pytest.raises(ValueError, match="only 6"):
         init_drafter_from_target_layers(DFlashDrafter(num_layers=7, block_size=4).build(model.config, [1]), path)
+
+
+def test_what_the_targets_config_shows_is_checked_with_no_weight_read(tmp_path):
+    """``check_target_layer_init``: the refusals above, from the config alone (a built-in target not yet built), and a
+    target with a model class of its own read with its trust_remote_code."""
+    import json
+
+    from transformers import AutoConfig
+
+    from lilicorr_pl.models.target_init import check_target_layer_init
+
+    from pathlib import Path
+
+    path = Path(save_tiny_target(tmp_path / "target", layers=6))
+    (path / "model.safetensors").unlink()  # nothing but the config is read
+    config = AutoConfig.from_pretrained(path)
+    check_target_layer_init(DFlashDrafter(num_layers=2, block_size=4).build(config, [1, 3]))
+    with pytest.raises(ValueError, match="drafter at the target's sizes"):
+        check_target_layer_init(DFlashDrafter(num_layers=1, block_size=4, intermediate_size=16).build(config, [1, 3]))
+    with pytest.raises(ValueError, match="only 6"):
+        check_target_layer_init(DFlashDrafter(num_layers=7, block_size=4).build(config, [1]))
+    # A model class of the target's own (auto_map), as --model.target.trust_remote_code lets the run load it.
+    (path / "configuration_own.py").write_text("from transformers import Qwen3Config\n\n\n"
+                                               "class OwnConfig(Qwen3Config):\n    model_type = 'qwen3'\n")
+    (path / "modeling_own.py").write_text("from transformers import Qwen3ForCausalLM\n\nfrom .configuration_own import "
+                                          "OwnConfig\n\n\nclass OwnForCausalLM(Qwen3ForCausalLM):\n"
+                                          "    config_class = OwnConfig\n")
+    saved = json.loads((path / "config.json").read_text())
+    saved["auto_map"] = {"AutoConfig": "configuration_own.OwnConfig",
+                         "AutoModelForCausalLM": "modeling_own.OwnForCausalLM"}
+    (path / "config.json").write_text(json.dumps(saved))
+    own = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    check_target_layer_init(DFlashDrafter(num_layers=2, block_size=4).build(own, [1, 3]), trust_remote_code=True)

@@ -88,14 +88,15 @@ def _check_shape(src: str, shape: tuple[int, ...], dst: str, own: tuple[int, ...
         )
 
 
-def check_target_layer_init(drafter: DFlashDrafter) -> None:
+def check_target_layer_init(drafter: DFlashDrafter, trust_remote_code: bool = False) -> None:
     """What :func:`init_drafter_from_target_layers` refuses that the target's config alone shows (too few layers, other
-    sizes), with no weight read: the target's tensors as its model class lays them out, on the meta device."""
+    sizes), with no weight read: the target's tensors as its model class lays them out, on the meta device
+    (``trust_remote_code``: the target's own setting, for a model class of its own)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in
-                  AutoModelForCausalLM.from_config(drafter.target_config).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(drafter.target_config, trust_remote_code=trust_remote_code)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     own = drafter.state_dict()
     for dst, src in _plan(drafter, shapes).items():
         _check_shape(src, shapes[src], dst, tuple(own[dst].shape))
