@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, first_line
-from lilicorr_pl.command import CONFIG_FLAGS, config_arguments, is_inline_config, run_function, shipped_config_path
+from lilicorr_pl.command import config_arguments, is_inline_config, run_function, shipped_config_path
 
 LIGHTNING = {
     "fit": "train a drafter (and head) against the frozen target",
@@ -73,8 +73,7 @@ def config_files(argv: Sequence[str]) -> list[str]:
     """``-c/--config`` values, with ``configs/...`` mapped to the shipped configs when no such file is here."""
     out = list(argv)
     for i, value in config_arguments(argv):
-        flag, eq, _ = out[i].partition("=")
-        out[i] = f"{flag}={shipped_config_path(value)}" if flag in CONFIG_FLAGS and eq else shipped_config_path(value)
+        out[i] = out[i][:len(out[i]) - len(value)] + shipped_config_path(value)  # the flag kept where the token has it
     return out
 
 

@@ -33,7 +33,8 @@ CONFIG_FLAGS = ("-c", "--config")
 
 
 def config_arguments(argv: Sequence[str]) -> list[tuple[int, str]]:
-    """The ``-c/--config`` values in ``argv``: (the index of the token that holds it, the value)."""
+    """The ``-c/--config`` values in ``argv`` (``-c X``, ``-c=X``, ``-cX``, ``--config X``, ``--config=X``): (the index
+    of the token that holds it, the value, which ends that token)."""
     out = []
     for i, token in enumerate(argv):
         flag, eq, value = token.partition("=")
@@ -41,6 +42,8 @@ def config_arguments(argv: Sequence[str]) -> list[tuple[int, str]]:
             out.append((i, value))
         elif token in CONFIG_FLAGS and i + 1 < len(argv):
             out.append((i + 1, argv[i + 1]))
+        elif token.startswith("-c") and len(token) > 2 and token[2] != "=":  # argparse's -cFILE
+            out.append((i, token[2:]))
     return out
 
 

@@ -328,17 +328,19 @@ model's target; the model's context length is the data's."""
 
 
 _UNSET = object()
+_FILE = object()
 
 
-def _yaml_at(mapping: Any, dotted: str) -> Any:
-    """The value at a key of loaded YAML (``model.losses[0].init_args``; ``_UNSET`` when it is not there)."""
+def _yaml_at(mapping: Any, dotted: str, files: bool = False) -> Any:
+    """The value at a key of loaded YAML (``model.losses[0].init_args``; ``_UNSET`` when it is not there; with
+    ``files``, ``_FILE`` where a file's name stands for a mapping on the way, which jsonargparse reads)."""
     for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", dotted):
         if name and isinstance(mapping, dict) and name in mapping:
             mapping = mapping[name]
         elif index and isinstance(mapping, list) and int(index) < len(mapping):
             mapping = mapping[int(index)]
         else:
-            return _UNSET
+            return _FILE if files and isinstance(mapping, str) else _UNSET
     return mapping
 
 
@@ -381,24 +383,37 @@ def _config_sources(args: Sequence[str]) -> list[_Config]:
     return out
 
 
-def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[tuple[int, Any]]:
+def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[tuple[int, Any]] | None:
     """``(position, value)`` of every argument that sets ``key``, in order: configs, and options typed for the key or
-    for a mapping that holds it (``--model.target={dtype: bf16}``)."""
+    for a mapping that holds it (``--model.target={dtype: bf16}``). None where one sets it in a way not followed here
+    (a file's name for a mapping, an option for a key inside it, an append ``+=``): the check then says nothing."""
     import yaml
 
-    found = [(c.position, value) for c in sources if (value := _yaml_at(c.options, key)) is not _UNSET]
+    found = []
+    for config in sources:
+        value = _yaml_at(config.options, key, files=True)
+        if value is _FILE:
+            return None
+        if value is not _UNSET:
+            found.append((config.position, value))
     for i, token in enumerate(args):
         name, eq, text = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        if not name or name in ("model", "data") or not (key == name or key.startswith(name + ".")):
+        base = name.removesuffix("+")
+        if not base or base in ("model", "data") or not (key == base or key.startswith(base + ".")
+                                                         or base.startswith(key + ".")):
             continue
+        if base != name or base.startswith(key + "."):
+            return None
         if not eq:
             if i + 1 >= len(args):
                 continue
             text = args[i + 1]
         try:
-            value = _yaml_at({"v": yaml.safe_load(text)}, "v" + key[len(name):])
+            value = _yaml_at({"v": yaml.safe_load(text)}, "v" + key[len(name):], files=True)
         except yaml.YAMLError:
             continue
+        if value is _FILE:
+            return None
         if value is not _UNSET:
             found.append((i, value))
     return sorted(found, key=lambda pair: pair[0])
@@ -444,10 +459,16 @@ def check_linked_options(args: Sequence[str], config: Any, subcommand: str | Non
                 continue  # (a mapping's file name: jsonargparse reads it)
             items = [(f".{k}", v) for k, v in given.items()] if isinstance(given, dict) else [("", given)]
             for suffix, value in items:
+                if suffix and suffix[1:] not in final:  # a key the source has not (a typo): dropped with the rest
+                    raise UserInputError(f"{target}{suffix} in {where.where} is not an option: {target} is set from "
+                                         f"{source}, which has no {suffix[1:]}; drop it from that config")
                 its = final.get(suffix[1:]) if suffix else final
                 if value is None or isinstance(value, str) and "${" in value or _same_setting(suffix, value, its):
                     continue
-                before = [v for at, v in _assignments(args, sources, source + suffix) if at <= where.position]
+                assigned = _assignments(args, sources, source + suffix)
+                if assigned is None:
+                    continue
+                before = [v for at, v in assigned if at <= where.position]
                 stood = before[-1] if before else default(source + suffix)
                 if stood is not _UNSET and _same_setting(suffix, value, stood):
                     continue
@@ -462,16 +483,21 @@ def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
     from omegaconf.errors import InterpolationKeyError
 
     key = str(getattr(err, "full_key", "") or "")  # relative to the file omegaconf read
-    found = next((c for c in _config_sources(args) if "${" in str(_yaml_at(c.loaded, key))), None)
-    where = f"{found.section}.{key}" if found is not None and found.section else key
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    named = re.search(r"Interpolation key '([^']+)'", reason)
+    holding = [c for c in _config_sources(args) if _yaml_at(c.loaded, key) is not _UNSET]
+    found = next((c for c in holding if named and "${" + named.group(1) in str(_yaml_at(c.loaded, key))),
+                 next((c for c in holding if "${" in str(_yaml_at(c.loaded, key))), holding[0] if holding else None))
+    where = f"{found.section}.{key}" if found is not None and found.section else key
+    value = str(_yaml_at(found.loaded, key)) if found is not None else ""
     fix = ("omegaconf resolves ${...} within each file: name a key of the same file, or write the value"
-           if isinstance(err, InterpolationKeyError) else "fix the ${...} or write the value")
+           if isinstance(err, InterpolationKeyError) else "fix the ${...} or write the value" if "${" in value
+           else "write a plain value (a number, a string, a list or a mapping)")
     return f"{where or 'a value'} in {found.where if found is not None else 'a config'}: {reason}; {fix}"
 
 
 def _yaml_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else json.dumps(value, default=str)  # YAML's dates too
 
 
 class ShortUsageParser(ShortUsage, LightningArgumentParser):

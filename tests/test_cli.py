@@ -853,10 +853,19 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
         "lilicorr fit: error: data.target.dtype float16 in the inline -c config would be overwritten by "
         "model.target.dtype (float32), which sets it; drop data.target.dtype from that config, or set "
         "model.target.dtype instead")
-    # A section's own file (--model FILE) too.
+    # A section's own file (--model FILE) too, and -cFILE.
     (tmp_path / "model.yaml").write_text("max_length: 5\n")
     err = user_error(capsys, ["fit", "-c", TINY, "--model", str(tmp_path / "model.yaml")])
     assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.max_length 5 in config file {tmp_path}"), err
+    err = user_error(capsys, ["fit", "-c", TINY, f"-c{tmp_path / 'c0.yaml'}"])
+    assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.max_length 5 in config file {tmp_path}"), err
+    # A key the source has not (a typo, dropped with the rest without a word); a YAML date shown as written.
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {nme: x}}}"])
+    assert err.splitlines()[-1] == ("lilicorr fit: error: data.target.nme in the inline -c config is not an option: "
+                                    "data.target is set from model.target, which has no nme; drop it from that config")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {name_or_path: 2024-01-01}}}"])
+    assert err.splitlines()[-1].startswith('lilicorr fit: error: data.target.name_or_path "2024-01-01" in the '
+                                           'inline'), err
 
 
 @pytest.mark.parametrize("texts, before, after, refused_at", [
@@ -873,10 +882,20 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
     (["data:\n  max_length: 64\nmodel:\n  max_length: ${data.max_length}\n"], [], [], None),
     (["model:\n  max_length: 64\n"], [], ["--data.max_length=32"], None),
     (["model:\n  max_length: 64\n", "data:\n  max_length: 32\n"], [], [], None),
+    # Set in a way not followed (a file's name for the source, an option inside it, an append): nothing said, rather
+    # than a guess.
+    (["data:\n  target: {dtype: bfloat16}\n"], ["--model.target", "{tgt}"], ["--model.target.dtype=float16"], None),
+    (["data:\n  target: {load_kwargs: {attn_implementation: sdpa}}\n"],
+     ["--model.target.load_kwargs.attn_implementation=sdpa"], ["--model.target.load_kwargs.attn_implementation=eager"],
+     None),
+    (["data:\n  target: {layer_ids: [1, 2, 3]}\n"], ["--model.target.layer_ids+=3"], ["--model.target.layer_ids=[1]"],
+     None),
 ])
 def test_a_linked_option_in_a_config_is_read_where_the_config_stands(tmp_path, capsys, texts, before, after,
                                                                      refused_at):
     configs = _configs(tmp_path, texts)
+    (tmp_path / "target.yaml").write_text("name_or_path: 'builtin:tiny'\ndtype: bfloat16\nlayer_ids: [1, 2]\n")
+    before = [str(tmp_path / "target.yaml") if a == "{tgt}" else a for a in before]
     err = user_error(capsys, ["fit", "-c", TINY, *before, *configs, *after, "--trainer.max_steps=0"])
     if refused_at is None:  # to the next check, the one that refuses
         assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, err
@@ -907,6 +926,12 @@ def test_an_interpolation_omegaconf_cannot_resolve_is_one_line(tmp_path, capsys,
     err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
     assert err.splitlines()[-1].startswith(f"lilicorr fit: error: model.losses[0].init_args.weight in config file "
                                            f"{config}: "), err
+    if refusal.startswith("Interpolation key"):  # the config whose ${...} failed, not the first that has one
+        valid = tmp_path / "valid.yaml"
+        valid.write_text("model:\n  num_anchors: ${data.batch_size}\ndata:\n  batch_size: 1\n")
+        config.write_text(f"model:\n  num_anchors: {value}\n")
+        err = user_error(capsys, ["fit", "-c", TINY, "-c", str(valid), "-c", str(config)])
+        assert err.splitlines()[-1] == f"lilicorr fit: error: model.num_anchors in config file {config}: {refusal}"
 
 
 def test_argparse_spellings_still_work():
