@@ -53,7 +53,6 @@ def is_inline_config(text: str) -> bool:
 
 
 CONFIG_HELP = "a YAML file with any of the options below (later options override it)"
-
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 _PLAIN_SCALAR = re.compile(r"^[\w./-][\w.+\-/:@~]*$")
 _YAML_WORDS = {"null", "~", "true", "false", "yes", "no", "on", "off", "y", "n"}

@@ -397,14 +397,14 @@ def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[
         if value is not _UNSET:
             found.append((config.position, value))
     for i, token in enumerate(args):
-        name, eq, text = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        name, text = _option_name(token), token.partition("=")[2]
         base = name.removesuffix("+")
         if not base or base in ("model", "data") or not (key == base or key.startswith(base + ".")
                                                          or base.startswith(key + ".")):
             continue
         if base != name or base.startswith(key + "."):
             return None
-        if not eq:
+        if "=" not in token:
             if i + 1 >= len(args):
                 continue
             text = args[i + 1]
@@ -542,16 +542,17 @@ class LilicorrCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)
         else:
-            refuse_linked_options(args or [])
             from omegaconf.errors import OmegaConfBaseException
 
+            args = list(args or [])
+            refuse_linked_options(args)
             try:
                 self.config = parser.parse_args(args)
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
-                raise UserInputError(interpolation_refusal(err, args or [])) from None
+                raise UserInputError(interpolation_refusal(err, args)) from None
+            check_linked_options(args, self.config, self.config.get("subcommand"),
+                                 self._default_of(self.config.get("subcommand")))
         subcommand = self.config.get("subcommand")
-        if not isinstance(args, (dict, Namespace)):
-            check_linked_options(args or [], self.config, subcommand, self._default_of(subcommand))
         self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
 
     def _default_of(self, subcommand: str | None) -> Callable[[str], Any]:
@@ -624,13 +625,18 @@ class LilicorrCLI(LightningCLI):
             if files:
                 data[key] = [builtin.resolve_data_file(str(f)) for f in files]
 
+    @staticmethod
+    def _target(config: Any) -> tuple[Any, str | None]:
+        """``model.target`` of a parsed config, and its ``name_or_path``."""
+        model = config.get("model")
+        target = model.get("target") if model is not None else None
+        return target, target.get("name_or_path") if target is not None else None
+
     def _check_before_a_target_build(self, config: Any) -> None:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
         the config the build will have, so a setting they refuse is refused now, not after a build of up to half an
         hour (``--data.batch_size=-1`` was). A built one is loaded in seconds: the run's own constructors check."""
-        model = config.get("model")
-        target = model.get("target") if model is not None else None
-        name = target.get("name_or_path") if target is not None else None
+        _, name = self._target(config)
         preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
         if preview is None:
             return
@@ -639,12 +645,10 @@ class LilicorrCLI(LightningCLI):
             preview.save_pretrained(folder)
             dry_build(config, self.datamodule_class, self.model_class, folder)
 
-    @staticmethod
-    def _resolve_builtin_target(config: Any) -> None:
+    def _resolve_builtin_target(self, config: Any) -> None:
         """A ``builtin:`` target becomes its built directory, built here (with progress) if missing."""
-        model, data = config.get("model"), config.get("data")
-        target = model.get("target") if model is not None else None
-        name = target.get("name_or_path") if target is not None else None
+        data = config.get("data")
+        target, name = self._target(config)
         if name is not None and builtin.is_builtin(name):
             path = builtin.resolve_target_path(name, progress=True)
             target["name_or_path"] = path

@@ -67,9 +67,9 @@ def target_layer_mapping(drafter: DFlashDrafter, num_target_layers: int) -> dict
     return {i: num_target_layers - n + i for i in range(n)}
 
 
-def _plan(drafter: DFlashDrafter, names: Collection[str]) -> dict[str, str]:
-    """Drafter tensor -> the target tensor it is copied from, for the target's tensor ``names``; refused where the
-    target has too few layers or lacks one of the tensors."""
+def _plan(drafter: DFlashDrafter, names: Collection[str]) -> tuple[dict[int, int], dict[str, str]]:
+    """The layer mapping, and drafter tensor -> the target tensor it is copied from, for the target's tensor
+    ``names``; refused where the target has too few layers or lacks one of the tensors."""
     prefix = _prefix(names)
     mapping = target_layer_mapping(drafter, int(drafter.target_config.num_hidden_layers))
     wanted = {f"layers.{i}.{part}": f"{prefix}{j}.{part}" for i, j in mapping.items() for part in LAYER_PARTS}
@@ -77,7 +77,7 @@ def _plan(drafter: DFlashDrafter, names: Collection[str]) -> dict[str, str]:
     missing = sorted(src for src in wanted.values() if src not in names)
     if missing:
         raise ValueError(f"the target's weights lack {missing[:4]}; cannot initialise drafter layers from them")
-    return wanted
+    return mapping, wanted
 
 
 def _check_shape(src: str, shape: tuple[int, ...], dst: str, own: tuple[int, ...]) -> None:
@@ -98,7 +98,7 @@ def check_target_layer_init(drafter: DFlashDrafter, trust_remote_code: bool = Fa
         model = AutoModelForCausalLM.from_config(drafter.target_config, trust_remote_code=trust_remote_code)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     own = drafter.state_dict()
-    for dst, src in _plan(drafter, shapes).items():
+    for dst, src in _plan(drafter, shapes)[1].items():
         _check_shape(src, shapes[src], dst, tuple(own[dst].shape))
 
 
@@ -114,7 +114,7 @@ def init_drafter_from_target_layers(drafter: DFlashDrafter, target_dir: str | Pa
 
         directory = Path(snapshot_download(str(target_dir), allow_patterns=["*.safetensors", "*.json"]))
     files = _weight_files(directory)
-    wanted = _plan(drafter, files)
+    mapping, wanted = _plan(drafter, files)
     own = drafter.state_dict()
     handles: dict[Path, object] = {}
     try:
@@ -128,4 +128,4 @@ def init_drafter_from_target_layers(drafter: DFlashDrafter, target_dir: str | Pa
     finally:
         for fh in handles.values():
             fh.__exit__(None, None, None)
-    return target_layer_mapping(drafter, int(drafter.target_config.num_hidden_layers))
+    return mapping
