@@ -12,6 +12,7 @@ and a setting that a constructor or the Trainer rejects becomes one line (``User
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -486,8 +487,11 @@ def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     named = re.search(r"Interpolation key '([^']+)'", reason)
     holding = [c for c in _config_sources(args) if _yaml_at(c.loaded, key) is not _UNSET]
+    plain = (str, int, float, bool, type(None), list, dict)  # a YAML !!set or a date is none of them
     found = next((c for c in holding if named and "${" + named.group(1) in str(_yaml_at(c.loaded, key))),
-                 next((c for c in holding if "${" in str(_yaml_at(c.loaded, key))), holding[0] if holding else None))
+                 next((c for c in holding if "${" in str(_yaml_at(c.loaded, key))),
+                      next((c for c in holding if not isinstance(_yaml_at(c.loaded, key), plain)),
+                           holding[0] if holding else None)))
     where = f"{found.section}.{key}" if found is not None and found.section else key
     value = str(_yaml_at(found.loaded, key)) if found is not None else ""
     fix = ("omegaconf resolves ${...} within each file: name a key of the same file, or write the value"
@@ -580,7 +584,7 @@ class LilicorrCLI(LightningCLI):
                 check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
                                    output_fix="it writes <trainer.default_root_dir>/predict.json: set "
                                               "--trainer.default_root_dir to another folder, or move that file")
-            self._check_before_a_target_build(config)
+            self._check_before_a_target_build(config, subcommand)
             self._resolve_builtin_target(config)  # last: it may build the target (minutes)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
@@ -632,10 +636,12 @@ class LilicorrCLI(LightningCLI):
         target = model.get("target") if model is not None else None
         return target, target.get("name_or_path") if target is not None else None
 
-    def _check_before_a_target_build(self, config: Any) -> None:
+    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> None:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
-        the config the build will have, so a setting they refuse is refused now, not after a build of up to half an
-        hour (``--data.batch_size=-1`` was). A built one is loaded in seconds: the run's own constructors check."""
+        the config the build will have, and the Trainer's settings checked as its constructor checks them, so a
+        setting they refuse is refused now, not after a build of up to half an hour (``--data.batch_size=-1`` and
+        ``--trainer.accelerator=gpu`` on a CPU were). A built one is loaded in seconds: the run's own constructors
+        check."""
         _, name = self._target(config)
         preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
         if preview is None:
@@ -644,6 +650,8 @@ class LilicorrCLI(LightningCLI):
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
             dry_build(config, self.datamodule_class, self.model_class, folder)
+            if config.get("trainer") is not None:  # prepare reads only where its stores are made
+                dry_trainer(config["trainer"], self.trainer_class, PREPARE_TRAINER_KEYS if subcommand is None else None)
 
     def _resolve_builtin_target(self, config: Any) -> None:
         """A ``builtin:`` target becomes its built directory, built here (with progress) if missing."""
@@ -1233,6 +1241,43 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
     except (ValueError, TypeError) as err:
         raise UserInputError(str(err).strip().splitlines()[-1]) from None
     return datamodule, system
+
+
+PREPARE_TRAINER_KEYS = ("accelerator", "devices", "num_nodes")  # the Trainer settings `lilicorr prepare` reads
+
+
+def dry_trainer(trainer: Any, trainer_class: type[Trainer] = Trainer, keys: Sequence[str] | None = None) -> None:
+    """The checks the Trainer's constructor makes of its settings (an accelerator or device count this machine lacks,
+    a strategy it cannot run, a limit out of range), without its loggers, callbacks, profiler or checkpointing, so
+    nothing is written or started. ``keys``: only those settings (the rest at the Trainer's defaults). A refusal is
+    one line, as the Trainer's own is after the build."""
+    from jsonargparse import namespace_to_dict
+
+    settings = {k: v for k, v in namespace_to_dict(trainer.clone()).items()
+                if not k.startswith("__") and (keys is None or k in keys)}
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "GPU available: ...", said by the run
+    level = logger.level
+    try:
+        for key in ("accelerator", "strategy"):
+            if isinstance(settings.get(key), Mapping):
+                settings[key] = instantiate_class((), settings[key])
+        plugins = settings.get("plugins")
+        if plugins:
+            settings["plugins"] = [instantiate_class((), p) if isinstance(p, Mapping) else p
+                                   for p in (plugins if isinstance(plugins, list) else [plugins])]
+        settings.update(logger=False, callbacks=None, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, profiler=None)
+        logger.setLevel(logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run's own Trainer warns, once
+            trainer_class(**settings)
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+        if isinstance(err, MisconfigurationException):
+            message = with_device_advice(message, trainer)
+        raise UserInputError(message) from None
+    finally:
+        logger.setLevel(level)
 
 
 def prepare_command(argv: Sequence[str]) -> Any:

@@ -765,6 +765,76 @@ def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeyp
     assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
 
 
+@pytest.mark.parametrize("command, option, refusal", [
+    ("fit", "--trainer.accelerator=gpu", "No supported gpu backend found! (trainer.accelerator gpu, trainer.devices 1); "
+                                         "set them to what this machine has, e.g. --trainer.accelerator=cpu"),
+    ("fit", "--trainer.devices=0", "`Trainer(devices='0')` value is not a valid input using cpu accelerator. "
+                                   "(trainer.accelerator auto, trainer.devices 0); set them to what this machine has, "
+                                   "e.g. --trainer.accelerator=cpu"),
+    ("fit", "--trainer.strategy=fsdp", "The strategy `fsdp` requires a GPU accelerator, but received "
+                                       "`accelerator='cpu'`. Please set `accelerator='cuda'`, `accelerator='gpu'`, or "
+                                       "pass a `CUDAAccelerator()` instance to use FSDP."),
+    ("fit", '--trainer.strategy={"class_path": "lightning.pytorch.strategies.FSDPStrategy"}',  # instantiated
+     "The strategy `fsdp` requires a GPU accelerator, but received `accelerator='cpu'`. Please set "
+     "`accelerator='cuda'`, `accelerator='gpu'`, or pass a `CUDAAccelerator()` instance to use FSDP."),
+    ("fit", "--trainer.val_check_interval=-1", "You have passed invalid value -1 for val_check_interval, it has to be "
+                                               "in [0.0, 1.0] or an int."),
+    ("fit", "--trainer.num_nodes=0", "`num_nodes` must be a positive integer, but got 0."),
+    ("prepare", "--trainer.accelerator=gpu", "No supported gpu backend found! (trainer.accelerator gpu, "
+                                             "trainer.devices 1); set them to what this machine has, e.g. "
+                                             "--trainer.accelerator=cpu"),
+])
+def test_a_trainer_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys, command, option,
+                                                                        refusal):
+    # The Trainer refused these only once the target was built, up to half an hour later; the run's own Trainer, with a
+    # built target, says the same (the last test of this group).
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    err = user_error(capsys, [command, "-c", TINY, option, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1] == f"lilicorr {command}: error: {refusal}"
+    assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.parametrize("command, option", [
+    ("fit", "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=ddp"),
+    ("fit", "--trainer.precision=16-mixed --trainer.deterministic=true"),  # Lightning warns and runs bf16 on a CPU
+    ("prepare", "--trainer.strategy=fsdp"),  # prepare reads only where its stores are made: a GPU run's config passes
+])
+def test_trainer_settings_this_machine_runs_pass_the_check_before_a_build(tmp_path, monkeypatch, command, option):
+    from lilicorr_pl import lightning_cli
+    from lilicorr_pl.data.datamodule import DraftDataModule
+    from lilicorr_pl.system import DraftSystem
+
+    class Reached(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lightning_cli.builtin, "resolve_target_path", build)
+    cli_class = lightning_cli.PrepareCLI if command == "prepare" else lightning_cli.LilicorrCLI
+    args = ([] if command == "prepare" else [command]) + ["-c", TINY, *option.split(),
+                                                          f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    with pytest.raises(Reached):  # checked, and on to the build, with nothing written by the check
+        cli_class(DraftSystem, DraftDataModule, args=args, **({"run": False} if command == "prepare" else {}))
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("lightning_logs"))
+
+
+def test_the_trainers_refusal_after_a_build_is_the_same_line(tmp_path, capsys):
+    # With the target already built the run's own Trainer refuses (no check before), in the same words as the check.
+    from lilicorr_pl import builtin
+
+    builtin.resolve_target_path("builtin:tiny")  # built once per machine, as the tiny runs of these tests build it
+    assert builtin.unbuilt_target_config("builtin:tiny") is None
+    err = user_error(capsys, ["fit", "-c", TINY, "--trainer.accelerator=gpu",
+                              f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1] == ("lilicorr fit: error: No supported gpu backend found! (trainer.accelerator gpu, "
+                                    "trainer.devices 1); set them to what this machine has, e.g. "
+                                    "--trainer.accelerator=cpu")
+
+
 def test_a_data_section_file_is_checked_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys):
     # --data FILE: jsonargparse's __path__ beside the settings was passed to the data module's constructor.
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
@@ -932,6 +1002,16 @@ def test_an_interpolation_omegaconf_cannot_resolve_is_one_line(tmp_path, capsys,
         config.write_text(f"model:\n  num_anchors: {value}\n")
         err = user_error(capsys, ["fit", "-c", TINY, "-c", str(valid), "-c", str(config)])
         assert err.splitlines()[-1] == f"lilicorr fit: error: model.num_anchors in config file {config}: {refusal}"
+
+
+def test_a_value_omegaconf_cannot_hold_is_named_in_the_config_that_has_it(tmp_path, capsys):
+    # A YAML set under a key an earlier config also sets (configs/tiny.yaml's data.batch_size) was named in that one.
+    config = tmp_path / "overlay.yaml"
+    config.write_text("data:\n  batch_size: !!set {a, b}\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(config)])
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: data.batch_size in config file {config}: Value 'set' is not "
+                                    "a supported primitive type; write a plain value (a number, a string, a list or a "
+                                    "mapping)")
 
 
 def test_argparse_spellings_still_work():
