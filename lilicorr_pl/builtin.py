@@ -60,6 +60,13 @@ def unbuilt_target_config(name: str) -> Any:
     return unbuilt_model_config(_preset(name))
 
 
+def target_folder(name: str) -> str:
+    """The folder a ``builtin:`` target's build is (or will be) published at, without building it."""
+    from lilicorr_pl.demo.tiny_target import build_folder
+
+    return str(build_folder(_preset(name)))
+
+
 def resolve_target_option(target: str, flag: str = "--target") -> str:
     """A command's target option (bench, export): ``builtin:<preset>`` built or found cached, as ``fit`` resolves it;
     an unknown preset is the user's error, in one line naming ``flag``."""

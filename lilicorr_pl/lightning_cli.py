@@ -38,7 +38,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-from lilicorr_pl import builtin
+from lilicorr_pl import __version__, builtin
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
                                     config_modules, first_line, read_verified, verified_first)
 from lilicorr_pl.command import ShortUsage, config_arguments, is_inline_config
@@ -47,6 +47,7 @@ from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_
 from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import atomic_file, check_output_paths, check_writable_dir, write_results_json
 from lilicorr_pl.heads.domino import first_form_refusal
+from lilicorr_pl.interop import read_config
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import (DraftSystem, StateMismatchError, _short, check_evaluation_settings, check_resume_settings,
                                 plain_data)
@@ -58,13 +59,30 @@ CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
 VALIDATION_STAGES = ("validate", "predict")
 
 
-def git_commit() -> str | None:
-    """The current git commit of the working directory, if any (recorded with every run)."""
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """The git commit checked out in ``folder`` (default: the working directory), if any (recorded with every run)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False,
+                             cwd=folder)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def lilicorr_commit(source: Path | None = None) -> str | None:
+    """The commit of lilicorr's own code when it runs from a git checkout of it (an editable install), else None: an
+    installed copy inside another repository (a virtual environment in a user's project) is not given that project's
+    commit. ``source``: the folder holding the package (default: this one's)."""
+    source = (source or Path(__file__).parents[1]).resolve()
+    try:
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=5,
+                             check=False, cwd=source)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    top = out.stdout.strip()
+    if out.returncode != 0 or not top or Path(top).resolve() != source:
+        return None
+    return git_commit(source)
 
 
 class LoggerSaveConfigCallback(SaveConfigCallback):
@@ -127,7 +145,8 @@ class LoggerSaveConfigCallback(SaveConfigCallback):
                 import yaml
 
                 logger.experiment.config.update(
-                    {"lilicorr_config": yaml.safe_load(config), "git_commit": git_commit(), "stage": stage},
+                    {"lilicorr_config": yaml.safe_load(config), "git_commit": git_commit(),
+                     "lilicorr_version": __version__, "lilicorr_commit": lilicorr_commit(), "stage": stage},
                     allow_val_change=True,
                 )
 
@@ -420,14 +439,19 @@ def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[
     return sorted(found, key=lambda pair: pair[0])
 
 
-def refuse_linked_options(args: Sequence[str]) -> None:
+def refuse_linked_options(args: Sequence[str], default: Callable[[str], Any] | None = None) -> None:
     """An option a link sets (:data:`LINKS`), typed on the command line: one line naming the option to set (jsonargparse
-    said ``argument data.max_length --> model.max_length: int | None is not callable``)."""
+    said ``argument data.max_length --> model.max_length: int | None is not callable``). ``default(key)``: the key's
+    default in the parser, ``_UNSET`` for a key it has not (``--data.target.nme`` has no option to point to)."""
     for name in map(_option_name, args):
         for source, target in LINKS:
             if name == target or name.startswith(target + "."):
+                suffix = name[len(target):]
+                if suffix and default is not None and default(source + suffix) is _UNSET:
+                    raise UserInputError(f"--{name} is not an option: {target} is set from --{source}, which has no "
+                                         f"{suffix[1:]}; drop it")
                 raise UserInputError(f"--{name} is set from --{source}, which it always equals; set "
-                                     f"--{source}{name[len(target):]} instead")
+                                     f"--{source}{suffix} instead")
 
 
 def _same_setting(key: str, a: Any, b: Any) -> bool:
@@ -529,6 +553,7 @@ class LilicorrCLI(LightningCLI):
         self._verified_first: Any = None  # --ckpt_path's first read (hashed once), for Lightning's restore
         self._loop_started: _LoopStarted | None = None  # set when the Trainer is built
         self._resumed_step: int | None = None  # --ckpt_path's global step, read when it is checked
+        self._target_to_build: tuple[str, Any] | None = None  # a builtin: target's name and config, built after checks
         if "callbacks" in self.reporting:
             self.reporting["callbacks"] = _callback_list(self.reporting["callbacks"])
         counts_before_fractions(kwargs.get("trainer_class", Trainer))
@@ -549,7 +574,9 @@ class LilicorrCLI(LightningCLI):
             from omegaconf.errors import OmegaConfBaseException
 
             args = list(args or [])
-            refuse_linked_options(args)
+            parsers = getattr(self, "_subcommand_parsers", None)  # fit, validate, ...; none for prepare and perf
+            named = next((a for a in args if a in parsers), None) if parsers else None
+            refuse_linked_options(args, self._default_of(named) if named or not parsers else None)
             try:
                 self.config = parser.parse_args(args)
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
@@ -584,8 +611,12 @@ class LilicorrCLI(LightningCLI):
                 check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
                                    output_fix="it writes <trainer.default_root_dir>/predict.json: set "
                                               "--trainer.default_root_dir to another folder, or move that file")
-            self._check_before_a_target_build(config, subcommand)
-            self._resolve_builtin_target(config)  # last: it may build the target (minutes)
+            for key in ("init_drafter_from", "init_head_from"):  # read only once the system is built
+                warm = config.get("model").get(key) if config.get("model") is not None else None
+                if warm:
+                    read_config(os.path.expanduser(str(warm)))
+            unbuilt = self._check_before_a_target_build(config, subcommand)
+            self._resolve_builtin_target(config, unbuilt)  # last: it may find the target built
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
 
@@ -636,32 +667,69 @@ class LilicorrCLI(LightningCLI):
         target = model.get("target") if model is not None else None
         return target, target.get("name_or_path") if target is not None else None
 
-    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> None:
+    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> bool:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
         the config the build will have, and the Trainer's settings checked as its constructor checks them, so a
         setting they refuse is refused now, not after a build of up to half an hour (``--data.batch_size=-1`` and
         ``--trainer.accelerator=gpu`` on a CPU were). A built one is loaded in seconds: the run's own constructors
-        check."""
+        check. True when such a target is not built yet."""
         _, name = self._target(config)
         preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
         if preview is None:
-            return
+            return False
         with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
-            dry_build(config, self.datamodule_class, self.model_class, folder)
+            _, system = dry_build(config, self.datamodule_class, self.model_class, folder)
             if config.get("trainer") is not None:  # prepare reads only where its stores are made
                 dry_trainer(config["trainer"], self.trainer_class, PREPARE_TRAINER_KEYS if subcommand is None else None)
+            if subcommand in ("fit", "validate"):  # the callbacks' own checks, as the run makes them (_check_callbacks)
+                self._check_configured_callbacks(config, system)
+        return True
 
-    def _resolve_builtin_target(self, config: Any) -> None:
-        """A ``builtin:`` target becomes its built directory, built here (with progress) if missing."""
+    def _check_configured_callbacks(self, config: Any, system: DraftSystem) -> None:
+        """``check_run`` of each callback the run will have (its config's and ``reporting``'s), built from the config
+        on a meta-device system: a ``ProgressFile`` path holding a user's file, an ``AcceptanceEval`` prompts file that
+        is not there."""
+        from jsonargparse import namespace_to_dict
+
+        trainer = config.get("trainer")
+        given = [*_callback_list(trainer.get("callbacks") if trainer is not None else None),
+                 *self.reporting.get("callbacks", ())]
+        for callback in given:
+            if isinstance(callback, Namespace):
+                callback = namespace_to_dict(callback.clone())
+            instance = instantiate_class((), callback) if isinstance(callback, Mapping) else callback
+            check = getattr(instance, "check_run", None)
+            if callable(check):
+                check(system)
+
+    def _resolve_builtin_target(self, config: Any, unbuilt: bool) -> None:
+        """A ``builtin:`` target becomes its build's directory. Built: found now. Not built yet (``unbuilt``): named
+        by the folder its build will have, and built (with progress) in :meth:`before_instantiate_classes`, after
+        ``--ckpt_path``'s checks, which compare that folder with the one the checkpoint's run recorded."""
+        _, name = self._target(config)
+        if name is None or not builtin.is_builtin(name):
+            return
+        if unbuilt:
+            self._target_to_build = (name, config)
+            self._set_target_path(config, builtin.target_folder(name))
+        else:
+            self._set_target_path(config, builtin.resolve_target_path(name, progress=True))
+
+    def _set_target_path(self, config: Any, path: str) -> None:
+        target, _ = self._target(config)
+        target["name_or_path"] = path
         data = config.get("data")
-        target, name = self._target(config)
-        if name is not None and builtin.is_builtin(name):
-            path = builtin.resolve_target_path(name, progress=True)
-            target["name_or_path"] = path
-            if data is not None and data.get("target") is not None:
-                data["target"]["name_or_path"] = path
+        if data is not None and data.get("target") is not None:
+            data["target"]["name_or_path"] = path
+
+    def before_instantiate_classes(self) -> None:
+        """A ``builtin:`` target not built yet is built here (minutes): after every check that needs no system."""
+        pending, self._target_to_build = self._target_to_build, None
+        if pending is not None:
+            name, config = pending
+            self._set_target_path(config, builtin.resolve_target_path(name, progress=True))
 
     @staticmethod
     def _check_training(config: Any, subcommand: str | None) -> None:

@@ -444,7 +444,7 @@ def load_round_modules(
     """
     from transformers import AutoConfig
 
-    from lilicorr_pl.builtin import resolve_target_path
+    from lilicorr_pl.builtin import is_builtin, resolve_target_path, unbuilt_target_config
     from lilicorr_pl.target import check_feature_count, default_layer_ids, refuse_drafter
 
     model = _model_section(configs)
@@ -453,7 +453,10 @@ def load_round_modules(
     if not source:
         raise ValueError("no target to read shapes from: set model.target.name_or_path in a -c file or pass --target-config")
     try:
-        config = AutoConfig.from_pretrained(resolve_target_path(str(source)))
+        # A builtin: target not built yet: the config its build will have (shapes are all this reads), not a build.
+        config = unbuilt_target_config(str(source)) if is_builtin(str(source)) else None
+        if config is None:
+            config = AutoConfig.from_pretrained(resolve_target_path(str(source)))
     except (OSError, ValueError) as err:
         raise ValueError(
             f"could not read the target config {source!r} ({first_line(err, with_type=True)}); pass --target-config "
@@ -828,11 +831,13 @@ class PerfCLI(LilicorrCLI):
     def _check_perf_files(self, config: Any) -> None:
         """``--json`` and ``--ckpt``, before anything is built or a target resolved."""
         from lilicorr_pl.checkpoint import UserInputError
-        from lilicorr_pl.command import expand_home
+        from lilicorr_pl.command import expand_home, shipped_config_path
         from lilicorr_pl.files import check_output_paths
 
         for name in ("json", "ckpt", "target_config"):  # a leading ~ is the user's home, as in a shell: expanded
             config[name] = expand_home(name, config.get(name))  # before the output check below
+        if config.get("target_config"):  # configs/qwen3-8b/Qwen3-8B.config.json: shipped, as -c files are found
+            config["target_config"] = shipped_config_path(str(config.target_config))
         if config.get("json") is not None and not str(config.json).strip():  # an unset shell variable: no file
             raise UserInputError("--json is empty; pass the file to write the numbers into, or drop --json")
         try:  # every mode writes --json at its end: an unwritable one is refused before anything is built
@@ -855,6 +860,7 @@ class PerfCLI(LilicorrCLI):
             check_class_paths(self.checkpoint.get("hyper_parameters") or {}, config.ckpt, allowed)
 
     def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()  # a builtin: target not built yet
         if self.config.get("threads"):
             torch.set_num_threads(self.config.threads)
         if self.config.get("ckpt_path"):

@@ -835,6 +835,96 @@ def test_the_trainers_refusal_after_a_build_is_the_same_line(tmp_path, capsys):
                                     "--trainer.accelerator=cpu")
 
 
+def _no_build(tmp_path):
+    assert not list((tmp_path / "cache").glob("tiny-target-*")), "the target was built before the refusal"
+
+
+@pytest.mark.parametrize("command, extra, refusal", [
+    ("validate", ["--ckpt_path=nope.ckpt"], "checkpoint nope.ckpt does not exist; pass a .ckpt written by `lilicorr fit`"),
+    ("fit", ["--ckpt_path=nope.ckpt"], "checkpoint nope.ckpt does not exist; pass a .ckpt written by `lilicorr fit`"),
+    ("validate", ["--ckpt_path=best"], "--ckpt_path best names the best checkpoint of a fit run in the same process"),
+    ("fit", ["--model.init_drafter_from=no/such/dir"], "no/such/dir is not a DFlash drafter directory (needs "
+                                                       "config.json and model.safetensors)"),
+    ("fit", ["--model.init_head_from=no/such/dir"], "no/such/dir is not a DFlash drafter directory (needs config.json "
+                                                    "and model.safetensors)"),
+    ("fit", ["--trainer.callbacks+=callbacks.ProgressFile", "--trainer.callbacks.path=notes.txt"],
+     "ProgressFile path: notes.txt exists and is not a progress record `lilicorr fit` wrote, so it is not overwritten; "
+     "move it or choose another ProgressFile path"),
+    ("fit", ["--trainer.callbacks+=callbacks.AcceptanceEval", "--trainer.callbacks.max_new_tokens=5000"],
+     "AcceptanceEval max_new_tokens 5000 leaves no room for a prompt in the target's context of 64 positions; lower "
+     "it below 64"),
+])
+def test_checkpoint_warm_start_and_callback_checks_come_before_a_builtin_target_build(tmp_path, monkeypatch, capsys,
+                                                                                    command, extra, refusal):
+    # They came after the build (up to half an hour): --ckpt_path's checks in Lightning's own order, the warm starts in
+    # the system's constructor, the callbacks' once the Trainer was built.
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    err = user_error(capsys, [command, "-c", TINY, *extra, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1].startswith(f"lilicorr {command}: error: {refusal}"), err
+    _no_build(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_a_resume_checks_its_checkpoint_against_the_folder_a_build_will_have(tmp_path, monkeypatch, capsys):
+    # A run's checkpoint records its built target's folder; resumed where that target is not built (another machine,
+    # a cleared cache), the settings are compared with the folder the build will have, then the target is built and
+    # the run resumes. A checkpoint whose target was another is refused before the build.
+    from lilicorr_pl import builtin
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "run"
+    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    main(["fit", *common, "--trainer.max_steps=1"])
+    folder = builtin.target_folder("builtin:tiny")
+    assert os.path.isdir(folder) and folder.startswith(str(tmp_path / "cache"))
+    shutil.rmtree(folder)
+    elsewhere = tmp_path / "other-target"
+    err = user_error(capsys, ["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last",
+                              f"--model.target.name_or_path={elsewhere}"])
+    assert "cannot resume" in err and "model.target" in err, err
+    _no_build(tmp_path)
+    cli = main(["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last"])
+    assert cli.trainer.global_step == 2 and os.path.isdir(folder)
+    assert cli.model.target_spec.name_or_path == folder
+
+
+def test_perf_reads_an_unbuilt_builtin_targets_shapes_without_building_it(tmp_path, monkeypatch, capsys):
+    # --cost_model and --round_timing read shapes only: the config the build will have (it was a build of minutes).
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    err = user_error(capsys, ["perf", "--cost_model", "true", "-c", TINY, "--tau", "100"])
+    assert err.splitlines()[-1].startswith("lilicorr perf: error: --tau 100 is not a possible acceptance length")
+    result = main(["perf", "--cost_model", "true", "-c", TINY])
+    _no_build(tmp_path)
+    from lilicorr_pl.builtin import unbuilt_target_config
+
+    preview = unbuilt_target_config("builtin:tiny")
+    assert result["settings"]["target"] == (f"Qwen3 ({preview.num_hidden_layers} layers, hidden {preview.hidden_size}, "
+                                            f"vocab {preview.vocab_size})")
+
+
+def test_a_run_records_lilicorrs_own_commit_apart_from_the_working_directorys(tmp_path, monkeypatch):
+    from lilicorr_pl.lightning_cli import git_commit, lilicorr_commit
+
+    if (ROOT / ".git").exists():  # a checkout (CI clones one): its HEAD
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert lilicorr_commit() == head and len(head) == 40
+    monkeypatch.chdir(tmp_path)
+    assert git_commit() is None  # not a repository
+    # An installed copy inside a user's project (a virtual environment there): not the project's commit.
+    project = tmp_path / "project"
+    site = project / ".venv" / "site-packages"
+    (site / "lilicorr_pl").mkdir(parents=True)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "u", "GIT_AUTHOR_EMAIL": "u@x", "GIT_COMMITTER_NAME": "u",
+           "GIT_COMMITTER_EMAIL": "u@x"}
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "theirs"]):
+        subprocess.run(["git", *args], cwd=project, env=env, check=True, capture_output=True)
+    assert git_commit(project) is not None and lilicorr_commit(site) is None
+    assert lilicorr_commit(project) == git_commit(project)  # a checkout whose top is the package's folder
+
+
 def test_a_data_section_file_is_checked_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys):
     # --data FILE: jsonargparse's __path__ beside the settings was passed to the data module's constructor.
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
@@ -900,6 +990,11 @@ def test_an_option_a_link_sets_is_refused_on_the_command_line(capsys, option, fi
     # It was jsonargparse's "argument data.max_length --> model.max_length: int | None is not callable", or
     # "unrecognized arguments".
     assert user_error(capsys, ["fit", "-c", TINY, option]).splitlines()[-1] == f"lilicorr fit: error: {fix}"
+    # A key the source has not: no option to point to (it said "set --model.target.nme instead", itself refused).
+    for command in ("fit", "prepare"):
+        err = user_error(capsys, [command, "-c", TINY, "--data.target.nme=3"])
+        assert err.splitlines()[-1] == (f"lilicorr {command}: error: --data.target.nme is not an option: data.target "
+                                        "is set from --model.target, which has no nme; drop it")
 
 
 def _configs(tmp_path, texts):

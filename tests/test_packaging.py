@@ -40,8 +40,12 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_holds_every_shipped_config(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
+    shipped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*")
+                     if p.is_file() and p.suffix in (".yaml", ".json"))
     assert shipped and "configs/demo/base.yaml" in shipped and "configs/qwen3-8b/base.yaml" in shipped
+    # perf's cost model reads Qwen3-8B's shapes from the config the README's command names (--target_config)
+    assert "configs/qwen3-8b/Qwen3-8B.config.json" in shipped
+    assert not [p for p in (ROOT / "configs").rglob("*") if p.is_file() and p.suffix not in (".yaml", ".json")]
     assert {f"configs/qwen3-8b/{arm}.yaml" for arm in ("dflash", "lilicorr", "domino", "dspark")} <= set(shipped)
     missing = [c for c in shipped if f"lilicorr_pl/{c}" not in names]
     assert not missing, f"configs missing from the wheel: {missing}"
@@ -78,3 +82,10 @@ def test_the_installed_package_resolves_the_demo_and_recipe_configs(wheel, tmp_p
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "Qwen/Qwen3-8B" in out.stdout and "LiLiCorrHead" in out.stdout
+    # The README's cost-model command, from there: Qwen3-8B's config.json is found in the package too.
+    out = subprocess.run([sys.executable, "-m", "lilicorr_pl", "perf", "--cost_model", "true", "-c",
+                          "configs/qwen3-8b/base.yaml", "-c", "configs/qwen3-8b/lilicorr.yaml", "--target_config",
+                          "configs/qwen3-8b/Qwen3-8B.config.json", "--context", "2048", "--gpu", "h100"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "36 layers" in out.stdout and "head share of the round" in out.stdout

@@ -909,6 +909,11 @@ def _build_place(preset: str | TinyTargetConfig, cache_dir: str | Path | None,
     return config, root, fingerprint, root / f"tiny-target-{config.name}-{fingerprint}"
 
 
+def build_folder(preset: str | TinyTargetConfig, cache_dir: str | Path | None = None) -> Path:
+    """The folder a build of ``preset`` is published at (:func:`build_tiny_target` returns it), built or not."""
+    return _build_place(preset, cache_dir, progress=False)[3]
+
+
 def unbuilt_model_config(preset: str | TinyTargetConfig, cache_dir: str | Path | None = None) -> Any:
     """The ``Qwen3Config`` a build of ``preset`` will have, when no valid build is cached (``None`` when one is): what
     a command checks its settings against before it starts a build of minutes."""
