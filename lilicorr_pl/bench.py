@@ -375,6 +375,42 @@ def check_context(prompts: Any, max_new_tokens: int, target: Any) -> None:
         )
 
 
+def _checked_system(path: Path, target: str | None, served: bool, first: Any, device: str, dtype: str,
+                    trust_remote_code: bool, allow_module: Sequence[str], names: list[str], lattice_k: int | None,
+                    walk: str | None) -> tuple[Any, Any]:
+    """The checkpoint's system (its target not loaded) for ``target``'s config, with the selectors and the head's
+    serving options checked against it and the run's chat template read: one line for anything refused."""
+    from lilicorr_pl.system import DraftSystem
+
+    if served:
+        try:  # the directory's config and weights against the target's sizes: one line, before the target loads
+            system = DraftSystem.from_export(path, target, dtype=None if dtype == "auto" else dtype,
+                                             trust_remote_code=trust_remote_code)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            raise UserInputError(f"--ckpt {path}: {first_line(err)}") from None
+    else:
+        with verified_first(first):  # not hashed a second time
+            system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
+                                                 allow_modules=list(allow_module),  # CheckpointError: one line
+                                                 target_path=target, load_target=False,  # after the checks below
+                                                 target_dtype=None if dtype == "auto" else dtype)
+    try:
+        chosen = [selector_for(name, system) for name in names]
+        serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
+        if (lattice_k is not None or walk is not None) and not any(c is system.head for c in chosen):
+            raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
+                             f"{','.join(names)} does not decode with it; add {system.head.name} "
+                             "to --selectors or drop them")
+        from lilicorr_pl.data.formats import resolve_chat_template
+
+        # The run's own template, as its data was rendered (a template file recorded on another machine: one line).
+        template = resolve_chat_template(system.checkpoint_meta.get("chat_template"),
+                                         option="the checkpoint's data.chat_template")
+    except (ValueError, FileNotFoundError) as err:
+        raise UserInputError(str(err)) from None
+    return system, template
+
+
 def bench(
     ckpt: str,
     benchmark: str = "humaneval",
@@ -454,6 +490,9 @@ def bench(
             raise UserInputError(f"{flag} is empty; {fix}")
     if not temperatures:
         raise UserInputError("--temperature is empty; give one or more sampling temperatures, e.g. 0 or 0,1")
+    if len(set(temperatures)) != len(temperatures):  # each would be measured again, the results file holding both
+        raise UserInputError(f"--temperature {','.join(f'{t:g}' for t in temperature)} names a temperature twice; give "
+                             "each once")
     served = path.is_dir() and (path / "config.json").is_file()  # a serving directory: ours or a released drafter
     if served and target is None:
         raise UserInputError(f"--ckpt {path} is a served drafter directory, which records no target; pass the target "
@@ -487,46 +526,29 @@ def bench(
     if num_prompts < 1 or max_new_tokens < 1:
         raise UserInputError(f"--num_prompts and --max_new_tokens must be >= 1, got {num_prompts} and {max_new_tokens}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from lilicorr_pl.system import DraftSystem
-
     first = None
     if target is not None:
-        from lilicorr_pl.builtin import is_builtin, resolve_target_option
+        from lilicorr_pl.builtin import is_builtin, resolve_target_option, unbuilt_target_config
 
         if is_builtin(target) and not served:  # its build may take minutes: a damaged checkpoint is named first
             first = read_verified(path)[1]
+        preview = unbuilt_target_config(target) if is_builtin(target) else None
+        if preview is not None:  # not built yet: the drafter and the options are checked against the config the build
+            import tempfile  # will have, so a bad one is refused before a build of minutes
+
+            with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder:
+                preview.save_pretrained(folder)
+                _checked_system(path, folder, served, first, device, dtype, trust_remote_code, allow_module, names,
+                                lattice_k, walk)
         target = resolve_target_option(target)
-    if served:
-        try:  # the directory's config and weights against the target's sizes: one line, before the target loads
-            system = DraftSystem.from_export(path, target, dtype=None if dtype == "auto" else dtype,
-                                             trust_remote_code=trust_remote_code)
-        except (ValueError, FileNotFoundError, OSError) as err:
-            raise UserInputError(f"--ckpt {path}: {first_line(err)}") from None
-    else:
-        with verified_first(first):  # not hashed a second time
-            system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
-                                                 allow_modules=list(allow_module),  # CheckpointError: one line
-                                                 target_path=target, load_target=False,  # after the checks below
-                                                 target_dtype=None if dtype == "auto" else dtype)
+    system, template = _checked_system(path, target, served, first, device, dtype, trust_remote_code, allow_module,
+                                       names, lattice_k, walk)
     meta = system.checkpoint_meta
     weights_digest = None
     if served:
         from lilicorr_pl.data.fingerprint import content_sha256
 
         weights_digest = content_sha256(path / "model.safetensors")
-    try:
-        chosen = [selector_for(name, system) for name in names]
-        serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
-        if (lattice_k is not None or walk is not None) and not any(c is system.head for c in chosen):
-            raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
-                             f"{','.join(names)} does not decode with it; add {system.head.name} "
-                             "to --selectors or drop them")
-        from lilicorr_pl.data.formats import resolve_chat_template
-
-        # The run's own template, as its data was rendered (a template file recorded on another machine: one line).
-        template = resolve_chat_template(meta.get("chat_template"), option="the checkpoint's data.chat_template")
-    except (ValueError, FileNotFoundError) as err:
-        raise UserInputError(str(err)) from None
     system.load_target()
     system.to(device)
     chat = {"auto": None, "yes": True, "no": False}[chat_template]

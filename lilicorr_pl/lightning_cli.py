@@ -648,6 +648,15 @@ class LilicorrCLI(LightningCLI):
             folder = section.get(key) if section is not None else None
             if folder:
                 check_writable_dir(Path(os.path.expanduser(str(folder))), f"{setting} {folder}", writable)
+        # Where the checkpoints and the config record go: a file named checkpoints there failed at the first save
+        # (a traceback after training, nothing saved), a folder named config.yaml once the data were prepared.
+        root = Path(os.path.expanduser(str((trainer.get("default_root_dir") if trainer is not None else None) or ".")))
+        for folder in _checkpoint_folders(trainer, root):
+            check_writable_dir(folder, f"the checkpoints' folder {folder}")
+        record = root / "config.yaml"
+        if record.is_dir():
+            raise ValueError(f"{record} is a folder, where the run writes its config record; move it, or choose "
+                             "another --trainer.default_root_dir")
 
     @staticmethod
     def _resolve_builtin_data(config: Any) -> None:
@@ -680,29 +689,35 @@ class LilicorrCLI(LightningCLI):
         with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
-            _, system = dry_build(config, self.datamodule_class, self.model_class, folder)
-            if config.get("trainer") is not None:  # prepare reads only where its stores are made
-                dry_trainer(config["trainer"], self.trainer_class, PREPARE_TRAINER_KEYS if subcommand is None else None)
-            if subcommand in ("fit", "validate"):  # the callbacks' own checks, as the run makes them (_check_callbacks)
-                self._check_configured_callbacks(config, system)
+            # A built-in target's drafters are small: their warm starts are read in full, and checked, before the build
+            _, system = dry_build(config, self.datamodule_class, self.model_class, folder, warm_starts=True)
+            trainer = config.get("trainer")
+            callbacks = self._configured_callbacks(trainer) if subcommand is not None else None
+            if trainer is not None:  # prepare reads only where its stores are made
+                dry_trainer(trainer, self.trainer_class, PREPARE_TRAINER_KEYS if subcommand is None else None,
+                            callbacks, self.reporting.get("enable_progress_bar"))
+            for callback in callbacks if subcommand in ("fit", "validate") else ():  # as _check_callbacks, later
+                check = getattr(callback, "check_run", None)
+                if callable(check):
+                    check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
         return True
 
-    def _check_configured_callbacks(self, config: Any, system: DraftSystem) -> None:
-        """``check_run`` of each callback the run will have (its config's and ``reporting``'s), built from the config
-        on a meta-device system: a ``ProgressFile`` path holding a user's file, an ``AcceptanceEval`` prompts file that
-        is not there."""
+    def _configured_callbacks(self, trainer: Any) -> list[Any]:
+        """The callbacks the run will have (its config's and ``reporting``'s), built from the config: constructors
+        only, nothing written."""
         from jsonargparse import namespace_to_dict
 
-        trainer = config.get("trainer")
         given = [*_callback_list(trainer.get("callbacks") if trainer is not None else None),
                  *self.reporting.get("callbacks", ())]
-        for callback in given:
-            if isinstance(callback, Namespace):
-                callback = namespace_to_dict(callback.clone())
-            instance = instantiate_class((), callback) if isinstance(callback, Mapping) else callback
-            check = getattr(instance, "check_run", None)
-            if callable(check):
-                check(system)
+        built = []
+        try:
+            for callback in given:
+                if isinstance(callback, Namespace):
+                    callback = namespace_to_dict(callback.clone())
+                built.append(instantiate_class((), callback) if isinstance(callback, Mapping) else callback)
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+        return built
 
     def _resolve_builtin_target(self, config: Any, unbuilt: bool) -> None:
         """A ``builtin:`` target becomes its build's directory. Built: found now. Not built yet (``unbuilt``): named
@@ -844,6 +859,7 @@ class LilicorrCLI(LightningCLI):
         trainer = self.config[subcommand].get("trainer") or {}
         root = trainer.get("default_root_dir") or os.getcwd()
         found: list[Path] = []
+        others: list[Path] = []  # the folders' other checkpoints (step=N.ckpt), which "last" never resumes
         for callback in _callback_list(trainer.get("callbacks")):
             class_path = str(getattr(callback, "class_path", None) or "")
             init_args = getattr(callback, "init_args", None) or {}
@@ -852,15 +868,17 @@ class LilicorrCLI(LightningCLI):
                 filename = f"{init_args.get('filename') or 'on_exception'}.ckpt"
                 path = Path(os.path.expanduser(str(init_args["dirpath"]))) / filename
                 found += [path] if path.exists() else []
-            if name != "ModelCheckpoint":
-                continue
-            dirpath = init_args.get("dirpath")
-            if dirpath is None and class_path != "callbacks.ModelCheckpoint":
-                continue
-            folder = Path(os.path.expanduser(str(dirpath or Path(root) / "checkpoints")))
+        for folder in _checkpoint_folders(trainer, Path(root)):
             if folder.is_dir():
-                found += [p for p in folder.iterdir()  # not a link whose checkpoint is gone
-                          if p.name.startswith("last") and p.name.endswith(".ckpt") and p.exists()]
+                ckpts = [p for p in folder.iterdir() if p.name.endswith(".ckpt") and p.exists()]  # not a broken link
+                found += [p for p in ckpts if p.name.startswith("last")]
+                others += [p for p in ckpts if not p.name.startswith("last") and p.is_file()]
+        if not found and others:
+            # Lightning would warn and train from step 0 beside them, with a hint to set save_last (already set).
+            newest = max(others, key=lambda p: p.stat().st_mtime)
+            raise UserInputError(f"--ckpt_path=last: there is no last checkpoint in {newest.parent}, but there are "
+                                 f"others; resume from the newest with --ckpt_path {newest}, or start over without "
+                                 "--ckpt_path")
         newest = max(found, key=lambda p: p.stat().st_mtime) if found else None
         if newest is not None and newest.is_dir() and not any(newest.iterdir()):
             raise UserInputError(f"--ckpt_path=last: the newest last checkpoint, {newest}, is an empty folder; remove "
@@ -1229,6 +1247,22 @@ def _written_by_the_config_callback(path: Path) -> bool:
     return text.startswith("# lightning.pytorch==") and isinstance(saved, dict) and {"model", "trainer"} <= set(saved)
 
 
+def _checkpoint_folders(trainer: Any, root: Path) -> list[Path]:
+    """The folders the run's ``ModelCheckpoint`` callbacks write (the project's without ``dirpath``:
+    ``<root>/checkpoints``; Lightning's own without one writes in the logger's folder, known once it is built)."""
+    folders = []
+    for callback in _callback_list(trainer.get("callbacks") if trainer is not None else None):
+        class_path = str(getattr(callback, "class_path", None) or "")
+        init_args = getattr(callback, "init_args", None) or {}
+        if class_path.rsplit(".", 1)[-1] != "ModelCheckpoint":
+            continue
+        dirpath = init_args.get("dirpath")
+        if dirpath is None and class_path != "callbacks.ModelCheckpoint":
+            continue
+        folders.append(Path(os.path.expanduser(str(dirpath or root / "checkpoints"))))
+    return folders
+
+
 def _inside(path: str, folder: str) -> bool:
     """Whether ``path`` lies under ``folder`` (both resolved: links and ``..`` followed)."""
     try:
@@ -1278,11 +1312,13 @@ class PrepareCLI(LilicorrCLI):
 
 def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataModule,
               model_class: type[DraftSystem] = DraftSystem,
-              target_path: str | None = None) -> tuple[DraftDataModule, DraftSystem]:
-    """A run's data module, and its system on the meta device (no weights, no warm starts): every setting their
-    constructors check, for the price of reading the target's config; with ``init_drafter_layers_from_target``, what
-    the target's config shows of it (enough layers, the same sizes). ``target_path``: a folder holding the target's
-    ``config.json`` in place of the configured target (a built-in one not built yet). A refusal is one line."""
+              target_path: str | None = None, warm_starts: bool = False) -> tuple[DraftDataModule, DraftSystem]:
+    """A run's data module, and its system on the meta device (no weights): every setting their constructors check,
+    for the price of reading the target's config; with ``init_drafter_layers_from_target``, what the target's config
+    shows of it (enough layers, the same sizes). ``target_path``: a folder holding the target's ``config.json`` in
+    place of the configured target (a built-in one not built yet). ``warm_starts``: the ``init_drafter_from`` /
+    ``init_head_from`` directories read and checked against the system too (their files are read in full). A refusal
+    is one line."""
     import torch
     from jsonargparse import namespace_to_dict
 
@@ -1290,7 +1326,8 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
 
     model = config["model"].clone()
     from_target_layers = bool(model.get("init_drafter_layers_from_target"))
-    model.init_drafter_from = model.init_head_from = None
+    if not warm_starts:
+        model.init_drafter_from = model.init_head_from = None
     model.init_drafter_layers_from_target = False
     data = {k: v for k, v in namespace_to_dict(config["data"]).items() if not k.startswith("__")}  # __path__: a file's
     if target_path is not None:
@@ -1314,11 +1351,14 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
 PREPARE_TRAINER_KEYS = ("accelerator", "devices", "num_nodes")  # the Trainer settings `lilicorr prepare` reads
 
 
-def dry_trainer(trainer: Any, trainer_class: type[Trainer] = Trainer, keys: Sequence[str] | None = None) -> None:
+def dry_trainer(trainer: Any, trainer_class: type[Trainer] = Trainer, keys: Sequence[str] | None = None,
+                callbacks: list[Any] | None = None, progress_bar: bool | None = None) -> None:
     """The checks the Trainer's constructor makes of its settings (an accelerator or device count this machine lacks,
-    a strategy it cannot run, a limit out of range), without its loggers, callbacks, profiler or checkpointing, so
-    nothing is written or started. ``keys``: only those settings (the rest at the Trainer's defaults). A refusal is
-    one line, as the Trainer's own is after the build."""
+    a strategy it cannot run, a limit out of range, ``enable_checkpointing=false`` beside a ``ModelCheckpoint``),
+    without its loggers or profiler, so nothing is written or started. ``keys``: only those settings (the rest at the
+    Trainer's defaults, no callbacks); ``callbacks``: the run's, built; ``progress_bar``: the run's own
+    ``enable_progress_bar`` where the command sets it. A refusal is one line, as the Trainer's own is after the
+    build."""
     from jsonargparse import namespace_to_dict
 
     settings = {k: v for k, v in namespace_to_dict(trainer.clone()).items()
@@ -1333,8 +1373,13 @@ def dry_trainer(trainer: Any, trainer_class: type[Trainer] = Trainer, keys: Sequ
         if plugins:
             settings["plugins"] = [instantiate_class((), p) if isinstance(p, Mapping) else p
                                    for p in (plugins if isinstance(plugins, list) else [plugins])]
-        settings.update(logger=False, callbacks=None, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, profiler=None)
+        if keys is None:
+            settings.update(callbacks=callbacks)
+            if progress_bar is not None:
+                settings["enable_progress_bar"] = progress_bar
+        else:
+            settings.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        settings.update(logger=False, profiler=None)
         logger.setLevel(logging.WARNING)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own Trainer warns, once

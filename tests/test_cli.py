@@ -925,6 +925,82 @@ def test_a_run_records_lilicorrs_own_commit_apart_from_the_working_directorys(tm
     assert lilicorr_commit(project) == git_commit(project)  # a checkout whose top is the package's folder
 
 
+@pytest.mark.parametrize("options, refusal", [
+    (["--lattice_k", "9"], "--lattice_k 9 is outside 1..4: the head was trained with K=4 and can serve any k <= 4"),
+    (["--selectors", "top1,domino"], "selector 'domino' is not available in this checkpoint (its head is "
+                                     "LiLiCorrHead, registered as 'lilicorr'); use --selectors top1 or top1,lilicorr"),
+    (["--temperature", "0,0"], "--temperature 0,0 names a temperature twice; give each once"),
+])
+def test_bench_checks_its_drafter_and_options_before_a_builtin_target_is_built(tiny_run, tmp_path, monkeypatch, capsys,
+                                                                              options, refusal):
+    # Against the config the build will have; they were refused after the build (minutes for builtin:full).
+    _, ckpt = tiny_run
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--target", "builtin:tiny", "--benchmark", str(prompts),
+                              "--num_prompts", "1", "--max_new_tokens", "4", *options])
+    assert err.splitlines()[-1] == f"lilicorr bench: error: {refusal}"
+    _no_build(tmp_path)
+
+
+def test_a_damaged_or_mismatched_warm_start_is_refused_before_a_builtin_target_is_built(tiny_run, tmp_path,
+                                                                                       monkeypatch, capsys):
+    _, ckpt = tiny_run
+    main(["export", "--ckpt", str(ckpt), "--output", str(tmp_path / "exp")])
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(tmp_path / "exp", tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    base = ["fit", "-c", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    err = user_error(capsys, [*base, f"--model.init_drafter_from={tmp_path / 'cut'}"])
+    assert err.splitlines()[-1].startswith(f"lilicorr fit: error: {weights} cannot be read as safetensors"), err
+    err = user_error(capsys, [*base, f"--model.init_drafter_from={tmp_path / 'exp'}",
+                              "--model.drafter.init_args.num_layers=3"])
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: model.init_drafter_from={tmp_path / 'exp'} does not match "
+                                    "model.drafter (num_layers 3 vs the directory's 2); set num_layers, block_size, "
+                                    "target layer ids and mask_token_id to the released drafter's config.json")
+    # The Trainer's own check of its callbacks: the shipped ModelCheckpoint with checkpointing off.
+    err = user_error(capsys, [*base, "--trainer.enable_checkpointing=false"])
+    assert err.splitlines()[-1] == ("lilicorr fit: error: Trainer was configured with `enable_checkpointing=False` but "
+                                    "found `ModelCheckpoint` in callbacks list.")
+    _no_build(tmp_path)
+
+
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_any_work(tmp_path, capsys):
+    # A file named checkpoints: training ran, then the first save failed with a traceback, nothing saved. A folder named
+    # config.yaml: a traceback once the data stores were written.
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "checkpoints").write_text("my notes\n")
+    err = user_error(capsys, ["fit", "-c", TINY, f"--trainer.default_root_dir={root}"])
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: the checkpoints' folder {root / 'checkpoints'}: "
+                                    f"{root / 'checkpoints'} is a file, so the directory cannot be created; choose "
+                                    "another path")
+    assert (root / "checkpoints").read_text() == "my notes\n"
+    (root / "checkpoints").unlink()
+    (root / "config.yaml").mkdir()
+    err = user_error(capsys, ["fit", "-c", TINY, f"--trainer.default_root_dir={root}"])
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: {root / 'config.yaml'} is a folder, where the run writes its "
+                                    "config record; move it, or choose another --trainer.default_root_dir")
+    assert sorted(p.name for p in root.iterdir()) == ["config.yaml"]
+
+
+def test_resuming_last_where_only_other_checkpoints_are_left_names_the_newest(tiny_run, tmp_path, capsys):
+    # Lightning warned "no last checkpoint available ... set save_last=True" (it is set) and trained from step 0.
+    _, ckpt = tiny_run
+    root = tmp_path / "run"
+    (root / "checkpoints").mkdir(parents=True)
+    for name in ("step=1.ckpt", "step=2.ckpt"):
+        shutil.copy(ckpt, root / "checkpoints" / name)
+    newest = root / "checkpoints" / "step=2.ckpt"
+    os.utime(root / "checkpoints" / "step=1.ckpt", (1, 1))
+    err = user_error(capsys, ["fit", "-c", TINY, f"--trainer.default_root_dir={root}", "--ckpt_path=last"])
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: --ckpt_path=last: there is no last checkpoint in "
+                                    f"{root / 'checkpoints'}, but there are others; resume from the newest with "
+                                    f"--ckpt_path {newest}, or start over without --ckpt_path")
+
+
 def test_a_data_section_file_is_checked_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys):
     # --data FILE: jsonargparse's __path__ beside the settings was passed to the data module's constructor.
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
