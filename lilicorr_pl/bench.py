@@ -532,14 +532,20 @@ def bench(
 
         if is_builtin(target) and not served:  # its build may take minutes: a damaged checkpoint is named first
             first = read_verified(path)[1]
-        preview = unbuilt_target_config(target) if is_builtin(target) else None
+        try:
+            preview = unbuilt_target_config(target) if is_builtin(target) else None
+        except ValueError as err:  # an unknown preset
+            raise UserInputError(f"--target: {err}") from None
         if preview is not None:  # not built yet: the drafter and the options are checked against the config the build
             import tempfile  # will have, so a bad one is refused before a build of minutes
 
             with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder:
                 preview.save_pretrained(folder)
-                _checked_system(path, folder, served, first, device, dtype, trust_remote_code, allow_module, names,
-                                lattice_k, walk)
+                try:
+                    _checked_system(path, folder, served, first, device, dtype, trust_remote_code, allow_module,
+                                    names, lattice_k, walk)
+                except UserInputError as err:  # named as the user gave it, not by the folder that stood in for it
+                    raise type(err)(str(err).replace(folder, target)) from None
         target = resolve_target_option(target)
     system, template = _checked_system(path, target, served, first, device, dtype, trust_remote_code, allow_module,
                                        names, lattice_k, walk)

@@ -11,6 +11,7 @@ and a setting that a constructor or the Trainer rejects becomes one line (``User
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -602,7 +603,7 @@ class LilicorrCLI(LightningCLI):
         """Resolve ``builtin:`` names and check the data, on the parsed config, before anything is built."""
         try:
             self._place_outputs_under_the_root(config)
-            self._check_output_folders(config)
+            self._check_output_folders(config, subcommand)
             self._resolve_builtin_data(config)
             self._check_data(config, subcommand)
             self._check_training(config, subcommand)
@@ -611,9 +612,9 @@ class LilicorrCLI(LightningCLI):
                 check_output_paths(str(_predict_output(config)), None, "lilicorr predict's output", command="predict",
                                    output_fix="it writes <trainer.default_root_dir>/predict.json: set "
                                               "--trainer.default_root_dir to another folder, or move that file")
-            for key in ("init_drafter_from", "init_head_from"):  # read only once the system is built
+            for key in ("init_drafter_from", "init_head_from") if subcommand is not None else ():  # not prepare's
                 warm = config.get("model").get(key) if config.get("model") is not None else None
-                if warm:
+                if warm:  # read only once the system is built
                     read_config(os.path.expanduser(str(warm)))
             unbuilt = self._check_before_a_target_build(config, subcommand)
             self._resolve_builtin_target(config, unbuilt)  # last: it may find the target built
@@ -638,7 +639,7 @@ class LilicorrCLI(LightningCLI):
                 init["save_dir"] = str(root)
 
     @staticmethod
-    def _check_output_folders(config: Any) -> None:
+    def _check_output_folders(config: Any, subcommand: str | None) -> None:
         """The run's folder can be made and written, and its data stores' folder made: a path under a file failed with
         a traceback once the target was loaded, when the first store was written. (The stores' folder may be another
         run's, read-only and complete: write access is its writer's to check, for a store still missing.)"""
@@ -648,7 +649,9 @@ class LilicorrCLI(LightningCLI):
             folder = section.get(key) if section is not None else None
             if folder:
                 check_writable_dir(Path(os.path.expanduser(str(folder))), f"{setting} {folder}", writable)
-        # Where the checkpoints and the config record go: a file named checkpoints there failed at the first save
+        if subcommand != "fit":
+            return
+        # Where a fit's checkpoints and config record go: a file named checkpoints there failed at the first save
         # (a traceback after training, nothing saved), a folder named config.yaml once the data were prepared.
         root = Path(os.path.expanduser(str((trainer.get("default_root_dir") if trainer is not None else None) or ".")))
         for folder in _checkpoint_folders(trainer, root):
@@ -690,34 +693,23 @@ class LilicorrCLI(LightningCLI):
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
             # A built-in target's drafters are small: their warm starts are read in full, and checked, before the build
-            _, system = dry_build(config, self.datamodule_class, self.model_class, folder, warm_starts=True)
+            _, system = dry_build(config, self.datamodule_class, self.model_class, folder,
+                                  warm_starts=subcommand is not None)
             trainer = config.get("trainer")
-            callbacks = self._configured_callbacks(trainer) if subcommand is not None else None
-            if trainer is not None:  # prepare reads only where its stores are made
-                dry_trainer(trainer, self.trainer_class, PREPARE_TRAINER_KEYS if subcommand is None else None,
-                            callbacks, self.reporting.get("enable_progress_bar"))
-            for callback in callbacks if subcommand in ("fit", "validate") else ():  # as _check_callbacks, later
-                check = getattr(callback, "check_run", None)
-                if callable(check):
-                    check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
+            if trainer is not None:
+                built = built_trainer_settings(trainer, self.trainer_class)
+                if subcommand is None:  # prepare reads only where its stores are made
+                    built = {k: v for k, v in built.items() if k in PREPARE_TRAINER_KEYS}
+                else:
+                    built["callbacks"] = [*(built.get("callbacks") or []), *self.reporting.get("callbacks", ())]
+                    if "enable_progress_bar" in self.reporting:
+                        built["enable_progress_bar"] = self.reporting["enable_progress_bar"]
+                dry_trainer(built, trainer, self.trainer_class)
+                for callback in built.get("callbacks") or () if subcommand in ("fit", "validate") else ():
+                    check = getattr(callback, "check_run", None)  # as _check_callbacks does, later
+                    if callable(check):
+                        check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
         return True
-
-    def _configured_callbacks(self, trainer: Any) -> list[Any]:
-        """The callbacks the run will have (its config's and ``reporting``'s), built from the config: constructors
-        only, nothing written."""
-        from jsonargparse import namespace_to_dict
-
-        given = [*_callback_list(trainer.get("callbacks") if trainer is not None else None),
-                 *self.reporting.get("callbacks", ())]
-        built = []
-        try:
-            for callback in given:
-                if isinstance(callback, Namespace):
-                    callback = namespace_to_dict(callback.clone())
-                built.append(instantiate_class((), callback) if isinstance(callback, Mapping) else callback)
-        except (ValueError, TypeError, MisconfigurationException) as err:
-            raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
-        return built
 
     def _resolve_builtin_target(self, config: Any, unbuilt: bool) -> None:
         """A ``builtin:`` target becomes its build's directory. Built: found now. Not built yet (``unbuilt``): named
@@ -873,7 +865,7 @@ class LilicorrCLI(LightningCLI):
                 ckpts = [p for p in folder.iterdir() if p.name.endswith(".ckpt") and p.exists()]  # not a broken link
                 found += [p for p in ckpts if p.name.startswith("last")]
                 others += [p for p in ckpts if not p.name.startswith("last") and p.is_file()]
-        if not found and others:
+        if not found and others and subcommand == "fit":  # validate/predict: their own refusal, which names the fix
             # Lightning would warn and train from step 0 beside them, with a hint to set save_last (already set).
             newest = max(others, key=lambda p: p.stat().st_mtime)
             raise UserInputError(f"--ckpt_path=last: there is no last checkpoint in {newest.parent}, but there are "
@@ -1348,42 +1340,56 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
     return datamodule, system
 
 
+@contextlib.contextmanager
+def _torch_flags_kept() -> Iterator[None]:
+    """The process-wide settings a Trainer's constructor changes (``deterministic``, ``benchmark``), restored after
+    it: the run's own Trainer sets them again, after the build."""
+    import torch
+
+    kept = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(kept[0], warn_only=kept[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = kept[2], kept[3]
+        if kept[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = kept[4]
+
+
 PREPARE_TRAINER_KEYS = ("accelerator", "devices", "num_nodes")  # the Trainer settings `lilicorr prepare` reads
 
 
-def dry_trainer(trainer: Any, trainer_class: type[Trainer] = Trainer, keys: Sequence[str] | None = None,
-                callbacks: list[Any] | None = None, progress_bar: bool | None = None) -> None:
-    """The checks the Trainer's constructor makes of its settings (an accelerator or device count this machine lacks,
-    a strategy it cannot run, a limit out of range, ``enable_checkpointing=false`` beside a ``ModelCheckpoint``),
-    without its loggers or profiler, so nothing is written or started. ``keys``: only those settings (the rest at the
-    Trainer's defaults, no callbacks); ``callbacks``: the run's, built; ``progress_bar``: the run's own
-    ``enable_progress_bar`` where the command sets it. A refusal is one line, as the Trainer's own is after the
-    build."""
-    from jsonargparse import namespace_to_dict
+def built_trainer_settings(trainer: Any, trainer_class: type[Trainer] = Trainer) -> dict[str, Any]:
+    """The Trainer's settings of a parsed config, with their classes built as the run builds them (callbacks, strategy,
+    plugins, with nested ``class_path`` arguments) but without its loggers or profiler: constructors only, nothing
+    written or started. A refusal is one line."""
+    parser = LightningArgumentParser(parser_mode="omegaconf")
+    parser.add_lightning_class_args(trainer_class, "trainer")
+    section = trainer.clone()
+    section.logger, section.profiler = False, None
+    try:
+        built = parser.instantiate_classes(Namespace(trainer=section)).trainer
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+    return {k: built[k] for k in built.keys() if "." not in k and not k.startswith("__")}
 
-    settings = {k: v for k, v in namespace_to_dict(trainer.clone()).items()
-                if not k.startswith("__") and (keys is None or k in keys)}
+
+def dry_trainer(settings: dict[str, Any], trainer: Any, trainer_class: type[Trainer] = Trainer) -> None:
+    """The checks the Trainer's constructor makes of ``settings`` (:func:`built_trainer_settings`; those left out at
+    the Trainer's defaults): an accelerator or device count this machine lacks, a strategy it cannot run, a limit out
+    of range, ``enable_checkpointing=false`` beside a ``ModelCheckpoint``. The process-wide flags it sets are put back.
+    A refusal is one line, as the Trainer's own is after the build (``trainer``: the parsed settings, named in it)."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "GPU available: ...", said by the run
     level = logger.level
     try:
-        for key in ("accelerator", "strategy"):
-            if isinstance(settings.get(key), Mapping):
-                settings[key] = instantiate_class((), settings[key])
-        plugins = settings.get("plugins")
-        if plugins:
-            settings["plugins"] = [instantiate_class((), p) if isinstance(p, Mapping) else p
-                                   for p in (plugins if isinstance(plugins, list) else [plugins])]
-        if keys is None:
-            settings.update(callbacks=callbacks)
-            if progress_bar is not None:
-                settings["enable_progress_bar"] = progress_bar
-        else:
-            settings.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        settings.update(logger=False, profiler=None)
         logger.setLevel(logging.WARNING)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _torch_flags_kept():
             warnings.simplefilter("ignore")  # the run's own Trainer warns, once
-            trainer_class(**settings)
+            trainer_class(**{**settings, "logger": False, "profiler": None})
     except (ValueError, TypeError, MisconfigurationException) as err:
         message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
         if isinstance(err, MisconfigurationException):

@@ -798,7 +798,10 @@ def test_a_trainer_setting_is_refused_before_a_builtin_target_is_built(tmp_path,
 @pytest.mark.parametrize("command, option", [
     ("fit", "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=ddp"),
     ("fit", "--trainer.precision=16-mixed --trainer.deterministic=true"),  # Lightning warns and runs bf16 on a CPU
-    ("prepare", "--trainer.strategy=fsdp"),  # prepare reads only where its stores are made: a GPU run's config passes
+    # prepare reads only where its stores are made (a GPU run's config passes), and no warm start (not in its stores)
+    ("prepare", "--trainer.strategy=fsdp --model.init_drafter_from=/not/here"),
+    # A callback whose argument is a class: built with it, as the run builds it (it was passed a dict).
+    ("fit", "--trainer.callbacks+=test_cli.ModuleCallback --trainer.callbacks.module=torch.nn.Identity"),
 ])
 def test_trainer_settings_this_machine_runs_pass_the_check_before_a_build(tmp_path, monkeypatch, command, option):
     from lilicorr_pl import lightning_cli
@@ -817,9 +820,19 @@ def test_trainer_settings_this_machine_runs_pass_the_check_before_a_build(tmp_pa
     cli_class = lightning_cli.PrepareCLI if command == "prepare" else lightning_cli.LilicorrCLI
     args = ([] if command == "prepare" else [command]) + ["-c", TINY, *option.split(),
                                                           f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    flags = (torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     with pytest.raises(Reached):  # checked, and on to the build, with nothing written by the check
         cli_class(DraftSystem, DraftDataModule, args=args, **({"run": False} if command == "prepare" else {}))
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("lightning_logs"))
+    # The Trainer built to check sets process-wide flags (deterministic=true): put back, for the run's own to set.
+    assert (torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == flags
+
+
+class ModuleCallback(__import__("lightning").pytorch.Callback):
+    """A callback with a class as its argument (jsonargparse builds it from its class_path)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.parameters = sum(1 for _ in module.parameters())
 
 
 def test_the_trainers_refusal_after_a_build_is_the_same_line(tmp_path, capsys):
@@ -881,10 +894,11 @@ def test_a_resume_checks_its_checkpoint_against_the_folder_a_build_will_have(tmp
     folder = builtin.target_folder("builtin:tiny")
     assert os.path.isdir(folder) and folder.startswith(str(tmp_path / "cache"))
     shutil.rmtree(folder)
-    elsewhere = tmp_path / "other-target"
     err = user_error(capsys, ["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last",
-                              f"--model.target.name_or_path={elsewhere}"])
-    assert "cannot resume" in err and "model.target" in err, err
+                              "--model.target.name_or_path=builtin:quick"])
+    assert err.splitlines()[-1].startswith(
+        f"lilicorr fit: error: cannot resume: the checkpoint was trained with other target settings "
+        f"(model.target.name_or_path: checkpoint '{folder}' vs now '{builtin.target_folder('builtin:quick')}')"), err
     _no_build(tmp_path)
     cli = main(["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last"])
     assert cli.trainer.global_step == 2 and os.path.isdir(folder)
@@ -906,7 +920,25 @@ def test_perf_reads_an_unbuilt_builtin_targets_shapes_without_building_it(tmp_pa
 
 
 def test_a_run_records_lilicorrs_own_commit_apart_from_the_working_directorys(tmp_path, monkeypatch):
+    from lilicorr_pl import __version__, lightning_cli
     from lilicorr_pl.lightning_cli import git_commit, lilicorr_commit
+
+    class Logger:  # stands for a WandbLogger: what the callback hands to the run's config
+        def __init__(self):
+            self.experiment = type("Run", (), {"config": type("Config", (), {"update": self.update})()})()
+            self.recorded = {}
+
+        def update(self, values, allow_val_change):
+            self.recorded.update(values)
+
+    logger = Logger()
+    monkeypatch.setattr(lightning_cli, "WandbLogger", Logger)
+    callback = lightning_cli.LoggerSaveConfigCallback.__new__(lightning_cli.LoggerSaveConfigCallback)
+    callback.parser = type("Parser", (), {"dump": staticmethod(lambda *a, **k: "model: {}\n")})()
+    callback.config = None
+    callback.save_config(type("Trainer", (), {"loggers": [logger]})(), None, "fit")
+    assert logger.recorded["lilicorr_version"] == __version__ and logger.recorded["stage"] == "fit"
+    assert logger.recorded["lilicorr_commit"] == lilicorr_commit() and "git_commit" in logger.recorded
 
     if (ROOT / ".git").exists():  # a checkout (CI clones one): its HEAD
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -930,6 +962,12 @@ def test_a_run_records_lilicorrs_own_commit_apart_from_the_working_directorys(tm
     (["--selectors", "top1,domino"], "selector 'domino' is not available in this checkpoint (its head is "
                                      "LiLiCorrHead, registered as 'lilicorr'); use --selectors top1 or top1,lilicorr"),
     (["--temperature", "0,0"], "--temperature 0,0 names a temperature twice; give each once"),
+    # Named as the user gave it, not by the folder that stood in for the build.
+    (["--target", "builtin:quick"], "checkpoint {ckpt} was trained on a target of hidden size 64, and --target "
+                                    "builtin:quick has hidden size 192; pass the target model it was trained with "
+                                    "(--target)"),
+    (["--target", "builtin:nope"], "--target: unknown built-in target 'builtin:nope'; use one of ['builtin:tiny', "
+                                   "'builtin:quick', 'builtin:full'] or a hub name / local path"),
 ])
 def test_bench_checks_its_drafter_and_options_before_a_builtin_target_is_built(tiny_run, tmp_path, monkeypatch, capsys,
                                                                               options, refusal):
@@ -938,9 +976,10 @@ def test_bench_checks_its_drafter_and_options_before_a_builtin_target_is_built(t
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
-    err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--target", "builtin:tiny", "--benchmark", str(prompts),
+    target = ["--target", "builtin:tiny"] if "--target" not in options else []
+    err = user_error(capsys, ["bench", "--ckpt", str(ckpt), *target, "--benchmark", str(prompts),
                               "--num_prompts", "1", "--max_new_tokens", "4", *options])
-    assert err.splitlines()[-1] == f"lilicorr bench: error: {refusal}"
+    assert err.splitlines()[-1] == f"lilicorr bench: error: {refusal.format(ckpt=ckpt)}"
     _no_build(tmp_path)
 
 
@@ -999,6 +1038,9 @@ def test_resuming_last_where_only_other_checkpoints_are_left_names_the_newest(ti
     assert err.splitlines()[-1] == (f"lilicorr fit: error: --ckpt_path=last: there is no last checkpoint in "
                                     f"{root / 'checkpoints'}, but there are others; resume from the newest with "
                                     f"--ckpt_path {newest}, or start over without --ckpt_path")
+    # validate does not resume: its own refusal, which says to pass the file to evaluate.
+    err = user_error(capsys, ["validate", "-c", TINY, f"--trainer.default_root_dir={root}", "--ckpt_path=last"])
+    assert "there is no last checkpoint under this run's root" in err and "pass the .ckpt to evaluate" in err, err
 
 
 def test_a_data_section_file_is_checked_before_a_builtin_target_is_built(tmp_path, monkeypatch, capsys):
