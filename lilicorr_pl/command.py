@@ -201,6 +201,19 @@ def _shown(value: str | None) -> str | None:
     return value
 
 
+def constructor_reason(message: str) -> str:
+    """The reason a constructor gave, out of jsonargparse's account of a union it tried while building a class
+    ("Does not validate against any of the Union subtypes ... Errors: - Expected a <class 'str'> - <the reason> ...
+    Given value: <every setting>"): its first line that is not about a type it tried; a message of another shape, its
+    last line."""
+    for line in message.splitlines():
+        line = line.strip().removeprefix("- ").strip()
+        if line and not _PARSE_NOISE.match(line) and not _KIND.match(line) and not line.startswith("Expected a "):
+            return line
+    lines = message.strip().splitlines()
+    return lines[-1] if lines else message
+
+
 def plain_parse_error(message: str, aliases: Mapping[str, str] | None = None) -> str:
     """jsonargparse's refusal of a value, as one line: the option's key, the value and what the option takes.
 

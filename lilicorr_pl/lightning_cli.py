@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lilicorr_pl import __version__, builtin
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
                                     config_modules, first_line, read_verified, verified_first)
-from lilicorr_pl.command import ShortUsage, config_arguments, is_inline_config
+from lilicorr_pl.command import ShortUsage, config_arguments, constructor_reason, is_inline_config
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_chat_template
 from lilicorr_pl.data.store import CacheError
@@ -697,11 +697,14 @@ class LilicorrCLI(LightningCLI):
                                   warm_starts=subcommand is not None)
             trainer = config.get("trainer")
             if trainer is not None:
-                built = built_trainer_settings(trainer, self.trainer_class)
-                if subcommand is None:  # prepare reads only where its stores are made
-                    built = {k: v for k, v in built.items() if k in PREPARE_TRAINER_KEYS}
+                if subcommand is None:  # prepare reads only where its stores are made: the rest is not built
+                    built = {k: instantiate_class((), plain_data(trainer[k])) if isinstance(trainer[k], Namespace)
+                             else trainer[k] for k in PREPARE_TRAINER_KEYS if k in trainer}
                 else:
-                    built["callbacks"] = [*(built.get("callbacks") or []), *self.reporting.get("callbacks", ())]
+                    built = built_trainer_settings(trainer, self.trainer_class)
+                    added = [instantiate_class((), c) if isinstance(c, Mapping) else c  # as instantiate_trainer
+                             for c in self.reporting.get("callbacks", ())]
+                    built["callbacks"] = [*(built.get("callbacks") or []), *added]
                     if "enable_progress_bar" in self.reporting:
                         built["enable_progress_bar"] = self.reporting["enable_progress_bar"]
                 dry_trainer(built, trainer, self.trainer_class)
@@ -1364,17 +1367,16 @@ PREPARE_TRAINER_KEYS = ("accelerator", "devices", "num_nodes")  # the Trainer se
 
 
 def built_trainer_settings(trainer: Any, trainer_class: type[Trainer] = Trainer) -> dict[str, Any]:
-    """The Trainer's settings of a parsed config, with their classes built as the run builds them (callbacks, strategy,
-    plugins, with nested ``class_path`` arguments) but without its loggers or profiler: constructors only, nothing
-    written or started. A refusal is one line."""
+    """The Trainer's settings of a parsed config, with their classes built as the run builds them (loggers, callbacks,
+    strategy, plugins, profiler, with nested ``class_path`` arguments): constructors only, which write or start
+    nothing (a logger's run starts at its first use). A refusal is one line: the constructor's own reason, not
+    jsonargparse's account of the union it tried."""
     parser = LightningArgumentParser(parser_mode="omegaconf")
     parser.add_lightning_class_args(trainer_class, "trainer")
-    section = trainer.clone()
-    section.logger, section.profiler = False, None
     try:
-        built = parser.instantiate_classes(Namespace(trainer=section)).trainer
-    except (ValueError, TypeError, MisconfigurationException) as err:
-        raise UserInputError(str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)) from None
+        built = parser.instantiate_classes(Namespace(trainer=trainer.clone())).trainer
+    except (ValueError, TypeError, ImportError, MisconfigurationException) as err:  # a constructor's, maybe wrapped
+        raise UserInputError(constructor_reason(str(err)) if str(err).strip() else repr(err)) from None
     return {k: built[k] for k in built.keys() if "." not in k and not k.startswith("__")}
 
 
@@ -1389,7 +1391,7 @@ def dry_trainer(settings: dict[str, Any], trainer: Any, trainer_class: type[Trai
         logger.setLevel(logging.WARNING)
         with warnings.catch_warnings(), _torch_flags_kept():
             warnings.simplefilter("ignore")  # the run's own Trainer warns, once
-            trainer_class(**{**settings, "logger": False, "profiler": None})
+            trainer_class(**{**settings, "logger": False})  # built and checked, not handed to a throwaway Trainer
     except (ValueError, TypeError, MisconfigurationException) as err:
         message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
         if isinstance(err, MisconfigurationException):

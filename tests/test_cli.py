@@ -779,6 +779,16 @@ def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeyp
      "`accelerator='cuda'`, `accelerator='gpu'`, or pass a `CUDAAccelerator()` instance to use FSDP."),
     ("fit", "--trainer.val_check_interval=-1", "You have passed invalid value -1 for val_check_interval, it has to be "
                                                "in [0.0, 1.0] or an int."),
+    # The constructors' own reasons, not jsonargparse's account of the union it tried (a dump of every setting).
+    ("fit", "--trainer.callbacks.every_n_train_steps=-5", "AcceptanceEval every_n_train_steps must be >= 0 or None, "
+                                                          "got -5"),
+    ("fit", '--trainer.strategy={"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy"}',
+     "To use the `DeepSpeedStrategy`, you must have DeepSpeed installed. Install it by running `pip install -U "
+     "deepspeed`."),
+    ("fit", "--trainer.profiler=bogus", "When passing string value for the `profiler` parameter of `Trainer`, it can "
+                                        "only be one of ['simple', 'advanced', 'pytorch', 'xla']"),
+    ("fit", "--trainer.logger=lightning.pytorch.loggers.MLFlowLogger",
+     "Requirement 'mlflow>=1.0.0' not met. HINT: Try running `pip install -U 'mlflow>=1.0.0'`"),
     ("fit", "--trainer.num_nodes=0", "`num_nodes` must be a positive integer, but got 0."),
     ("prepare", "--trainer.accelerator=gpu", "No supported gpu backend found! (trainer.accelerator gpu, "
                                              "trainer.devices 1); set them to what this machine has, e.g. "
@@ -800,6 +810,9 @@ def test_a_trainer_setting_is_refused_before_a_builtin_target_is_built(tmp_path,
     ("fit", "--trainer.precision=16-mixed --trainer.deterministic=true"),  # Lightning warns and runs bf16 on a CPU
     # prepare reads only where its stores are made (a GPU run's config passes), and no warm start (not in its stores)
     ("prepare", "--trainer.strategy=fsdp --model.init_drafter_from=/not/here"),
+    # ... nor builds what it does not read: a GPU run's strategy, a callback's setting.
+    ("prepare", '--trainer.strategy={"class_path":"lightning.pytorch.strategies.DeepSpeedStrategy"} '
+                "--trainer.callbacks.every_n_train_steps=-5"),
     # A callback whose argument is a class: built with it, as the run builds it (it was passed a dict).
     ("fit", "--trainer.callbacks+=test_cli.ModuleCallback --trainer.callbacks.module=torch.nn.Identity"),
 ])
@@ -826,6 +839,23 @@ def test_trainer_settings_this_machine_runs_pass_the_check_before_a_build(tmp_pa
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("lightning_logs"))
     # The Trainer built to check sets process-wide flags (deterministic=true): put back, for the run's own to set.
     assert (torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == flags
+
+
+def test_a_reporting_callback_given_as_a_mapping_is_checked_before_a_build(tmp_path, monkeypatch):
+    # lilicorr demo hands its stages a ProgressFile as {"class_path", "init_args"}: built and checked like a config's.
+    from lilicorr_pl import lightning_cli
+    from lilicorr_pl.data.datamodule import DraftDataModule
+    from lilicorr_pl.system import DraftSystem
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}\n')
+    reporting = {"callbacks": [{"class_path": "callbacks.ProgressFile", "init_args": {"path": str(notes)}}]}
+    with pytest.raises(lightning_cli.UserInputError, match="notes.json exists and is not a progress record"):
+        lightning_cli.LilicorrCLI(DraftSystem, DraftDataModule, reporting=reporting,
+                                  args=["fit", "-c", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    _no_build(tmp_path)
+    assert notes.read_text() == '{"mine": true}\n'
 
 
 class ModuleCallback(__import__("lightning").pytorch.Callback):
