@@ -766,8 +766,8 @@ def test_a_setting_is_refused_before_a_builtin_target_is_built(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("command, option, refusal", [
-    ("fit", "--trainer.accelerator=gpu", "No supported gpu backend found! (trainer.accelerator gpu, trainer.devices 1); "
-                                         "set them to what this machine has, e.g. --trainer.accelerator=cpu"),
+    ("fit", "--trainer.accelerator=gpu", "No supported gpu backend found! (trainer.accelerator gpu, trainer.devices "
+                                         "1); set them to what this machine has, e.g. --trainer.accelerator=cpu"),
     ("fit", "--trainer.devices=0", "`Trainer(devices='0')` value is not a valid input using cpu accelerator. "
                                    "(trainer.accelerator auto, trainer.devices 0); set them to what this machine has, "
                                    "e.g. --trainer.accelerator=cpu"),
@@ -883,7 +883,8 @@ def _no_build(tmp_path):
 
 
 @pytest.mark.parametrize("command, extra, refusal", [
-    ("validate", ["--ckpt_path=nope.ckpt"], "checkpoint nope.ckpt does not exist; pass a .ckpt written by `lilicorr fit`"),
+    ("validate", ["--ckpt_path=nope.ckpt"], "checkpoint nope.ckpt does not exist; pass a .ckpt written by `lilicorr "
+                                            "fit`"),
     ("fit", ["--ckpt_path=nope.ckpt"], "checkpoint nope.ckpt does not exist; pass a .ckpt written by `lilicorr fit`"),
     ("validate", ["--ckpt_path=best"], "--ckpt_path best names the best checkpoint of a fit run in the same process"),
     ("fit", ["--model.init_drafter_from=no/such/dir"], "no/such/dir is not a DFlash drafter directory (needs "
@@ -1050,8 +1051,8 @@ def test_a_file_where_the_run_writes_a_folder_is_refused_before_any_work(tmp_pat
     (root / "checkpoints").unlink()
     (root / "config.yaml").mkdir()
     err = user_error(capsys, ["fit", "-c", TINY, f"--trainer.default_root_dir={root}"])
-    assert err.splitlines()[-1] == (f"lilicorr fit: error: {root / 'config.yaml'} is a folder, where the run writes its "
-                                    "config record; move it, or choose another --trainer.default_root_dir")
+    assert err.splitlines()[-1] == (f"lilicorr fit: error: {root / 'config.yaml'} is a folder, where the run writes "
+                                    "its config record; move it, or choose another --trainer.default_root_dir")
     assert sorted(p.name for p in root.iterdir()) == ["config.yaml"]
 
 
