@@ -133,7 +133,10 @@ class KillMidStep(L.Callback):
 def _launch(workdir: Path, cache_dir: Path, *extra: str, overrides: str = OVERRIDES) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "overrides.yaml").write_text(overrides)
+    # The module's own target cache: its first run (the uninterrupted one) builds the target, as a first run on a new
+    # machine does, and the runs it is compared with find it built.
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               LILICORR_CACHE=str(cache_dir.parent / "target-cache"),
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
            "-c", "overrides.yaml", f"--data.cache_dir={cache_dir}", *extra]

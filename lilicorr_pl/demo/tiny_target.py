@@ -963,7 +963,11 @@ def build_tiny_target(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(_training_threads(config))
     try:
-        report = _build_into(temporary, config, fingerprint, progress)
+        # The build seeds torch's global generator (its init, its batches): the caller's stream goes on as if no build
+        # had run. A fit seeded by seed_everything builds its target afterwards, and drew another drafter
+        # initialisation and other anchors than the same fit with the target cached.
+        with torch.random.fork_rng(devices=[]):
+            report = _build_into(temporary, config, fingerprint, progress)
         mode = new_file_mode(root)  # safetensors writes 0600: a cache a group shares must be readable like its JSON
         for path in temporary.iterdir():
             if path.is_file():
