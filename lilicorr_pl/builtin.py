@@ -14,14 +14,17 @@ progress); the core (system, target, data module) refuses a ``builtin:`` name in
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from lilicorr_pl.checkpoint import UserInputError
 from lilicorr_pl.files import atomic_file, cache_root, check_writable_dir
 from lilicorr_pl.target import BUILTIN_PREFIX as PREFIX
+from lilicorr_pl.target import builtin_artifact
 
 # builtin name -> tiny-target preset (tiny: seconds, quick: minutes, full: the demo's ~25-minute build)
 TARGET_PRESETS = {"tiny": "test", "quick": "quick", "full": "full"}
+DATA_CHARS = 2000  # characters per record of a built-in data file
 
 
 def is_builtin(name: str) -> bool:
@@ -78,21 +81,47 @@ def resolve_target_option(target: str, flag: str = "--target") -> str:
         raise UserInputError(f"{flag}: {err}") from None
 
 
-def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
-    """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records."""
-    if not str(path).startswith(PREFIX):
-        return str(path)
+_SPLITS = {"stdlib-train": "train", "stdlib-heldout": "heldout"}
+
+
+def _data_place(path: str, chars_per_record: int) -> tuple[str, int, Path]:
+    """A ``builtin:stdlib-<split>[:N]`` name's split, record count and cached file (built or not)."""
     spec = str(path)[len(PREFIX):]
     name, _, count = spec.partition(":")
-    splits = {"stdlib-train": "train", "stdlib-heldout": "heldout"}
-    if name not in splits:
+    if name not in _SPLITS:
         raise ValueError(f"unknown built-in data {path!r}; use builtin:stdlib-train[:N] or builtin:stdlib-heldout[:N]")
     if count and not (count.isdigit() and int(count) > 0):
         raise ValueError(f"built-in data {path!r}: the record count after ':' must be a positive integer")
     n = int(count) if count else 256
-    from lilicorr_pl.data.corpus import corpus_fingerprint, read_corpus
+    from lilicorr_pl.data.corpus import corpus_fingerprint
 
-    out = cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
+    return _SPLITS[name], n, cache_root() / "data" / f"{name}-{n}-{chars_per_record}-{corpus_fingerprint()[:12]}.jsonl"
+
+
+def builtin_name_of(path: str) -> str | None:
+    """The ``builtin:`` name whose build on this machine has the key-bearing name of ``path`` (a built-in target's
+    folder or data file, as another machine's run recorded it), or ``None``: naming it builds the same artifact here.
+    A build key this version would not make (another torch, another standard library) has none."""
+    name = builtin_artifact(path)
+    if name is None:
+        return None
+    if name.endswith(".jsonl"):
+        split, count, chars = name.split("-")[1:4]
+        candidate = f"{PREFIX}stdlib-{split}:{count}"
+        return candidate if chars == str(DATA_CHARS) and _data_place(candidate, DATA_CHARS)[2].name == name else None
+    for short, preset in TARGET_PRESETS.items():
+        if name.startswith(f"tiny-target-{preset}-") and Path(target_folder(PREFIX + short)).name == name:
+            return PREFIX + short
+    return None
+
+
+def resolve_data_file(path: str, chars_per_record: int = DATA_CHARS) -> str:
+    """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records."""
+    if not str(path).startswith(PREFIX):
+        return str(path)
+    split, n, out = _data_place(path, chars_per_record)
+    from lilicorr_pl.data.corpus import read_corpus
+
     if out.exists():
         return str(out)
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
@@ -101,7 +130,7 @@ def resolve_data_file(path: str, chars_per_record: int = 2000) -> str:
         raise UserInputError(str(err)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     records = []
-    for text in read_corpus(splits[name]):
+    for text in read_corpus(split):
         for start in range(0, len(text), chars_per_record):
             chunk = text[start : start + chars_per_record]
             if len(chunk.strip()) > chars_per_record // 4:

@@ -52,7 +52,7 @@ from lilicorr_pl.interop import read_config
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import (DraftSystem, StateMismatchError, _short, check_evaluation_settings, check_resume_settings,
                                 plain_data)
-from lilicorr_pl.target import check_device
+from lilicorr_pl.target import check_device, portable
 
 # Lightning's ckpt_path keywords (not files).
 CKPT_SHORTCUTS = ("last", "best", "hpc", "registry")
@@ -281,6 +281,37 @@ class LogProgressBar(ProgressBar):
         stream = sys.stdout if self.stream is None else self.stream
         stream.write(line + "\n")
         stream.flush()
+
+
+def adopt_recorded_builtins(config: Any) -> None:
+    """A built-in target's folder or data file that a run on another machine recorded (its ``config.yaml`` read back
+    with ``-c``), and that is not on this machine, is named by the ``builtin:`` name whose build here has the same key:
+    found or built here as that name is (a path to another machine's cache folder was refused as missing)."""
+    model, data = config.get("model"), config.get("data")
+    places = [(f"{name}.target", section.get("target"), "name_or_path") for name, section in (("model", model),
+              ("data", data)) if section is not None and isinstance(section.get("target"), Namespace)]
+    places += [("data", data, key) for key in ("train_files", "val_files") if data is not None]
+    named: dict[str, str] = {}  # the target's path is set twice (model.target, and data.target linked to it)
+    for where, section, key in places:
+        value = section.get(key)
+        values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        adopted = [_builtin_here(v, f"{where}.{key}", named) if isinstance(v, str) else v for v in values]
+        if adopted != values:
+            section[key] = adopted[0] if isinstance(value, str) else adopted
+
+
+def _builtin_here(value: str, setting: str, named: dict[str, str]) -> str:
+    if value in named:
+        return named[value]
+    if builtin.is_builtin(value) or builtin.builtin_artifact(value) is None or \
+            os.path.exists(os.path.expanduser(value)):
+        return value
+    name = builtin.builtin_name_of(value)
+    if name is not None:
+        print(f"lilicorr: {setting} {value} is not on this machine; {name} has the same build key, so it is used "
+              "in its place (found or built in this machine's cache)", file=sys.stderr)
+        named[value] = name
+    return name or value
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -585,7 +616,12 @@ class LilicorrCLI(LightningCLI):
             check_linked_options(args, self.config, self.config.get("subcommand"),
                                  self._default_of(self.config.get("subcommand")))
         subcommand = self.config.get("subcommand")
-        self.check_before_building(self.config.get(subcommand) if subcommand else self.config, subcommand)
+        config = self.config.get(subcommand) if subcommand else self.config
+        try:
+            adopt_recorded_builtins(config)
+        except (ValueError, FileNotFoundError) as err:
+            raise UserInputError(str(err)) from None
+        self.check_before_building(config, subcommand)
 
     def _default_of(self, subcommand: str | None) -> Callable[[str], Any]:
         """A key's default in the subcommand's parser (``_UNSET``: none)."""
@@ -1047,7 +1083,10 @@ class LilicorrCLI(LightningCLI):
             loaded = None
         saved = _flat(loaded)
         current = _flat(yaml.safe_load(callback.parser.dump(callback.config, skip_none=False)))
-        differing = sorted(k for k in set(saved) | set(current) if k != "ckpt_path" and saved.get(k) != current.get(k))
+        # A built-in target or data file by its build's key-bearing name: the same run on a machine whose cache folder
+        # is another (another node, another $LILICORR_CACHE) writes the same record.
+        differing = sorted(k for k in set(saved) | set(current)
+                           if k != "ckpt_path" and portable(saved.get(k)) != portable(current.get(k)))
         if not differing:
             return
         if resuming:

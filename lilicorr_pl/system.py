@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -52,9 +53,11 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import (
     FrozenTarget,
     TargetSpec,
+    builtin_copy_here,
     check_layer_ids,
     default_layer_ids,
     local_target_path,
+    portable,
     refuse_builtin_name,
     refuse_drafter,
     unreadable_target,
@@ -88,7 +91,8 @@ def _target_identity(spec: Any) -> tuple[Any, ...]:
     # The feature count picks the layers only without a list (a run before lilicorr refused a disagreeing one
     # recorded both, and is resumed with the count dropped).
     count = spec.get("num_features") if spec.get("layer_ids") is None else None
-    return (spec.get("name_or_path"), spec.get("dtype"), spec.get("layer_ids"), count)
+    # A built-in target by its build's key-bearing name: the same build in another machine's cache folder.
+    return (portable(spec.get("name_or_path")), spec.get("dtype"), spec.get("layer_ids"), count)
 
 
 # Decoder-only causal LMs with the Llama/Qwen layout (model.layers, model.norm, RoPE) that the drafter reads.
@@ -163,7 +167,9 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
             "as it was trained: pass its run's settings (-c <its run>/config.yaml), or measure decoding options with "
             "lilicorr bench (--walk, --lattice_k)"
         )
-    saved_data, current_data = plain_data(dict(saved_data)), plain_data(dict(current_data))
+    # Built-in data files by their key-bearing names: the same files in another machine's cache folder are the same
+    # training data (compared by path, a split off them was taken for other data, and measured examples it trained on).
+    saved_data, current_data = portable(plain_data(dict(saved_data))), portable(plain_data(dict(current_data)))
     if not saved_data or current_data.get("val_files") or saved_data.get("train_files") != current_data.get("train_files"):
         return  # held-out files, or other training files: the measurement's own data
     if saved_data.get("val_files"):  # it held out files; now a share of the files it trained on is split off
@@ -184,6 +190,16 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
             f"this {subcommand} would measure it on examples it trained on; use the checkpoint's values, or measure "
             "other data with data.val_files"
         )
+
+
+def _same_target_here(recorded: str) -> str:
+    """How to name a recorded target that is not on this machine: the ``builtin:`` name whose build here has the
+    recorded build's key, where it is one."""
+    from lilicorr_pl.builtin import builtin_name_of  # the command edge's names; it builds nothing here
+
+    name = builtin_name_of(recorded)
+    return (f"pass --target {name}, which builds a target of the same build key here" if name else
+            "pass the same target model's directory or hub name (--target)")
 
 
 def _differences(saved: Any, current: Any, path: str) -> list[tuple[str, Any, Any]]:
@@ -722,6 +738,12 @@ class DraftSystem(L.LightningModule):
         if target_dtype is not None:
             target["dtype"] = str(target_dtype)
         where = local_target_path(str(target.get("name_or_path") or ""))
+        if where is not None and target_path is None and not Path(where).is_dir():
+            here = builtin_copy_here(where)  # a built-in target's build recorded in another machine's cache folder
+            if here is not None:
+                print(f"lilicorr: checkpoint {path}'s target {where} is not on this machine; a build of the same key "
+                      f"is in this machine's cache, and is used: {here}", file=sys.stderr)
+                where = here
         if where is not None:
             target["name_or_path"] = where
             if not Path(where).is_dir():
@@ -729,7 +751,7 @@ class DraftSystem(L.LightningModule):
                     f"--target {target_path} is not a directory on this machine; pass the target model's directory "
                     "or hub name" if target_path is not None else
                     f"checkpoint {path} loads its target from {where}, which is not a directory on this machine; "
-                    "pass the same target model's directory or hub name (--target)"
+                    f"{_same_target_here(where)}"
                 )
         check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
         target["trust_remote_code"] = bool(trust_remote_code)

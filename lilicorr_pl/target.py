@@ -11,7 +11,7 @@ import functools
 import inspect
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -143,6 +143,46 @@ def local_target_path(name_or_path: str | os.PathLike[str]) -> str | None:
     if is_local_path(name) or (name and os.path.exists(name)):
         return os.path.expanduser(name)
     return None
+
+
+# A built-in target's build folder and a built-in data file are named by their build keys (lilicorr_pl.builtin): the
+# same name in two cache folders (two nodes, two $LILICORR_CACHE) is the same build: the same settings and sources. A
+# data file is then the same bytes; a target's weights can differ between machines (a build is not bit-reproducible),
+# which the weight digest a checkpoint records tells (DraftSystem.warn_if_other_target), wherever the build stands.
+_BUILTIN_ARTIFACT = re.compile(r"tiny-target-[\w.-]+-[0-9a-f]{16}|stdlib-(?:train|heldout)-\d+-\d+-[0-9a-f]{12}\.jsonl")
+
+
+def builtin_artifact(value: Any) -> str | None:
+    """The key-bearing name of a built-in target's folder or data file (``tiny-target-test-837e6e19f26f5277``) that
+    ``value`` is a path of, or ``None`` for any other value."""
+    if not isinstance(value, (str, os.PathLike)):
+        return None
+    name = os.path.basename(os.path.normpath(os.fspath(value)))
+    return name if _BUILTIN_ARTIFACT.fullmatch(name) else None
+
+
+def portable(value: Any) -> Any:
+    """A recorded setting (or a list or mapping of them) as runs are compared by: a built-in artifact's path becomes
+    its key-bearing name, so a run recorded with another machine's cache folder reads as the same settings."""
+    if isinstance(value, Mapping):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    name = builtin_artifact(value)
+    return f"<lilicorr cache>/{name}" if name is not None else value
+
+
+def builtin_copy_here(path: str | os.PathLike[str]) -> str | None:
+    """This machine's copy of the built-in artifact another machine's run recorded at ``path`` (the same key-bearing
+    name in this machine's cache folder), or ``None`` where there is none."""
+    name = builtin_artifact(path)
+    if name is None:
+        return None
+    from lilicorr_pl.files import cache_root
+
+    data = name.endswith(".jsonl")
+    here = cache_root() / "data" / name if data else cache_root() / name
+    return str(here) if (here.is_file() if data else here.is_dir()) else None
 
 
 def refuse_builtin_name(name_or_path: str, setting: str) -> None:

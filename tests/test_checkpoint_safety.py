@@ -700,6 +700,54 @@ def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that
         check(saved_data={**data, "val_files": ["held.jsonl"]})
 
 
+def test_a_builtin_artifact_in_another_machines_cache_folder_is_the_same_one(tmp_path, monkeypatch):
+    """A built-in target's folder and data file are named by their build keys: the same name in another cache folder is
+    the same build (not another target to resume on, not other training data); another key, or a user's own folder in
+    another place, is compared by its path as before."""
+    from lilicorr_pl import builtin
+    from lilicorr_pl.system import check_evaluation_settings, check_resume_settings
+    from lilicorr_pl.target import builtin_artifact, builtin_copy_here, portable
+
+    build = Path(builtin.target_folder("builtin:tiny")).name
+    here, there, other = f"/cache/a/{build}", f"/scratch/b/lilicorr/{build}", "/cache/a/tiny-target-test-0123456789abcdef"
+    target = {"name_or_path": here, "dtype": "float32", "layer_ids": [1, 2], "num_features": 2}
+    assert check_resume_settings({"target": target}, {"target": {**target, "name_or_path": there}}) == []
+    for now in (other, "/models/qwen3"):
+        with pytest.raises(CheckpointError, match=f"model.target.name_or_path: checkpoint '{here}' vs now '{now}'"):
+            check_resume_settings({"target": target}, {"target": {**target, "name_or_path": now}})
+    with pytest.raises(CheckpointError, match="model.target.name_or_path: checkpoint '/m/qwen3' vs now '/n/qwen3'"):
+        check_resume_settings({"target": {**target, "name_or_path": "/m/qwen3"}},
+                              {"target": {**target, "name_or_path": "/n/qwen3"}})
+
+    data_name = Path(builtin.resolve_data_file("builtin:stdlib-train:8")).name
+    assert builtin_artifact(f"/x/data/{data_name}") == data_name and builtin_artifact(f"{there}/") == build
+    assert builtin_artifact("/x/my-stdlib-train-8-2000-aaaaaaaaaaaa.jsonl") is None and builtin_artifact(3) is None
+    assert portable({"files": [f"/x/data/{data_name}", "mine.jsonl"]}) == {
+        "files": [f"<lilicorr cache>/{data_name}", "mine.jsonl"]}
+    # The builtin: name that builds it here: only for a key this version makes.
+    assert builtin.builtin_name_of(there) == "builtin:tiny" and builtin.builtin_name_of(other) is None
+    assert builtin.builtin_name_of(f"/x/{data_name}") == "builtin:stdlib-train:8"
+    assert builtin.builtin_name_of(f"/x/{data_name.replace('-2000-', '-1000-')}") is None
+    assert builtin.builtin_name_of(f"/x/{data_name[:-18]}000000000000.jsonl") is None  # another standard library
+    assert builtin.builtin_name_of("/models/qwen3") is None
+    # This machine's copy: the same name in its cache folder, a folder for a target and a file for data.
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path))
+    assert builtin_copy_here(there) is None and builtin_copy_here(f"/x/data/{data_name}") is None
+    (tmp_path / build).mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / data_name).write_text("{}\n")
+    assert builtin_copy_here(there) == str(tmp_path / build)
+    assert builtin_copy_here(f"/x/data/{data_name}") == str(tmp_path / "data" / data_name)
+
+    # validate: the same training files in another cache folder are the same data: another split of them is refused.
+    model = {"target": target}
+    data = {"train_files": [f"/cache/a/data/{data_name}"], "val_files": None, "val_fraction": 0.1, "seed": 0}
+    moved = {**data, "train_files": [f"/scratch/b/data/{data_name}"]}
+    check_evaluation_settings(model, model, data, moved, "c.ckpt", "validate")
+    with pytest.raises(CheckpointError, match=r"another validation split .*data.seed: checkpoint 0 vs now 7"):
+        check_evaluation_settings(model, model, data, {**moved, "seed": 7}, "c.ckpt", "validate")
+
+
 def test_a_checkpoint_recording_a_count_beside_its_layer_list_still_loads_and_resumes(tiny_run, tmp_path):
     """A run from before a num_features that disagrees with layer_ids was refused recorded both (the list won): its
     checkpoint still loads for bench/export, and a resume with the count dropped, as the refusal says, is not refused

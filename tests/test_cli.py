@@ -936,6 +936,63 @@ def test_a_resume_checks_its_checkpoint_against_the_folder_a_build_will_have(tmp
     assert cli.model.target_spec.name_or_path == folder
 
 
+def test_a_run_resumes_and_is_measured_where_the_cache_folder_is_another(tmp_path, monkeypatch, capsys):
+    # A run records its built-in target's folder and data files in the cache folder of the node it ran on. On a node
+    # with another $LILICORR_CACHE (or $HOME) the same builds were refused: the resume as another target, a retry of
+    # the same command as another run, the run's own config.yaml and bench/export as naming a missing path.
+    from lilicorr_pl import builtin
+    from lilicorr_pl.checkpoint import CheckpointError
+    from lilicorr_pl.system import DraftSystem
+
+    root = tmp_path / "run"
+    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "a"))
+    main(["fit", *common, "--trainer.max_steps=1"])
+    first = builtin.target_folder("builtin:tiny")
+    (tmp_path / "a").rename(tmp_path / "elsewhere")  # the first node's cache folder is not on this one
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "b"))
+    cli = main(["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last"])
+    here = builtin.target_folder("builtin:tiny")
+    assert here != first and Path(here).name == Path(first).name
+    assert cli.trainer.global_step == 2 and cli.model.target_spec.name_or_path == here
+    assert main(["fit", *common, "--trainer.max_steps=2"]).trainer.global_step == 2  # the same settings: a retry
+    record = yaml.safe_load((root / "config.yaml").read_text())
+    assert record["model"]["target"]["name_or_path"] == here
+    assert record["data"]["train_files"][0].startswith(str(tmp_path / "b"))
+
+    (tmp_path / "b").rename(tmp_path / "b-gone")
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "empty"))
+    ckpt = root / "checkpoints" / "last.ckpt"
+    with pytest.raises(CheckpointError, match=f"loads its target from {here}, which is not a directory on this "
+                                              "machine; pass --target builtin:tiny, which builds a target of the "
+                                              "same build key"):
+        DraftSystem.from_checkpoint(ckpt, load_target=False)
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "elsewhere"))  # a cache holding the same build: used
+    capsys.readouterr()
+    system = DraftSystem.from_checkpoint(ckpt, load_target=False)
+    assert system.target_spec.name_or_path == str(tmp_path / "elsewhere" / Path(here).name)
+    err = capsys.readouterr().err
+    assert "is not on this machine; a build of the same key is in this machine's cache, and is used" in err
+
+    # The run's own record, read back here: its built-in paths are this machine's builds of the same keys; and the
+    # training files are the same data, so another validation split of them is refused (it read as other data).
+    evaluate = ["validate", "-c", str(root / "config.yaml"), f"--ckpt_path={ckpt}",
+                f"--trainer.default_root_dir={tmp_path / 'measured'}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*evaluate, "--data.seed=7"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert "lilicorr: model.target.name_or_path " + here + " is not on this machine; builtin:tiny has the same" in err
+    assert "data.train_files " in err and "builtin:stdlib-train:64 has the same build key" in err
+    assert err.splitlines()[-1].startswith(f"lilicorr validate: error: --ckpt_path {ckpt} trained beside another "
+                                           "validation split of the same data.train_files (data.seed: checkpoint 0 vs "
+                                           "now 7)"), err
+    cli = main([*evaluate, "--trainer.enable_progress_bar=false"])
+    assert "val/loss" in cli.trainer.callback_metrics
+    assert cli.model.target_spec.name_or_path == system.target_spec.name_or_path
+
+
 def test_perf_reads_an_unbuilt_builtin_targets_shapes_without_building_it(tmp_path, monkeypatch, capsys):
     # --cost_model and --round_timing read shapes only: the config the build will have (it was a build of minutes).
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
