@@ -380,6 +380,7 @@ def _checked_system(path: Path, target: str | None, served: bool, first: Any, de
                     walk: str | None) -> tuple[Any, Any]:
     """The checkpoint's system (its target not loaded) for ``target``'s config, with the selectors and the head's
     serving options checked against it and the run's chat template read: one line for anything refused."""
+    from lilicorr_pl.builtin import builtin_name_of
     from lilicorr_pl.system import DraftSystem
 
     if served:
@@ -393,7 +394,8 @@ def _checked_system(path: Path, target: str | None, served: bool, first: Any, de
             system = DraftSystem.from_checkpoint(path, map_location=device, trust_remote_code=trust_remote_code,
                                                  allow_modules=list(allow_module),  # CheckpointError: one line
                                                  target_path=target, load_target=False,  # after the checks below
-                                                 target_dtype=None if dtype == "auto" else dtype)
+                                                 target_dtype=None if dtype == "auto" else dtype,
+                                                 builtin_name=builtin_name_of)
     try:
         chosen = [selector_for(name, system) for name in names]
         serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve

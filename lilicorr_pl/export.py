@@ -53,6 +53,7 @@ def export(
         check_output_dir(output, overwrite)
     except ExportError as err:
         raise UserInputError(str(err)) from None
+    from lilicorr_pl.builtin import builtin_name_of
     from lilicorr_pl.heads.lilicorr import LiLiCorrHead
     from lilicorr_pl.system import DraftSystem
 
@@ -66,7 +67,8 @@ def export(
     with verified_first(first):  # not hashed a second time
         system = DraftSystem.from_checkpoint(ckpt, map_location="cpu", trust_remote_code=trust_remote_code,
                                              allow_modules=list(allow_module),  # CheckpointError: one line
-                                             target_path=target, load_target=False)  # the drafter and head only
+                                             target_path=target, load_target=False,  # the drafter and head only
+                                             builtin_name=builtin_name_of)
     # Not loaded, but its weight files are read (once per version: a memo) to say whether they are the ones the
     # drafter trained against, as an engine will serve it with them.
     system.warn_if_other_target({"lilicorr": system.checkpoint_meta}, "using it measures or serves")

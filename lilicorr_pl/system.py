@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ from lilicorr_pl.optim import WarmupCosine
 from lilicorr_pl.target import (
     FrozenTarget,
     TargetSpec,
+    builtin_artifact,
     builtin_copy_here,
     check_layer_ids,
     default_layer_ids,
@@ -192,12 +194,10 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
         )
 
 
-def _same_target_here(recorded: str) -> str:
+def _same_target_here(recorded: str, builtin_name: Callable[[str], str | None] | None) -> str:
     """How to name a recorded target that is not on this machine: the ``builtin:`` name whose build here has the
-    recorded build's key, where it is one."""
-    from lilicorr_pl.builtin import builtin_name_of  # the command edge's names; it builds nothing here
-
-    name = builtin_name_of(recorded)
+    recorded build's key, where it is one (``builtin_name``: the command's rule, lilicorr_pl.builtin.builtin_name_of)."""
+    name = builtin_name(recorded) if builtin_name is not None else None
     return (f"pass --target {name}, which builds a target of the same build key here" if name else
             "pass the same target model's directory or hub name (--target)")
 
@@ -712,6 +712,7 @@ class DraftSystem(L.LightningModule):
         target_path: str | None = None,
         load_target: bool = True,
         target_dtype: str | None = None,
+        builtin_name: Callable[[str], str | None] | None = None,
     ) -> DraftSystem:
         """Rebuild a trained system from a ``lilicorr fit`` checkpoint that may come from anyone.
 
@@ -723,6 +724,9 @@ class DraftSystem(L.LightningModule):
         ``load_target=False``: the drafter and head only (what an export needs); :meth:`load_target` loads the target
         later, so a caller can check its options against the trained head before the target's weights are read.
         ``target_dtype``: load the target in this dtype instead of the recorded ``model.target.dtype``.
+        A built-in target's build that another machine's run recorded is this machine's build of the same key where
+        its cache holds one; where not, the refusal names the ``builtin:`` name ``builtin_name`` gives for it (the
+        command's: :func:`lilicorr_pl.builtin.builtin_name_of`).
         """
         # Verified now: Lightning loads the target (configure_model) before on_load_checkpoint sees the weights.
         checkpoint, first = read_verified(path)
@@ -737,13 +741,20 @@ class DraftSystem(L.LightningModule):
             target["name_or_path"] = str(target_path)
         if target_dtype is not None:
             target["dtype"] = str(target_dtype)
+        name = str(target.get("name_or_path") or "")
+        # A built-in target's build, recorded in another machine's cache folder (relative there, as a relative
+        # LILICORR_CACHE makes it, it reads as a hub id): a folder of that name is a build of the same key.
+        if builtin_artifact(name) is not None and not Path(os.path.expanduser(name)).is_dir():
+            here = builtin_copy_here(name) if target_path is None else None
+            if here is None:
+                where = f"--target {target_path}" if target_path is not None else \
+                    f"checkpoint {path} loads its target from {name}, which"
+                raise CheckpointError(f"{where} is not a directory on this machine; "
+                                      f"{_same_target_here(name, builtin_name)}")
+            print(f"lilicorr: checkpoint {path}'s target {name} is not on this machine; a build of the same key is in "
+                  f"this machine's cache, and is used: {here}", file=sys.stderr)
+            target["name_or_path"] = here
         where = local_target_path(str(target.get("name_or_path") or ""))
-        if where is not None and target_path is None and not Path(where).is_dir():
-            here = builtin_copy_here(where)  # a built-in target's build recorded in another machine's cache folder
-            if here is not None:
-                print(f"lilicorr: checkpoint {path}'s target {where} is not on this machine; a build of the same key "
-                      f"is in this machine's cache, and is used: {here}", file=sys.stderr)
-                where = here
         if where is not None:
             target["name_or_path"] = where
             if not Path(where).is_dir():
@@ -751,7 +762,7 @@ class DraftSystem(L.LightningModule):
                     f"--target {target_path} is not a directory on this machine; pass the target model's directory "
                     "or hub name" if target_path is not None else
                     f"checkpoint {path} loads its target from {where}, which is not a directory on this machine; "
-                    f"{_same_target_here(where)}"
+                    "pass the same target model's directory or hub name (--target)"
                 )
         check_remote_code(target, trust_remote_code, path, "--trust-remote-code")
         target["trust_remote_code"] = bool(trust_remote_code)

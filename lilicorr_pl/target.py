@@ -157,7 +157,7 @@ def builtin_artifact(value: Any) -> str | None:
     ``value`` is a path of, or ``None`` for any other value."""
     if not isinstance(value, (str, os.PathLike)):
         return None
-    name = os.path.basename(os.path.normpath(os.fspath(value)))
+    name = re.split(r"[\\/]", os.fspath(value).rstrip("\\/"))[-1]  # a path recorded on Windows too
     return name if _BUILTIN_ARTIFACT.fullmatch(name) else None
 
 

@@ -709,7 +709,8 @@ def test_a_builtin_artifact_in_another_machines_cache_folder_is_the_same_one(tmp
     from lilicorr_pl.target import builtin_artifact, builtin_copy_here, portable
 
     build = Path(builtin.target_folder("builtin:tiny")).name
-    here, there, other = f"/cache/a/{build}", f"/scratch/b/lilicorr/{build}", "/cache/a/tiny-target-test-0123456789abcdef"
+    here, there = f"/cache/a/{build}", f"/scratch/b/lilicorr/{build}"
+    other = "/cache/a/tiny-target-test-0123456789abcdef"
     target = {"name_or_path": here, "dtype": "float32", "layer_ids": [1, 2], "num_features": 2}
     assert check_resume_settings({"target": target}, {"target": {**target, "name_or_path": there}}) == []
     for now in (other, "/models/qwen3"):
@@ -721,6 +722,7 @@ def test_a_builtin_artifact_in_another_machines_cache_folder_is_the_same_one(tmp
 
     data_name = Path(builtin.resolve_data_file("builtin:stdlib-train:8")).name
     assert builtin_artifact(f"/x/data/{data_name}") == data_name and builtin_artifact(f"{there}/") == build
+    assert builtin_artifact(f"C:\\Users\\me\\.cache\\lilicorr_pl\\{build}") == build  # recorded on Windows
     assert builtin_artifact("/x/my-stdlib-train-8-2000-aaaaaaaaaaaa.jsonl") is None and builtin_artifact(3) is None
     assert portable({"files": [f"/x/data/{data_name}", "mine.jsonl"]}) == {
         "files": [f"<lilicorr cache>/{data_name}", "mine.jsonl"]}

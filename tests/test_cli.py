@@ -960,20 +960,42 @@ def test_a_run_resumes_and_is_measured_where_the_cache_folder_is_another(tmp_pat
     record = yaml.safe_load((root / "config.yaml").read_text())
     assert record["model"]["target"]["name_or_path"] == here
     assert record["data"]["train_files"][0].startswith(str(tmp_path / "b"))
+    # The run's data stores are found again: keyed by the build's name and weights, not its folder (one per folder).
+    assert len(list((root / "cache").glob("logits-*"))) == 1
 
     (tmp_path / "b").rename(tmp_path / "b-gone")
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "empty"))
     ckpt = root / "checkpoints" / "last.ckpt"
-    with pytest.raises(CheckpointError, match=f"loads its target from {here}, which is not a directory on this "
-                                              "machine; pass --target builtin:tiny, which builds a target of the "
-                                              "same build key"):
-        DraftSystem.from_checkpoint(ckpt, load_target=False)
+    for command in (["bench", "--benchmark", "stdlib-heldout"], ["export", "--output", str(tmp_path / "served")]):
+        err = user_error(capsys, [*command, "--ckpt", str(ckpt)])
+        assert err.splitlines()[-1] == (
+            f"lilicorr {command[0]}: error: checkpoint {ckpt} loads its target from {here}, which is not a directory "
+            "on this machine; pass --target builtin:tiny, which builds a target of the same build key here"), err
+    assert not (tmp_path / "served").exists()
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "elsewhere"))  # a cache holding the same build: used
     capsys.readouterr()
     system = DraftSystem.from_checkpoint(ckpt, load_target=False)
     assert system.target_spec.name_or_path == str(tmp_path / "elsewhere" / Path(here).name)
     err = capsys.readouterr().err
     assert "is not on this machine; a build of the same key is in this machine's cache, and is used" in err
+    # Recorded relative (a relative LILICORR_CACHE), it read as a hub id; named with --target, it had no hint.
+    relative = tmp_path / "relative.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    saved["hyper_parameters"]["target"]["name_or_path"] = f"relcache/{Path(here).name}"
+    torch.save(saved, relative)
+    assert DraftSystem.from_checkpoint(relative, load_target=False).target_spec.name_or_path == \
+        system.target_spec.name_or_path
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(CheckpointError, match=f"loads its target from relcache/{Path(here).name}, which is not a "
+                                              "directory on this machine; pass --target builtin:tiny"):
+        DraftSystem.from_checkpoint(relative, load_target=False, builtin_name=builtin.builtin_name_of)
+    with pytest.raises(CheckpointError, match=f"--target {here} is not a directory on this machine; pass --target "
+                                              "builtin:tiny, which builds"):
+        DraftSystem.from_checkpoint(ckpt, load_target=False, target_path=here, builtin_name=builtin.builtin_name_of)
+    with pytest.raises(CheckpointError, match="which is not a directory on this machine; pass the same target model's "
+                                              r"directory or hub name \(--target\)"):  # the core names no command
+        DraftSystem.from_checkpoint(relative, load_target=False)
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "elsewhere"))
 
     # The run's own record, read back here: its built-in paths are this machine's builds of the same keys; and the
     # training files are the same data, so another validation split of them is refused (it read as other data).
@@ -991,6 +1013,30 @@ def test_a_run_resumes_and_is_measured_where_the_cache_folder_is_another(tmp_pat
     cli = main([*evaluate, "--trainer.enable_progress_bar=false"])
     assert "val/loss" in cli.trainer.callback_metrics
     assert cli.model.target_spec.name_or_path == system.target_spec.name_or_path
+
+
+def test_a_recorded_builtin_path_is_named_once_per_machine(tmp_path, monkeypatch, capsys):
+    # The model's and the data's target (linked) once; and on one process of a machine: each of DDP's ranks parses.
+    from jsonargparse import Namespace
+
+    from lilicorr_pl import builtin
+    from lilicorr_pl.lightning_cli import adopt_recorded_builtins
+
+    gone = str(tmp_path / "gone" / Path(builtin.target_folder("builtin:tiny")).name)
+    data = str(tmp_path / "gone" / "data" / Path(builtin.resolve_data_file("builtin:stdlib-train:8")).name)
+    mine = str(tmp_path / "gone" / "data" / "stdlib-train-8-2000-000000000000.jsonl")  # another standard library's
+
+    def config() -> Namespace:
+        return Namespace(model=Namespace(target=Namespace(name_or_path=gone)),
+                         data=Namespace(target=Namespace(name_or_path=gone), train_files=[data], val_files=mine))
+
+    for rank, said in (("0", 2), ("1", 0)):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        adopted = config()
+        adopt_recorded_builtins(adopted)
+        assert adopted.model.target.name_or_path == adopted.data.target.name_or_path == "builtin:tiny"
+        assert adopted.data.train_files == ["builtin:stdlib-train:8"] and adopted.data.val_files == mine
+        assert capsys.readouterr().err.count("is not on this machine") == said
 
 
 def test_perf_reads_an_unbuilt_builtin_targets_shapes_without_building_it(tmp_path, monkeypatch, capsys):

@@ -43,7 +43,7 @@ from lilicorr_pl.data.formats import (
 from lilicorr_pl.data.precompute import PrecomputeJob, SplitJob, count_rows, run_in_process
 from lilicorr_pl.data.sampling import ResumableLoader, ShardedEvalSampler, train_sampler
 from lilicorr_pl.data.store import SCHEMA_VERSION, CacheError, Store, StoreWriter, Verify, open_store, provenance
-from lilicorr_pl.target import FrozenTarget, TargetSpec
+from lilicorr_pl.target import FrozenTarget, TargetSpec, portable
 
 def _as_spec(target: TargetSpec | dict[str, Any] | None) -> TargetSpec | None:
     if target is None or isinstance(target, TargetSpec):
@@ -309,8 +309,11 @@ class DraftDataModule(L.LightningDataModule):
             if target_key not in self._parts:  # each weight file read whole once per file version (a memo), then not
                 # The logits do not depend on which layers feed the drafter; the features do. A hub name by the commit
                 # it resolves to: the key is taken before the target loads, when its weights may not be downloaded yet.
-                self._parts[target_key] = fingerprint_target(self._spec(), include_layers=kind == "features",
-                                                             hub="commit")
+                # A built-in target's build by its key-bearing name: the same run on a node whose cache folder is
+                # another finds its stores (its weights are hashed all the same).
+                spec = self._spec()
+                self._parts[target_key] = fingerprint_target(spec, include_layers=kind == "features", hub="commit",
+                                                             name=portable(spec.name_or_path))
             parts = {"kind": kind, "schema": SCHEMA_VERSION, "tokens": fingerprint(self._parts_for(split, "tokens")),
                      "target": self._parts[target_key]}
             if kind == "logits":

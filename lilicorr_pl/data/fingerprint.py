@@ -247,7 +247,7 @@ def hub_commit(name: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple
 
 
 def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = content_sha256,
-                       hub: Literal["files", "commit"] = "files") -> dict[str, Any]:
+                       hub: Literal["files", "commit"] = "files", name: str | None = None) -> dict[str, Any]:
     """Target identity from a ``TargetSpec`` (or dict): config.json content, weight file names, sizes and
     content hashes (``file_hash``: :func:`content_sha256`, or :func:`sampled_sha256` to read an old
     checkpoint's record), the name or path, dtype, the ``load_kwargs`` that change the model (all but
@@ -261,6 +261,8 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
     local HF cache holds now (what a loaded target is compared by). ``"commit"``: by the commit the name resolves
     to and its config, whatever has been downloaded yet, so a key taken before the weights download is the key taken
     after (the data stores: their keys are computed before the target is loaded).
+
+    ``name``: what the key records as the target's name (default: its ``name_or_path``, also where its files are read).
     """
     if isinstance(spec, Mapping):
         spec_d = dict(spec)
@@ -270,10 +272,11 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
         raise TypeError(f"expected a TargetSpec or dict, got {type(spec).__name__}")
     if hub not in ("files", "commit"):
         raise ValueError(f"hub must be 'files' or 'commit', not {hub!r}")
-    name = str(spec_d["name_or_path"])
+    recorded, name = name, str(spec_d["name_or_path"])
     load_kwargs = dict(spec_d.get("load_kwargs") or {})
     revision, subfolder = load_kwargs.get("revision"), load_kwargs.get("subfolder") or None
-    parts: dict[str, Any] = {"name_or_path": name, "dtype": str(spec_d.get("dtype", "float32"))}
+    parts: dict[str, Any] = {"name_or_path": name if recorded is None else recorded,
+                             "dtype": str(spec_d.get("dtype", "float32"))}
     if revision is not None:
         parts["revision"] = revision
     if subfolder is not None:
