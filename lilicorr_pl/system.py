@@ -196,7 +196,7 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
 
 def _same_target_here(recorded: str, builtin_name: Callable[[str], str | None] | None) -> str:
     """How to name a recorded target that is not on this machine: the ``builtin:`` name whose build here has the
-    recorded build's key, where it is one (``builtin_name``: the command's rule, lilicorr_pl.builtin.builtin_name_of)."""
+    recorded build's key, where it is one (``builtin_name``: the command's rule, builtin.builtin_name_of)."""
     name = builtin_name(recorded) if builtin_name is not None else None
     return (f"pass --target {name}, which builds a target of the same build key here" if name else
             "pass the same target model's directory or hub name (--target)")

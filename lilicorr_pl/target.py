@@ -146,9 +146,10 @@ def local_target_path(name_or_path: str | os.PathLike[str]) -> str | None:
 
 
 # A built-in target's build folder and a built-in data file are named by their build keys (lilicorr_pl.builtin): the
-# same name in two cache folders (two nodes, two $LILICORR_CACHE) is the same build: the same settings and sources. A
-# data file is then the same bytes; a target's weights can differ between machines (a build is not bit-reproducible),
-# which the weight digest a checkpoint records tells (DraftSystem.warn_if_other_target), wherever the build stands.
+# same name in two cache folders (two nodes, two $LILICORR_CACHE) is the same build: the same settings and sources (a
+# data file: the same records cut from a standard library of the same files). A target's weights can still differ
+# between machines (a build is not bit-reproducible), which the weight digest a checkpoint records tells
+# (DraftSystem.warn_if_other_target), wherever the build stands; the data stores hash the data files' content.
 _BUILTIN_ARTIFACT = re.compile(r"tiny-target-[\w.-]+-[0-9a-f]{16}|stdlib-(?:train|heldout)-\d+-\d+-[0-9a-f]{12}\.jsonl")
 
 

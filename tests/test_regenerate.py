@@ -276,6 +276,26 @@ def test_resume_from_another_source_is_refused_before_any_generation(target_dir,
     assert foreign.read_text() == '{"mine": 1}\n'
 
 
+def test_an_output_resumes_on_the_same_builtin_build_in_another_cache_folder(target_dir, input_file, tmp_path):
+    """A built-in target's build is named by its key (the demo regenerates with it): in another cache folder (another
+    LILICORR_CACHE, another node), the same files resume its output, which was refused as another target; other
+    weights under that name, or another name, are still another target."""
+    key = "tiny-target-test-837e6e19f26f5277"
+    shutil.copytree(target_dir, tmp_path / "a" / key)
+    out = tmp_path / "out.jsonl"
+    run(str(tmp_path / "a" / key), input_file, out, limit=2)
+    shutil.copytree(tmp_path / "a" / key, tmp_path / "b" / key)
+    shutil.rmtree(tmp_path / "a")
+    run(str(tmp_path / "b" / key), input_file, out)  # resumed: the rest answered
+    assert len(read(out)) == len(RECORDS)
+    shutil.copytree(tmp_path / "b" / key, tmp_path / "c" / "tiny-target-test-0123456789abcdef")
+    with pytest.raises(ValueError, match=r"other settings \(target: "):
+        run(str(tmp_path / "c" / "tiny-target-test-0123456789abcdef"), input_file, out)
+    shutil.copytree(make_tiny_target_dir(tmp_path, seed=4, name="retrained"), tmp_path / "d" / key)
+    with pytest.raises(ValueError, match=r"other settings \(target: .*target_fingerprint: "):
+        run(str(tmp_path / "d" / key), input_file, out)
+
+
 def test_an_output_recorded_before_whole_content_digests_resumes_on_its_own_target(target_dir, input_file, tmp_path):
     """An output begun before the target's weights were keyed by whole-content digests records the sampled rule's
     fingerprint: the same target resumes it (it was refused as "other settings", advising the original settings),

@@ -152,11 +152,14 @@ def test_corrupted_cache_is_rebuilt(
     monkeypatch.setattr(tiny_target, "_build_into", lambda *a, **k: calls.append(1) or real_build(*a, **k))
     torch.manual_seed(1234)
     stream, threads = torch.get_rng_state(), torch.get_num_threads()
+    gpu_seeds: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", gpu_seeds.append)  # what torch.manual_seed seeds beside the CPU
     assert build_tiny_target("test", cache_dir=tmp_path, progress=False) == directory
     assert calls == [1]
-    # The caller's random stream and threads are as before the build: a fit seeded before its target was built drew
-    # another drafter initialisation and other anchors than the same fit with the target cached.
-    assert torch.equal(torch.get_rng_state(), stream) and torch.get_num_threads() == threads
+    # The caller's random streams and threads are as before the build: a fit seeded before its target was built drew
+    # another drafter initialisation and other anchors than the same fit with the target cached. A GPU's generators
+    # are not seeded (the build runs on the CPU): that replaced the seed seed_everything queued for a GPU.
+    assert torch.equal(torch.get_rng_state(), stream) and torch.get_num_threads() == threads and gpu_seeds == []
     assert (directory / tiny_target.WEIGHTS_NAME).is_file()
     assert tiny_target._cache_problem(directory, load_build_report(directory)["fingerprint"]) is None
     assert [p.name for p in tmp_path.iterdir()] == [directory.name]  # no temp or old dirs left behind

@@ -56,9 +56,11 @@ from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
     DeviceName,
     DTypeName,
+    builtin_artifact,
     check_device,
     load_causal_lm,
     local_target_path,
+    portable,
     refuse_drafter,
     stop_token_ids,
     tokenizer_of,
@@ -265,11 +267,14 @@ def _is_settings_record(record: Path) -> bool:
 
 
 def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: Callable[[], str] | None = None,
-                     renders_as_before: Callable[[], bool] | None = None) -> None:
+                     renders_as_before: Callable[[], bool] | None = None,
+                     target_named: Callable[[str], str] | None = None) -> None:
     """Refuse to append to an output produced from another input, target or sampling settings. ``sampled_target``:
     the target's fingerprint by the sampled-window rule, for an output recorded before whole-content digests.
     ``renders_as_before``: whether the input's prompts render as prompt format 1 rendered them, for an output recorded
-    before ``prompt_format``."""
+    before ``prompt_format``. ``target_named``: the target's fingerprint as if it stood at the recorded path, for a
+    built-in target's build recorded in another cache folder (the same key-bearing name): the same target where its
+    files hash the same."""
     record = provenance_path(output)
     if not output.exists() or output.stat().st_size == 0:
         if record.is_symlink() or (record.exists() and not _is_settings_record(record)):
@@ -307,6 +312,11 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
             f"--output {output} was written by an earlier lilicorr version, whose record lacks {', '.join(unrecorded)}, "
             "so resuming cannot be checked; choose a new --output (the finished lines stay usable as training data)"
         )
+    moved = saved.get("target") != provenance.get("target") and builtin_artifact(saved.get("target")) is not None \
+        and portable(saved.get("target")) == portable(provenance.get("target"))
+    if moved and target_named is not None and "target_hash" in saved \
+            and target_named(str(saved["target"])) == saved.get("target_fingerprint"):
+        provenance = {**provenance, "target": saved["target"], "target_fingerprint": saved["target_fingerprint"]}
     differing = sorted(k for k in set(saved) | set(provenance) if saved.get(k) != provenance.get(k))
     if differing:
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {provenance.get(k)!r}" for k in differing)
@@ -582,7 +592,10 @@ def regenerate(
     written: list[Path] = []  # what this run wrote beside the output: removed with it when the run writes no record
     with _appending_alone(output_path, written) as out:  # locked before the model is loaded, and for the whole run
         check_provenance(output_path, provenance, sampled_target,  # before the model is loaded
-                         lambda: not any(prompt_passes_fields(r) for _, _, r in _iter_input(input_path)))
+                         lambda: not any(prompt_passes_fields(r) for _, _, r in _iter_input(input_path)),
+                         lambda recorded: fingerprint(fingerprint_target(
+                             {"name_or_path": str(target), "dtype": str(torch_dtype)}, include_layers=False,
+                             name=recorded)))
         context = getattr(config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} "

@@ -532,7 +532,7 @@ def make_model(config: TinyTargetConfig, tokenizer: Any) -> Any:
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     if ids != {token: special_token_id(config, token) for token in SPECIAL_TOKENS} or tokenizer.pad_token != EOS_TOKEN:
         raise ValueError(f"the tokenizer's special ids {ids} are not the ones the model config names")
-    torch.manual_seed(config.seed)
+    torch.default_generator.manual_seed(config.seed)  # the CPU's alone: a GPU's generators are the caller's
     model = Qwen3ForCausalLM(model_config(config))
     # Stop at <|endoftext|> (raw code) and at <|im_end|> (chat), as Qwen3's generation config does.
     eos_id = ids[EOS_TOKEN]
@@ -795,7 +795,8 @@ def generate_continuations(model: Any, tokenizer: Any, prompts: Sequence[str], m
     if temperature > 0:
         # top_k=0 / top_p=1: sample from the full distribution, not generate()'s default top-50.
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    torch.manual_seed(seed)
+    device = next(model.parameters()).device  # the generator that samples, alone (a build's: the CPU's)
+    (torch.default_generator if device.type == "cpu" else torch).manual_seed(seed)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                             **sampling)
     stops = set(model.generation_config.eos_token_id)
@@ -963,9 +964,10 @@ def build_tiny_target(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(_training_threads(config))
     try:
-        # The build seeds torch's global generator (its init, its batches): the caller's stream goes on as if no build
+        # The build seeds torch's CPU generator (its init, its batches): the caller's stream goes on as if no build
         # had run. A fit seeded by seed_everything builds its target afterwards, and drew another drafter
-        # initialisation and other anchors than the same fit with the target cached.
+        # initialisation and other anchors than the same fit with the target cached. (It runs on the CPU and seeds no
+        # GPU generator: that would replace the seed seed_everything queued for a GPU not yet initialised.)
         with torch.random.fork_rng(devices=[]):
             report = _build_into(temporary, config, fingerprint, progress)
         mode = new_file_mode(root)  # safetensors writes 0600: a cache a group shares must be readable like its JSON
