@@ -48,6 +48,11 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     # Two arm stages at once, each in a background process (later runs: one after the other, in this process).
     result = demo(tmp_path, "--temperatures", "0", "1", "--jobs", "2", "--point-mass", "true")
     assert result["settings"]["jobs"] == 2 and result["settings"]["point_mass"] is True
+    # The stages' data stores by the code, as the stages: a stage retrained after an upgrade read the old code's.
+    from lilicorr_pl.demo.run import code_fingerprint
+
+    stores = tmp_path / "demo" / "cache"
+    assert [p.name for p in stores.iterdir()] == [code_fingerprint()] and any(stores.glob("*/logits-*"))
     # The two benchmarks measured at once too, one process each, with their output and progress kept.
     assert result["benchmark"] == {"processes": 2, "threads": max(1, torch.get_num_threads() // 2)}
     # How its processes reused freed memory (their seconds depend on it): a test's in-process call leaves glibc's
@@ -237,6 +242,16 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert Path(third["plots"][0]).parent != plot.parent and plot.is_file()  # the first run's plot stands
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
+    # The same arms in another order: measured again (the rows follow the order, and the oracle row measures the first
+    # arm with a LiLiCorr head's drafter, which it names); it was answered with the first order's comparison.
+    assert {r.get("drafter_arm") for r in third["results"] if r["arm"] == "oracle"} == {"lilicorr_joint"}
+    capsys.readouterr()
+    swapped = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "lilicorr_joint,dflash")
+    log = capsys.readouterr().out
+    assert "dflash: reusing" in log and "lilicorr_joint: reusing" in log
+    assert "reusing the measured comparison" not in log
+    assert swapped["stages"]["bench"] != third["stages"]["bench"]
+    assert [r["arm"] for r in swapped["results"]][0] == "lilicorr_joint"
     # A head-stage arm asked for alone: its source arm is trained (here reused) but not compared.
     capsys.readouterr()
     fourth = demo(tmp_path, "--temperatures", "0", "1", "--head-steps", "3", "--arms", "lilicorr")

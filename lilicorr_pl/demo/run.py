@@ -318,7 +318,9 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
         f"--seed_everything={seed}",
         f"--model.target.name_or_path={target_dir}",
         f"--data.train_files=[{data_file}]",
-        f"--data.cache_dir={workdir / 'cache'}",
+        # The stores by the code too, as every stage key is: a stage retrained after an upgrade read the stores the
+        # old code wrote (their keys hold the data, the target and the store format, not the code that computes them).
+        f"--data.cache_dir={workdir / 'cache' / code_fingerprint()}",
         f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={max(1, steps // 2)}",
         f"--trainer.default_root_dir={run_dir}",
@@ -1138,7 +1140,9 @@ def demo(
         # By each arm's stage key and the checksums of the files it measures: a stage trained again to other bytes
         # (its run folder gone, another thread count) is measured again, never answered with the old comparison.
         measured = {a: [m["key"], m.get("artifacts")] for a, (_, m, _) in trained.items()}
-        bench_key = stage_key(stage="bench", arms=measured, **bench_settings)
+        # And by the arms' order, which the key's mapping loses: the rows follow it, and the oracle row measures the
+        # first arm that decodes with a LiLiCorr head (another order: another drafter's lattice).
+        bench_key = stage_key(stage="bench", arms=measured, order=list(cfg["arms"]), **bench_settings)
         bench_file = workdir / "bench" / f"{bench_key}.json"
         try:  # before the benchmark: a file the demo did not draw under its plot's name is never replaced
             check_plot_files([workdir / "plots" / bench_key / name for name in PLOT_NAMES], "demo",
@@ -1416,7 +1420,8 @@ def measure(ckpts: dict[str, Path], benchmarks: Sequence[str], temperatures: lis
             if temp == 0 and oracle_arm is not None:
                 lil = systems[oracle_arm]
                 o = evaluate_oracle(lil, prompts, reference, max_new_tokens, int(lil.head.top_k), on_prompt=on_prompt)
-                rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "tau": o["tau"],
+                rows.append({"benchmark": bench, "temperature": temp, "arm": "oracle", "drafter_arm": oracle_arm,
+                             "tau": o["tau"],
                              "prompts_cut_to_context": cut, "tokens_per_s": None, "speedup_vs_target": None,
                              "per_position_acceptance": o["per_position_acceptance"],
                              "per_prompt_tau": o["per_prompt_tau"], "per_prompt_rounds": o["per_prompt_rounds"]})
