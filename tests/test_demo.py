@@ -242,8 +242,8 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
     assert Path(third["plots"][0]).parent != plot.parent and plot.is_file()  # the first run's plot stands
     ckpts = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("dflash-*.ckpt"))
     assert len(ckpts) == 2
-    # The same arms in another order: measured again (the rows follow the order, and the oracle row measures the first
-    # arm with a LiLiCorr head's drafter, which it names); it was answered with the first order's comparison.
+    # The same arms in another order: measured again (the rows follow the order; the oracle row, which measures the
+    # first arm with a LiLiCorr head's drafter, names it); it was answered with the first order's comparison.
     assert {r.get("drafter_arm") for r in third["results"] if r["arm"] == "oracle"} == {"lilicorr_joint"}
     capsys.readouterr()
     swapped = demo(tmp_path, "--temperatures", "0", "--steps", "3", "--arms", "lilicorr_joint,dflash")
