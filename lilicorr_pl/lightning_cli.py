@@ -307,12 +307,13 @@ def _builtin_here(value: str, setting: str, named: dict[str, str]) -> str:
             os.path.exists(os.path.expanduser(value)):
         return value
     name = builtin.builtin_name_of(value)
-    if name is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, not per process
+    if name is None:
+        return value
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, not per process
         print(f"lilicorr: {setting} {value} is not on this machine; {name} has the same build key, so it is used "
               "in its place (found or built in this machine's cache)", file=sys.stderr)
-    if name is not None:
-        named[value] = name
-    return name or value
+    named[value] = name
+    return name
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -56,7 +56,6 @@ from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
     DeviceName,
     DTypeName,
-    builtin_artifact,
     check_device,
     load_causal_lm,
     local_target_path,
@@ -312,8 +311,9 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
             f"--output {output} was written by an earlier lilicorr version, whose record lacks {', '.join(unrecorded)}, "
             "so resuming cannot be checked; choose a new --output (the finished lines stay usable as training data)"
         )
-    moved = saved.get("target") != provenance.get("target") and builtin_artifact(saved.get("target")) is not None \
-        and portable(saved.get("target")) == portable(provenance.get("target"))
+    # Another path, the same key-bearing name: a built-in target's build in another cache folder (a moved build).
+    moved = saved.get("target") != provenance.get("target") and \
+        portable(saved.get("target")) == portable(provenance.get("target"))
     if moved and target_named is not None and "target_hash" in saved \
             and target_named(str(saved["target"])) == saved.get("target_fingerprint"):
         provenance = {**provenance, "target": saved["target"], "target_fingerprint": saved["target_fingerprint"]}
@@ -557,6 +557,12 @@ def regenerate(
                          f"({first_line(err, with_type=True)}); save the target's tokenizer beside its "
                          "weights (tokenizer.save_pretrained into that directory)") from None
     stop_ids = stop_token_ids(tokenizer, config, _generation_config(target, config))
+
+    def target_fingerprint(**how: Any) -> str:
+        """The target's key (``how``: fingerprint_target's file_hash or recorded name)."""
+        return fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
+                                              include_layers=False, **how))
+
     provenance = {
         "input_sha256": file_sha256(input_path),
         "target": str(target),
@@ -564,8 +570,7 @@ def regenerate(
         # file version), and the precision and device kind they run in: each changes the greedy answers. A hub name
         # is keyed by its name and the commit it resolves to (target_revision, below): its cached files change as
         # they download, so hashing them would refuse its own resume.
-        "target_fingerprint": fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
-                                                             include_layers=False)) if where is not None else None,
+        "target_fingerprint": target_fingerprint() if where is not None else None,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "device_type": torch.device(device).type,
         "temperature": float(temperature),
@@ -585,17 +590,12 @@ def regenerate(
     else:
         provenance["target_hash"] = "content"  # whole-file digests (an output recorded before: sampled windows)
 
-    def sampled_target() -> str:
-        return fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": str(torch_dtype)},
-                                              include_layers=False, file_hash=sampled_sha256))
-
     written: list[Path] = []  # what this run wrote beside the output: removed with it when the run writes no record
     with _appending_alone(output_path, written) as out:  # locked before the model is loaded, and for the whole run
-        check_provenance(output_path, provenance, sampled_target,  # before the model is loaded
+        check_provenance(output_path, provenance,  # before the model is loaded
+                         lambda: target_fingerprint(file_hash=sampled_sha256),
                          lambda: not any(prompt_passes_fields(r) for _, _, r in _iter_input(input_path)),
-                         lambda recorded: fingerprint(fingerprint_target(
-                             {"name_or_path": str(target), "dtype": str(torch_dtype)}, include_layers=False,
-                             name=recorded)))
+                         lambda recorded: target_fingerprint(name=recorded))
         context = getattr(config, "max_position_embeddings", None)
         if context is not None and max_new_tokens >= context:
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} "
