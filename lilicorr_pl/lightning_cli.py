@@ -655,7 +655,9 @@ class LilicorrCLI(LightningCLI):
                 if warm:  # read only once the system is built
                     read_config(os.path.expanduser(str(warm)))
             unbuilt = self._check_before_a_target_build(config, subcommand)
-            self._resolve_builtin_target(config, unbuilt)  # last: it may find the target built
+            self._resolve_builtin_target(config, unbuilt is not None)  # last: it may find the target built
+            if unbuilt is not None:  # the run folder's records, against the config as the build will leave it
+                self._refuse_replacing_a_record(subcommand, unbuilt)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
 
@@ -717,16 +719,18 @@ class LilicorrCLI(LightningCLI):
         target = model.get("target") if model is not None else None
         return target, target.get("name_or_path") if target is not None else None
 
-    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> bool:
+    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> Trainer | bool | None:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
         the config the build will have, and the Trainer's settings checked as its constructor checks them, so a
         setting they refuse is refused now, not after a build of up to half an hour (``--data.batch_size=-1`` and
         ``--trainer.accelerator=gpu`` on a CPU were). A built one is loaded in seconds: the run's own constructors
-        check. True when such a target is not built yet."""
+        check. When such a target is not built yet: the Trainer built for the check, with the run's loggers and its
+        config record's callback (where a record is written), or True where none was built; else None."""
         _, name = self._target(config)
         preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
         if preview is None:
-            return False
+            return None
+        dry: Trainer | bool = True
         with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
@@ -742,15 +746,30 @@ class LilicorrCLI(LightningCLI):
                     built = built_trainer_settings(trainer, self.trainer_class)
                     added = [instantiate_class((), c) if isinstance(c, Mapping) else c  # as instantiate_trainer
                              for c in self.reporting.get("callbacks", ())]
+                    if subcommand in ("fit", *VALIDATION_STAGES) and self.save_config_callback is not None:
+                        added.append(self.save_config_callback(self._parser(subcommand), config,
+                                                               **self.save_config_kwargs))  # as instantiate_trainer
                     built["callbacks"] = [*(built.get("callbacks") or []), *added]
                     if "enable_progress_bar" in self.reporting:
                         built["enable_progress_bar"] = self.reporting["enable_progress_bar"]
-                dry_trainer(built, trainer, self.trainer_class)
+                dry = dry_trainer(built, trainer, self.trainer_class, loggers=subcommand is not None)
                 for callback in built.get("callbacks") or () if subcommand in ("fit", "validate") else ():
                     check = getattr(callback, "check_run", None)  # as _check_callbacks does, later
                     if callable(check):
                         check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
-        return True
+        return dry
+
+    def _refuse_replacing_a_record(self, subcommand: str | None, dry: Trainer | bool) -> None:
+        """Before a ``builtin:`` target's build (``dry``: the Trainer :meth:`_check_before_a_target_build` built), what
+        the run's hooks check once its Trainer is built: a fit's ``config.yaml`` against another run's record, and
+        ``validate``/``predict``'s ``<stage>-config.yaml`` against a user's file. Those hooks check again after the
+        build (a resume's changed settings are recorded there)."""
+        if not isinstance(dry, Trainer):
+            return
+        if subcommand == "fit":
+            self._refuse_a_fresh_run_over_another(dry)
+        elif subcommand in ("validate", "predict"):
+            self._refuse_replacing_a_foreign_record(subcommand, dry)
 
     def _resolve_builtin_target(self, config: Any, unbuilt: bool) -> None:
         """A ``builtin:`` target becomes its build's directory. Built: found now. Not built yet (``unbuilt``): named
@@ -1048,30 +1067,34 @@ class LilicorrCLI(LightningCLI):
                 except (ValueError, FileNotFoundError) as err:  # a bad setting, or a prompts file that is not there
                     raise UserInputError(str(err)) from None
 
-    def _config_record(self) -> tuple[LoggerSaveConfigCallback | None, str]:
+    def _config_record(self, trainer: Trainer | None = None) -> tuple[LoggerSaveConfigCallback | None, str]:
         """The callback that writes the run's config records and the folder it writes them to; None when there is none
-        or it writes none there."""
-        callback = next((c for c in self.trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
+        or it writes none there. ``trainer``: the run's (default) or the one built for the checks before a build."""
+        trainer = trainer or self.trainer
+        callback = next((c for c in trainer.callbacks if isinstance(c, LoggerSaveConfigCallback)), None)
         if callback is None or not callback.save_to_log_dir:
             return None, ""
-        return callback, str(self.trainer.log_dir or self.trainer.default_root_dir)
+        return callback, str(trainer.log_dir or trainer.default_root_dir)
 
-    def _refuse_a_fresh_run_over_another(self) -> None:
+    def _refuse_a_fresh_run_over_another(self, dry: Trainer | None = None) -> None:
         """A new fit (no ``ckpt_path``) whose ``config.yaml`` would replace another run's record is refused before the
         data are prepared: that record is how the folder's checkpoints were trained (``prepare``, ``perf`` and
         ``bench`` read it). The same command again — a retry, a requeued batch job that Lightning resumes by itself
         (SLURM's ``hpc_ckpt``, ``OnExceptionCheckpoint``) — writes the same record, and runs. A resumed fit rewrites
-        its own. (Lightning's own check refuses all of these, which is why it is replaced by this one.)"""
+        its own. (Lightning's own check refuses all of these, which is why it is replaced by this one.) ``dry``: the
+        Trainer built for the checks before a ``builtin:`` target's build, where a resume's changes are left for the
+        run's own check."""
+        trainer = dry or self.trainer
         ckpt_path = self.config["fit"].get("ckpt_path")
         # --ckpt_path=last with nothing to resume (a batch script's first submission) starts a new run: guarded too.
-        nothing_to_resume = ckpt_path == "last" and not self._last_checkpoints()
-        callback, log_dir = self._config_record()
+        nothing_to_resume = ckpt_path == "last" and not self._last_checkpoints(trainer)
+        callback, log_dir = self._config_record(trainer)
         if callback is None:
             return
         # A resume of this folder's own run rewrites its own record; a checkpoint from elsewhere (another run's) does
         # not make this folder's record its own: that one replaced the record and moved later --ckpt_path=last here.
         from_elsewhere = bool(ckpt_path) and str(ckpt_path) not in CKPT_SHORTCUTS and not any(
-            _inside(str(ckpt_path), folder) for folder in {str(log_dir), str(self.trainer.default_root_dir)})
+            _inside(str(ckpt_path), folder) for folder in {str(log_dir), str(trainer.default_root_dir)})
         resuming = bool(ckpt_path) and not nothing_to_resume and not from_elsewhere
         record = os.path.join(log_dir, callback.fit_config_filename)
         if not os.path.isfile(record):
@@ -1092,10 +1115,11 @@ class LilicorrCLI(LightningCLI):
         if not differing:
             return
         if resuming:
-            self._keep_the_record_of_the_steps_before(record, saved, current, differing)
+            if dry is None:
+                self._keep_the_record_of_the_steps_before(record, saved, current, differing)
             return
         elsewhere = "another --trainer.default_root_dir"
-        if os.path.normpath(str(log_dir)) != os.path.normpath(str(self.trainer.default_root_dir)):
+        if os.path.normpath(str(log_dir)) != os.path.normpath(str(trainer.default_root_dir)):
             elsewhere += f" and --trainer.logger.init_args.save_dir (the logger writes the record to {log_dir})"
         if not isinstance(loaded, dict):  # no settings to compare: "another run (its …: None)" would mislead
             raise UserInputError(f"{record} is not a config record that can be read (damaged, or not YAML settings), "
@@ -1139,18 +1163,19 @@ class LilicorrCLI(LightningCLI):
         print(f"lilicorr: the record the steps{upto} trained with is kept as {kept}; {record} records this resume's "
               "settings", file=sys.stderr)
 
-    def _last_checkpoints(self) -> set[Any]:
+    def _last_checkpoints(self, trainer: Trainer | None = None) -> set[Any]:
         """What ``--ckpt_path=last`` can resume from, found as Lightning finds it once the Trainer is built: the
         ``last*`` checkpoints of the run's ``ModelCheckpoint`` callbacks and the files of its ``OnExceptionCheckpoint``
         callbacks, those that exist."""
         from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
+        trainer = trainer or self.trainer
         found: set[Any] = set()
-        for callback in self.trainer.callbacks:
+        for callback in trainer.callbacks:
             if isinstance(callback, OnExceptionCheckpoint):
                 found.add(callback.ckpt_path)
             elif isinstance(callback, ModelCheckpoint):
-                found |= set(callback._find_last_checkpoints(self.trainer))
+                found |= set(callback._find_last_checkpoints(trainer))
         return {path for path in found if path and os.path.exists(path)}
 
     def _refuse_an_untrained_evaluation(self, config: Any, subcommand: str | None) -> None:
@@ -1188,11 +1213,12 @@ class LilicorrCLI(LightningCLI):
     def before_predict(self) -> None:
         self._refuse_replacing_a_foreign_record("predict")
 
-    def _refuse_replacing_a_foreign_record(self, stage: str) -> None:
+    def _refuse_replacing_a_foreign_record(self, stage: str, dry: Trainer | None = None) -> None:
         """``validate``/``test``/``predict`` rewrite their own ``<stage>-config.yaml`` on every run (the record of the
         latest evaluation); a file of that name that no lilicorr command wrote (one without the header the config
-        callback writes, or not a config) is the user's, and is refused before the data are prepared."""
-        callback, log_dir = self._config_record()
+        callback writes, or not a config) is the user's, and is refused before the data are prepared (and before a
+        ``builtin:`` target's build: ``dry``, the Trainer built for those checks)."""
+        callback, log_dir = self._config_record(dry)
         if callback is None:
             return
         record = Path(log_dir) / f"{stage}-{callback.fit_config_filename}"
@@ -1421,18 +1447,21 @@ def built_trainer_settings(trainer: Any, trainer_class: type[Trainer] = Trainer)
     return {k: built[k] for k in built.keys() if "." not in k and not k.startswith("__")}
 
 
-def dry_trainer(settings: dict[str, Any], trainer: Any, trainer_class: type[Trainer] = Trainer) -> None:
+def dry_trainer(settings: dict[str, Any], trainer: Any, trainer_class: type[Trainer] = Trainer,
+                loggers: bool = False) -> Trainer:
     """The checks the Trainer's constructor makes of ``settings`` (:func:`built_trainer_settings`; those left out at
     the Trainer's defaults): an accelerator or device count this machine lacks, a strategy it cannot run, a limit out
     of range, ``enable_checkpointing=false`` beside a ``ModelCheckpoint``. The process-wide flags it sets are put back.
-    A refusal is one line, as the Trainer's own is after the build (``trainer``: the parsed settings, named in it)."""
+    A refusal is one line, as the Trainer's own is after the build (``trainer``: the parsed settings, named in it).
+    Returns that Trainer; ``loggers``: with the settings' loggers (constructors only: a logger's run starts at its first
+    use), so its ``log_dir`` and checkpoint folders are the run's; else with none."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "GPU available: ...", said by the run
     level = logger.level
     try:
         logger.setLevel(logging.WARNING)
         with warnings.catch_warnings(), _torch_flags_kept():
             warnings.simplefilter("ignore")  # the run's own Trainer warns, once
-            trainer_class(**{**settings, "logger": False})  # built and checked, not handed to a throwaway Trainer
+            return trainer_class(**settings if loggers else {**settings, "logger": False})
     except (ValueError, TypeError, MisconfigurationException) as err:
         message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
         if isinstance(err, MisconfigurationException):

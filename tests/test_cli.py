@@ -911,6 +911,40 @@ def test_checkpoint_warm_start_and_callback_checks_come_before_a_builtin_target_
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
 
 
+def test_a_run_folders_records_are_checked_before_a_builtin_target_build(tmp_path, monkeypatch, capsys):
+    # A fit over another run's config.yaml, and a validate over a user's validate-config.yaml, were refused only once
+    # the Trainer was built: after a built-in target's build (up to half an hour). Now before it; the same command
+    # again and a resume with changed settings still run, and build the target.
+    from lilicorr_pl import builtin
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "run"
+    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    main(["fit", *common, "--trainer.max_steps=1"])
+    record = (root / "config.yaml").read_text()
+    shutil.rmtree(builtin.target_folder("builtin:tiny"))
+    err = user_error(capsys, ["fit", *common, "--trainer.max_steps=2"])
+    assert err.splitlines()[-1] == (
+        f"lilicorr fit: error: {root / 'config.yaml'} records another run (its trainer.max_steps: 1, this run's: 2); "
+        "resume that run with --ckpt_path=last, or write this one elsewhere with another --trainer.default_root_dir")
+    _no_build(tmp_path)
+    (root / "validate-config.yaml").write_text("mine: true\n")
+    err = user_error(capsys, ["validate", *common, "--ckpt_path=last"])
+    assert err.splitlines()[-1] == (
+        f"lilicorr validate: error: {root / 'validate-config.yaml'} exists and is not a record lilicorr validate "
+        "wrote, so it is not replaced; move that file, or write this validate elsewhere with another "
+        "--trainer.default_root_dir")
+    _no_build(tmp_path)
+    assert (root / "config.yaml").read_text() == record
+    assert (root / "validate-config.yaml").read_text() == "mine: true\n"
+    assert main(["fit", *common, "--trainer.max_steps=1"]).trainer.global_step == 1  # a retry: built, and run
+    shutil.rmtree(builtin.target_folder("builtin:tiny"))
+    cli = main(["fit", *common, "--trainer.max_steps=2", "--ckpt_path=last"])  # a resume with a changed setting
+    assert cli.trainer.global_step == 2 and os.path.isdir(builtin.target_folder("builtin:tiny"))
+    assert (root / "config-until-step1.yaml").read_text() == record
+
+
 def test_a_resume_checks_its_checkpoint_against_the_folder_a_build_will_have(tmp_path, monkeypatch, capsys):
     # A run's checkpoint records its built target's folder; resumed where that target is not built (another machine,
     # a cleared cache), the settings are compared with the folder the build will have, then the target is built and
