@@ -911,6 +911,12 @@ def test_checkpoint_warm_start_and_callback_checks_come_before_a_builtin_target_
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
 
 
+def _tiny_run(root):
+    """The tiny config's options for a quiet run in ``root`` that validates after every step."""
+    return ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+            "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+
+
 def test_a_run_folders_records_are_checked_before_a_builtin_target_build(tmp_path, monkeypatch, capsys):
     # A fit over another run's config.yaml, and a validate over a user's validate-config.yaml, were refused only once
     # the Trainer was built: after a built-in target's build (up to half an hour). Now before it; the same command
@@ -919,8 +925,7 @@ def test_a_run_folders_records_are_checked_before_a_builtin_target_build(tmp_pat
 
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "run"
-    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
-              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    common = _tiny_run(root)
     main(["fit", *common, "--trainer.max_steps=1"])
     record = (root / "config.yaml").read_text()
     shutil.rmtree(builtin.target_folder("builtin:tiny"))
@@ -953,8 +958,7 @@ def test_a_resume_checks_its_checkpoint_against_the_folder_a_build_will_have(tmp
 
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "run"
-    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
-              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    common = _tiny_run(root)
     main(["fit", *common, "--trainer.max_steps=1"])
     folder = builtin.target_folder("builtin:tiny")
     assert os.path.isdir(folder) and folder.startswith(str(tmp_path / "cache"))
@@ -979,8 +983,7 @@ def test_a_run_resumes_and_is_measured_where_the_cache_folder_is_another(tmp_pat
     from lilicorr_pl.system import DraftSystem
 
     root = tmp_path / "run"
-    common = ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
-              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+    common = _tiny_run(root)
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "a"))
     main(["fit", *common, "--trainer.max_steps=1"])
     first = builtin.target_folder("builtin:tiny")
