@@ -14,6 +14,7 @@ progress); the core (system, target, data module) refuses a ``builtin:`` name in
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,30 +117,44 @@ def builtin_name_of(path: str) -> str | None:
 
 
 def resolve_data_file(path: str, chars_per_record: int = DATA_CHARS) -> str:
-    """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records."""
+    """Map ``builtin:stdlib-<split>[:N]`` to a cached jsonl of ``{"text": ...}`` records. The cached file is compared
+    with the records it caches (cut from the corpus in milliseconds): a damaged or edited copy is written again, with
+    a note, where it was used as it stood (a truncated one trained on fewer records under the built-in name)."""
     if not str(path).startswith(PREFIX):
         return str(path)
     split, n, out = _data_place(path, chars_per_record)
-    from lilicorr_pl.data.corpus import read_corpus
-
-    if out.exists():
-        return str(out)
+    expected = _data_bytes(split, n, chars_per_record)
+    if out.is_symlink() or out.exists() and not out.is_file():
+        raise UserInputError(f"{out} is {'a symbolic link' if out.is_symlink() else 'not a file'}, where lilicorr "
+                             f"caches {path}; move it out of the cache folder (LILICORR_CACHE), then rerun")
+    if out.is_file():
+        if out.read_bytes() == expected:
+            return str(out)
+        print(f"lilicorr: {out} does not hold the records of {path} (damaged or edited); it is written again",
+              file=sys.stderr)
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir
         check_writable_dir(out.parent, f"the cache folder (LILICORR_CACHE) {out.parent}")
     except ValueError as err:
         raise UserInputError(str(err)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = []
-    for text in read_corpus(split):
+    with atomic_file(out, "wb") as fh:  # a concurrent reader never sees half a file
+        fh.write(expected)
+    return str(out)
+
+
+def _data_bytes(split: str, n: int, chars_per_record: int) -> bytes:
+    """The jsonl a built-in data file holds: up to ``n`` records of ``chars_per_record`` characters cut from the
+    split's files in order (a chunk of mostly whitespace skipped)."""
+    from lilicorr_pl.data.corpus import read_corpus
+
+    records: list[str] = []
+    for text in read_corpus(split):  # type: ignore[arg-type]
         for start in range(0, len(text), chars_per_record):
             chunk = text[start : start + chars_per_record]
             if len(chunk.strip()) > chars_per_record // 4:
-                records.append({"text": chunk})
+                records.append(json.dumps({"text": chunk}) + "\n")
             if len(records) >= n:
                 break
         if len(records) >= n:
             break
-    with atomic_file(out, "w") as fh:  # a concurrent reader never sees half a file
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
-    return str(out)
+    return "".join(records).encode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -352,3 +353,31 @@ def test_a_killed_probes_folder_is_removed_by_the_next_probe_and_nothing_else_is
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".lilicorr-probe-") and p not in kept]
     assert len(left) == 1 and files._WRITER.search(left[0].name) and f"@{os.getpid()}@" in left[0].name
     assert not files.writer_is_gone(left[0])
+
+
+def test_a_damaged_builtin_data_file_is_written_again_not_trained_on(tmp_path, monkeypatch, capsys):
+    """A cached ``builtin:stdlib-*`` file was used as it stood: cut to 25 whole records, a fit trained on 25 under the
+    built-in name; cut mid-line, it failed naming a line of a file the user never wrote. It is compared with the
+    records it caches, and written again with a note; a link in its place is the user's, and refused."""
+    from lilicorr_pl import builtin
+    from lilicorr_pl.checkpoint import UserInputError
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    data = Path(builtin.resolve_data_file("builtin:stdlib-train:40"))
+    whole = data.read_bytes()
+    assert len(whole.splitlines()) == 40 and capsys.readouterr().err == ""
+    assert builtin.resolve_data_file("builtin:stdlib-train:40") == str(data) and capsys.readouterr().err == ""
+    for damaged in (b"".join(whole.splitlines(keepends=True)[:25]), whole[:5000], whole.replace(b"def", b"fed", 1)):
+        data.write_bytes(damaged)
+        assert builtin.resolve_data_file("builtin:stdlib-train:40") == str(data)
+        assert data.read_bytes() == whole
+        assert capsys.readouterr().err == (f"lilicorr: {data} does not hold the records of builtin:stdlib-train:40 "
+                                           "(damaged or edited); it is written again\n")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"text": "my own"}\n')
+    data.unlink()
+    data.symlink_to(mine)
+    with pytest.raises(UserInputError, match=f"{data} is a symbolic link, where lilicorr caches "
+                                             r"builtin:stdlib-train:40; move it out of the cache folder"):
+        builtin.resolve_data_file("builtin:stdlib-train:40")
+    assert mine.read_text() == '{"text": "my own"}\n'
