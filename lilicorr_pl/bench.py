@@ -199,6 +199,8 @@ def run_bench(
         out["target_weights_hash"] = "content" if meta.get("target_weights_hash") == "content" or not trained \
             else "sampled"
         out["same_target_as_training"] = compared["same_target_as_training"]
+        if "target_weights_trained_history" in compared:  # a resume changed its target: every one, from its step
+            out["target_weights_trained_history"] = compared["target_weights_trained_history"]
         out["draft_sampling"] = rules[0] if rules else None  # the rule behind each selector's main entry
         for name in arms:
             r = results[name]

@@ -430,6 +430,7 @@ class DraftSystem(L.LightningModule):
         self._checkpoint_origin: tuple[Path | None, str | None] = (None, None)
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
         self.checked_target: dict[str, Any] | None = None  # validate/test/predict: the target compared with the ckpt's
+        self._trained_against: list[dict[str, Any]] | None = None  # a resumed fit: the targets its steps trained against
 
     @staticmethod
     def _apply_loss_flags(
@@ -632,6 +633,10 @@ class DraftSystem(L.LightningModule):
             "version": __import__("lilicorr_pl").__version__,
             "target_weights": self.target_weights_fingerprint(),  # which weights, wherever they are read from
             "target_weights_hash": "content",  # whole-file digests (absent: the sampled digests of older versions)
+            # Every target the steps trained against, from the step each began at: a resume against other weights
+            # (another build under the same path) adds one, so no later comparison reads the checkpoint as trained
+            # against the last alone.
+            "target_weights_history": self._target_history(),
             "total_steps": self._run_total_steps,  # the run length curricula anneal over
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
@@ -654,6 +659,41 @@ class DraftSystem(L.LightningModule):
                 [size, digest] for _, size, digest in weights]})[:16] if weights else None
         return memo[sampled]
 
+    def _target_history(self) -> list[dict[str, Any]]:
+        """The ``target_weights_history`` a checkpoint written now records: a resumed fit's (:meth:`on_load_checkpoint`),
+        else this run's target from step 0 (empty where its weights cannot be hashed)."""
+        if self._trained_against is not None:
+            return [dict(entry) for entry in self._trained_against]
+        weights = self.target_weights_fingerprint()
+        return [{"target_weights": weights, "target_weights_hash": "content", "from_step": 0}] if weights else []
+
+    @staticmethod
+    def trained_targets(meta: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The targets a checkpoint with lilicorr record ``meta`` trained against, oldest first, each as
+        ``{"target_weights", "target_weights_hash", "from_step"}``; one for a checkpoint written before the history
+        was recorded, none where its target is unknown."""
+        meta = meta or {}
+        history = meta.get("target_weights_history")
+        if isinstance(history, list) and history and all(isinstance(e, Mapping) for e in history):
+            return [dict(entry) for entry in history]
+        if not meta.get("target_weights"):
+            return []
+        rule = "content" if meta.get("target_weights_hash") == "content" else "sampled"
+        return [{"target_weights": meta["target_weights"], "target_weights_hash": rule, "from_step": 0}]
+
+    def _record_resumed_target(self, checkpoint: Mapping[str, Any]) -> None:
+        """A resumed fit's target history: the checkpoint's, and the target read now from the step it resumes at
+        where that is another (its weights hashed by each entry's rule)."""
+        history = self.trained_targets(checkpoint.get("lilicorr"))
+        now = self.target_weights_fingerprint()
+        if history and now:
+            last = history[-1]
+            if last["target_weights"] != self.target_weights_fingerprint(
+                    sampled=last.get("target_weights_hash") != "content"):
+                history.append({"target_weights": now, "target_weights_hash": "content",
+                                "from_step": int(checkpoint.get("global_step") or 0)})
+        self._trained_against = history if history else None
+
     def trained_target_weights(self, meta: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
         """(the target the checkpoint with lilicorr record ``meta`` trained against, the target read now), both as
         :meth:`target_weights_fingerprint` hashes them for that checkpoint (sampled for one written before whole-file
@@ -669,15 +709,25 @@ class DraftSystem(L.LightningModule):
         results record it: ``target``, ``target_weights``, ``target_weights_trained`` (both by the rule the checkpoint
         was hashed with) and ``same_target_as_training`` (None where either hash is unknown)."""
         recorded, now = self.trained_target_weights(meta)
-        return {"target": str(self.target_path), "target_weights": now, "target_weights_trained": recorded,
-                "same_target_as_training": (recorded == now) if recorded and now else None}
+        history = self.trained_targets(meta)
+        compared = {"target": str(self.target_path), "target_weights": now, "target_weights_trained": recorded,
+                    "same_target_as_training": (recorded == now) if recorded and now else None}
+        if len({entry["target_weights"] for entry in history}) > 1:  # trained against more than one: not this alone
+            compared.update(same_target_as_training=False, target_weights_trained_history=history)
+        return compared
 
     def warn_if_other_target(self, checkpoint: Mapping[str, Any], what: str) -> dict[str, Any]:
         """Say so when the target read now is not the one ``checkpoint`` trained against (another model under the
         same name or path): ``what`` the checkpoint is used for. A warning, not a refusal: a re-saved copy of the
         same model (other shards) also reads as another. Returns the comparison (:meth:`compared_target`)."""
         compared = self.compared_target(checkpoint.get("lilicorr"))
-        if compared["same_target_as_training"] is False:
+        history = compared.get("target_weights_trained_history")
+        if history:
+            steps = ", ".join(f"{entry['target_weights']} from step {entry['from_step']}" for entry in history)
+            warnings.warn(f"this checkpoint trained against more than one target (a resume changed its weights: "
+                          f"{steps}); the target at {self.target_path} hashes to {compared['target_weights']}; {what} "
+                          "this drafter against one of them at most", stacklevel=2)
+        elif compared["same_target_as_training"] is False:
             warnings.warn(f"the target at {self.target_path} is not the one this checkpoint trained against (its "
                           f"config and weight files hash to {compared['target_weights']}, the checkpoint's target to "
                           f"{compared['target_weights_trained']}); {what} this drafter against another model",
@@ -693,6 +743,7 @@ class DraftSystem(L.LightningModule):
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
             self.warn_if_other_target(checkpoint, "resuming trains")
+            self._record_resumed_target(checkpoint)
             return
         if self._trainer is not None:  # validate/test/predict measure the drafter against the target read now
             fn = self.trainer.state.fn

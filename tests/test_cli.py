@@ -1712,6 +1712,23 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
     with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
                                          r"drafter against another model"):
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)
+    # The resumed checkpoint recorded only the new weights, and bench then read it as trained against them alone
+    # (same_target_as_training: true after one step of two against the first model). It keeps both, from their steps.
+    other = run["target_weights"]
+    history = torch.load(ckpt, map_location="cpu", weights_only=True)["lilicorr"]["target_weights_history"]
+    assert history == [{"target_weights": recorded, "target_weights_hash": "content", "from_step": 0},
+                       {"target_weights": other, "target_weights_hash": "content", "from_step": 1}]
+    with pytest.warns(UserWarning, match=rf"this checkpoint trained against more than one target \(a resume changed "
+                                         rf"its weights: {recorded} from step 0, {other} from step 1\); the target at "
+                                         rf"{target} hashes to {other}; using it measures"):
+        (run,) = main(["bench", "--ckpt", str(ckpt), "--benchmark", str(prompts), "--num_prompts", "1",
+                       "--max_new_tokens", "2", "--selectors", "top1", "--chat_template", "no"])
+    assert run["same_target_as_training"] is False and run["target_weights_trained"] == other
+    assert run["target_weights_trained_history"] == history
+    with warnings.catch_warnings():  # the same target again: the history is carried, not added to
+        warnings.simplefilter("ignore", UserWarning)
+        fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=3)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["lilicorr"]["target_weights_history"] == history
 
 
 def test_a_checkpoint_from_before_whole_file_digests_still_matches_its_target(tmp_path):
