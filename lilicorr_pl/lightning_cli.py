@@ -44,6 +44,7 @@ from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySign
                                     config_modules, first_line, read_verified, verified_first)
 from lilicorr_pl.command import ShortUsage, config_arguments, constructor_reason, is_inline_config
 from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.data.fingerprint import fingerprint_files
 from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_chat_template
 from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import atomic_file, check_output_paths, check_writable_dir, write_results_json
@@ -51,7 +52,7 @@ from lilicorr_pl.heads.domino import first_form_refusal
 from lilicorr_pl.interop import read_config
 from lilicorr_pl.progress import LOG_INTERVAL, is_terminal
 from lilicorr_pl.system import (DraftSystem, StateMismatchError, _short, check_evaluation_settings, check_resume_settings,
-                                plain_data)
+                                check_resume_split, edited_files, plain_data)
 from lilicorr_pl.target import check_device, portable
 
 # Lightning's ckpt_path keywords (not files).
@@ -887,18 +888,21 @@ class LilicorrCLI(LightningCLI):
                           fix="name the same components in this run's config (-c or --model.*): the modules a run's "
                               "own config names are trusted")
         saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
+        trained_on = ((checkpoint.get("lilicorr") or {}).get("data_files") or {}).get("train_files")
         self._resumed_step = checkpoint.get("global_step")
         del checkpoint
         # A first-form Domino head: named now, not after the data and the target (its tensors are not this head's).
         refusal = first_form_refusal(saved.get("head"), current.get("head"), f"--ckpt_path {ckpt}")
         if refusal:
             raise UserInputError(refusal)
+        data = plain_data(self.config[subcommand].get("data") or {})
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)
+            check_resume_split(saved_data, data, ckpt, _edited_training_files(trained_on, saved_data, data))
         elif subcommand in VALIDATION_STAGES:
-            check_evaluation_settings(saved, current, saved_data, plain_data(self.config[subcommand].get("data") or {}),
-                                      ckpt, subcommand)
+            check_evaluation_settings(saved, current, saved_data, data, ckpt, subcommand,
+                                      _edited_training_files(trained_on, saved_data, data))
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
         """The checkpoint ``ckpt_path="last"`` will resume from, found before anything is built: as Lightning finds
@@ -1370,6 +1374,19 @@ class PrepareCLI(LilicorrCLI):
 
     def instantiate_classes(self) -> None:
         self.datamodule, _ = dry_build(self.config, self.datamodule_class, self.model_class)
+
+
+def _edited_training_files(trained_on: Any, saved_data: Mapping[str, Any], data: Mapping[str, Any]) -> list[str]:
+    """The training files, named as the checkpoint named them (``saved_data``), whose content is not the one it
+    recorded (``trained_on``: its ``data_files.train_files``); none where it recorded none, or where the files are
+    others or held-out files are given (then no split of them is the checkpoint's)."""
+    if not trained_on or data.get("val_files") or portable(saved_data.get("train_files")) != portable(
+            data.get("train_files")):
+        return []
+    try:
+        return edited_files(trained_on, fingerprint_files(check_data_files(data["train_files"], "data.train_files")))
+    except (ValueError, OSError):  # unreadable files: the data module's checks say so, in their words
+        return []
 
 
 def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataModule,

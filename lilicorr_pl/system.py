@@ -139,13 +139,62 @@ SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples", "max_length")
 _COMPUTE_ONLY = ("attention", "dropout")
 
 
+def edited_files(recorded: Sequence[Mapping[str, Any]] | None, now: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The names of the files, of the same list, whose content (bytes, sha256) is not the recorded one
+    (:func:`~lilicorr_pl.data.fingerprint.fingerprint_files`; nothing where either side is unknown or the lists
+    differ in length)."""
+    if not recorded or not now or len(recorded) != len(now):
+        return []
+    return [str(n.get("name")) for r, n in zip(recorded, now)
+            if (r.get("bytes"), r.get("sha256")) != (n.get("bytes"), n.get("sha256"))]
+
+
+def _split_changes(saved_data: Mapping[str, Any], current_data: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The :data:`SPLIT_KEYS` whose values draw another validation split from the same files; a smaller
+    ``val_fraction`` alone keeps the same permutation's first examples, a part of the same split."""
+    split = [(k, saved_data.get(k), current_data.get(k)) for k in SPLIT_KEYS
+             if k in saved_data and saved_data.get(k) != current_data.get(k)]
+    if [k for k, *_ in split] == ["val_fraction"] and (current_data.get("val_fraction") or 0) <= (
+            saved_data.get("val_fraction") or 0):
+        return []
+    return split
+
+
+def check_resume_split(saved_data: Mapping[str, Any], current_data: Mapping[str, Any], ckpt: Any,
+                       edited: Sequence[str] = ()) -> None:
+    """A resumed fit validates on the split its steps so far were validated on: raise (one line) where this run splits
+    its validation examples off the training files in another way (other files, other split settings, training files
+    ``edited`` in place since, held-out files dropped), which would validate on examples those steps trained on.
+    Held-out files (``data.val_files``) now: any split is the run's own choice."""
+    saved_data, current_data = portable(plain_data(dict(saved_data))), portable(plain_data(dict(current_data)))
+    if not saved_data or current_data.get("val_files"):
+        return
+    was, now = saved_data.get("train_files"), current_data.get("train_files")
+    if saved_data.get("val_files"):
+        changes = [f"data.val_files: checkpoint {_short(saved_data.get('val_files'), 80)} vs now none"]
+    elif was != now:
+        changes = [f"data.train_files: checkpoint {_short(was, 80)} vs now {_short(now, 80)}"]
+    else:
+        changes = [f"data.{k}: checkpoint {_short(a)} vs now {_short(b)}" for k, a, b in _split_changes(saved_data,
+                                                                                                     current_data)]
+        changes += [f"data.train_files: {name} edited since the checkpoint" for name in edited]
+    if changes:
+        raise CheckpointError(
+            f"cannot resume --ckpt_path {ckpt} with another validation split ({'; '.join(changes[:3])}): its steps so "
+            "far trained on examples this one would validate on; resume with the checkpoint's data settings and "
+            "files, or validate on held-out files (data.val_files)"
+        )
+
+
 def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, Any], saved_data: Mapping[str, Any],
-                              current_data: Mapping[str, Any], ckpt: Any, subcommand: str) -> None:
+                              current_data: Mapping[str, Any], ckpt: Any, subcommand: str,
+                              edited: Sequence[str] = ()) -> None:
     """``validate``/``predict`` measure a checkpoint as it was trained: raise (one line) where this run's drafter or
     head settings, the target layers the drafter reads, or the validation split differ from the checkpoint's. The
     losses, the target's place and dtype and other data files are the measurement's own choice (recorded in its
     ``<subcommand>-config.yaml``). Only values both sides state are compared: an option the checkpoint predates, or
-    one left to be derived (None), is not a difference; a shape that still differs is named when the weights load."""
+    one left to be derived (None), is not a difference; a shape that still differs is named when the weights load.
+    ``edited``: the training files whose content is not what the checkpoint trained on (:func:`edited_files`)."""
     saved, current = plain_data(dict(saved)), plain_data(dict(current))
     if "head" in saved:
         saved["head"] = as_trained(saved["head"])
@@ -180,11 +229,13 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
             f"every example of data.train_files, so this {subcommand} would measure it on examples it trained on; pass "
             "the same data.val_files (or other held-out files)"
         )
-    split = [(k, saved_data.get(k), current_data.get(k)) for k in SPLIT_KEYS
-             if k in saved_data and saved_data.get(k) != current_data.get(k)]
-    if [k for k, *_ in split] == ["val_fraction"] and (current_data.get("val_fraction") or 0) <= (
-            saved_data.get("val_fraction") or 0):
-        split = []  # the same permutation's first k' <= k examples: part of the same held-out split
+    if edited:  # the same paths, other contents: a split of them is not the checkpoint's
+        raise CheckpointError(
+            f"--ckpt_path {ckpt} trained on data.train_files whose content has changed since ({', '.join(edited[:3])} "
+            f"edited), so this {subcommand} would measure a split of them that may hold examples it trained on; "
+            "restore the files it trained on, or measure held-out files with data.val_files"
+        )
+    split = _split_changes(saved_data, current_data)
     if split:
         detail = "; ".join(f"data.{k}: checkpoint {_short(was)} vs now {_short(now)}" for k, was, now in split)
         raise CheckpointError(
@@ -629,6 +680,8 @@ class DraftSystem(L.LightningModule):
             "mask_token_id": self.drafter.mask_token_id,
             "enable_thinking": getattr(dm, "enable_thinking", None),
             "chat_template": getattr(dm, "chat_template", None),
+            # The data files' content (name, bytes, sha256): a split of files edited in place since is not this one.
+            "data_files": dm.files_identity() if callable(getattr(dm, "files_identity", None)) else None,
             "stop_token_ids": self.target.stop_token_ids() if self.target is not None else None,
             "version": __import__("lilicorr_pl").__version__,
             "target_weights": self.target_weights_fingerprint(),  # which weights, wherever they are read from

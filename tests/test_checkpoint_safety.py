@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -698,6 +699,49 @@ def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that
     with pytest.raises(CheckpointError, match=r"was validated on data.val_files \['held.jsonl'\] and trained on every "
                                               r"example of data.train_files"):
         check(saved_data={**data, "val_files": ["held.jsonl"]})
+
+
+def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_the_trained_one():
+    """A resume that split its validation examples off the training files in another way (another seed, a larger
+    share, other files, an edited file, the held-out files dropped) was applied: val/* then measured examples the
+    steps before trained on, and validate refused the checkpoint's own first split. validate/predict of files edited
+    in place under the same path were measured as the trained ones."""
+    from lilicorr_pl.system import check_evaluation_settings, check_resume_split, edited_files
+
+    data = {"train_files": ["a.jsonl"], "val_files": None, "val_fraction": 0.1, "seed": 0, "pack": False,
+            "max_examples": None, "max_length": 64}
+    check_resume_split(data, data, "c.ckpt")
+    check_resume_split(data, {**data, "val_fraction": 0.05}, "c.ckpt")  # part of the same split
+    check_resume_split(data, {**data, "seed": 7, "train_files": ["b.jsonl"], "val_files": ["held.jsonl"]}, "c.ckpt")
+    check_resume_split({**data, "val_files": ["held.jsonl"]}, {**data, "val_files": ["other.jsonl"]}, "c.ckpt")
+    check_resume_split({}, data, "c.ckpt")  # a checkpoint with no data settings: nothing to compare
+    for now, said in (({**data, "seed": 7}, "data.seed: checkpoint 0 vs now 7"),
+                      ({**data, "val_fraction": 0.3}, "data.val_fraction: checkpoint 0.1 vs now 0.3"),
+                      ({**data, "max_length": 128}, "data.max_length: checkpoint 64 vs now 128"),
+                      ({**data, "train_files": ["a.jsonl", "b.jsonl"]},
+                       "data.train_files: checkpoint ['a.jsonl'] vs now ['a.jsonl', 'b.jsonl']")):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"cannot resume --ckpt_path c.ckpt with another validation split ({said}): its steps so far trained "
+                "on examples this one would validate on; resume with the checkpoint's data settings and files, or "
+                "validate on held-out files (data.val_files)")):
+            check_resume_split(data, now, "c.ckpt")
+    with pytest.raises(CheckpointError, match=r"\(data.val_files: checkpoint \['held.jsonl'\] vs now none\)"):
+        check_resume_split({**data, "val_files": ["held.jsonl"]}, data, "c.ckpt")
+    with pytest.raises(CheckpointError, match=r"\(data.train_files: a.jsonl edited since the checkpoint\)"):
+        check_resume_split(data, data, "c.ckpt", edited=["a.jsonl"])
+
+    trained = [{"name": "a.jsonl", "bytes": 10, "sha256": "1" * 64}, {"name": "b.jsonl", "bytes": 5, "sha256": "2" * 64}]
+    assert edited_files(trained, trained) == [] and edited_files(None, trained) == [] and edited_files(trained, []) == []
+    assert edited_files(trained, [trained[0], {**trained[1], "sha256": "3" * 64}]) == ["b.jsonl"]
+    assert edited_files(trained, [{**trained[0], "bytes": 11}, trained[1]]) == ["a.jsonl"]
+    assert edited_files(trained, trained[:1]) == []  # another list: other files, compared by their names elsewhere
+    model = {"drafter": {"class_path": "d", "init_args": {}}}
+    check_evaluation_settings(model, model, data, data, "c.ckpt", "validate")
+    with pytest.raises(CheckpointError, match=r"--ckpt_path c.ckpt trained on data.train_files whose content has "
+                                              r"changed since \(a.jsonl edited\), so this validate would measure"):
+        check_evaluation_settings(model, model, data, data, "c.ckpt", "validate", edited=["a.jsonl"])
+    check_evaluation_settings(model, model, data, {**data, "val_files": ["held.jsonl"]}, "c.ckpt", "validate",
+                              edited=["a.jsonl"])  # held-out files: the edit does not matter
 
 
 def test_a_builtin_artifact_in_another_machines_cache_folder_is_the_same_one(tmp_path, monkeypatch):

@@ -1677,6 +1677,42 @@ def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder(tmp_path, capsys):
     assert f"--ckpt {served} is a served drafter directory, which records no target; pass the target model" in err
 
 
+def test_a_resume_keeps_the_validation_split_and_an_edited_training_file_is_told_apart(tmp_path, capsys):
+    """A resume with another split of the training files (--data.seed=7) was applied, and val/* then measured examples
+    the steps before trained on; a training file edited in place under the same path was validated as the trained
+    one. The checkpoint records its data files' content, and both are refused before anything is built."""
+    from lilicorr_pl import builtin
+    from lilicorr_pl.data.fingerprint import file_sha256
+
+    records = Path(builtin.resolve_data_file("builtin:stdlib-train:64")).read_text().splitlines(keepends=True)
+    mine = tmp_path / "train.jsonl"
+    mine.write_text("".join(records[:60]))
+    fit_tiny(tmp_path, f"--data.train_files=[{mine}]", steps=3)
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    recorded = torch.load(ckpt, map_location="cpu", weights_only=True)["lilicorr"]["data_files"]
+    assert recorded == {"train_files": [{"name": "train.jsonl", "bytes": mine.stat().st_size,
+                                         "sha256": file_sha256(mine)}], "val_files": None}
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--data.train_files=[{mine}]",
+                              f"--trainer.default_root_dir={tmp_path / 'runs' / 'tiny'}", "--trainer.max_steps=6",
+                              "--data.seed=7", "--ckpt_path=last"])
+    assert err.splitlines()[-1] == (
+        f"lilicorr fit: error: cannot resume --ckpt_path {ckpt} with another validation split (data.seed: checkpoint 0 "
+        "vs now 7): its steps so far trained on examples this one would validate on; resume with the checkpoint's data "
+        "settings and files, or validate on held-out files (data.val_files)")
+    mine.write_text("".join(reversed(records[:60])))  # the same records, in place: another split of them
+    run = ["-c", str(tmp_path / "runs" / "tiny" / "config.yaml"), "--ckpt_path=last"]
+    err = user_error(capsys, ["validate", *run])
+    assert err.splitlines()[-1] == (
+        f"lilicorr validate: error: --ckpt_path {ckpt} trained on data.train_files whose content has changed since "
+        "(train.jsonl edited), so this validate would measure a split of them that may hold examples it trained on; "
+        "restore the files it trained on, or measure held-out files with data.val_files")
+    err = user_error(capsys, ["fit", *run, "--trainer.max_steps=6"])
+    assert "with another validation split (data.train_files: train.jsonl edited since the checkpoint)" in err
+    assert main(["validate", *run, f"--data.val_files=[{mine}]", "--trainer.enable_progress_bar=false"])
+    mine.write_text("".join(records[:60]))  # restored: the same bytes, so the same split
+    assert main(["fit", *run, "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]).trainer.global_step == 4
+
+
 def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tmp_path):
     """A checkpoint names its target by path: other weights copied there resumed and exported without a word. The
     checkpoint now records a hash of the target's config and weight files, and a target that differs is said."""

@@ -270,6 +270,14 @@ class DraftDataModule(L.LightningDataModule):
             splits["val"] = (self.val_files, "data.val_files")
         return splits
 
+    def files_identity(self) -> dict[str, list[dict[str, Any]] | None]:
+        """The content identity of ``train_files`` and ``val_files`` (:func:`fingerprint_files`; None: no held-out
+        files): what a checkpoint records of the data it trained beside, so a file edited in place under the same
+        path is told from the one it trained on."""
+        return {key: fingerprint_files(check_data_files(files, setting)) if files else None
+                for key, files, setting in (("train_files", self.train_files, "data.train_files"),
+                                            ("val_files", self.val_files, "data.val_files"))}
+
     def _check_inputs(self) -> None:
         """Cheap checks that must fail before any tokenizer or model work."""
         self._spec()

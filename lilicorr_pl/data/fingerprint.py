@@ -172,8 +172,9 @@ def _prune_memos(memo_dir: Path) -> None:
 
 
 def fingerprint_files(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
-    """Content identity of data files (name, size, sha256), in the given order; paths do not matter."""
-    return [{"name": Path(p).name, "bytes": Path(p).stat().st_size, "sha256": file_sha256(p)} for p in paths]
+    """Content identity of data files (name, size, sha256), in the given order; paths do not matter. Each file is
+    read once per version (:func:`content_sha256`): a checkpoint records these, and a resume compares them."""
+    return [{"name": Path(p).name, "bytes": Path(p).stat().st_size, "sha256": content_sha256(p)} for p in paths]
 
 
 def fingerprint_tokenizer(tokenizer: Any, chat_template: str | None = None) -> dict[str, Any]:
