@@ -947,10 +947,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dm.prepare_data()
     dm.setup("fit")
     batches = [b for _, b in zip(range(max(4, options.steps)), dm.train_dataloader())]
-    # What the JSON's numbers were measured with (it held the numbers alone): the weights, steps and threads.
+    # What the JSON's numbers were measured with (it held the numbers alone): the weights, steps and threads, and the
+    # settings timed (the -c files with the command line applied: shapes, batch, anchors, the target; two files of
+    # other configs could not be told apart) on which device.
+    from lilicorr_pl.system import plain_data
+
     measured_with = {"ckpt": os.path.abspath(options.ckpt) if options.ckpt else None,
                      "state_sha256": (cli.checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY) if cli.checkpoint else None,
-                     "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy()}
+                     "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy(),
+                     "device": str(next(system.drafter.parameters()).device),
+                     "config": {key: plain_data(options.get(key)) for key in ("model", "data")}}
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():

@@ -207,9 +207,14 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     numbers = cli_main([*args, "--allow-module", "no_such_heads_pkg", "--json", str(out), "--threads", "1"])
     assert numbers["step_total"] > 0  # timed a real step with the checkpoint's weights
     # ... and the JSON says with what (it held the phase times alone).
-    assert json.loads(out.read_text())["measured_with"] == {
+    measured_with = json.loads(out.read_text())["measured_with"]
+    config = measured_with.pop("config")
+    assert measured_with == {
         "ckpt": str(path), "state_sha256": state["lilicorr"]["state_sha256"], "steps": 1, "threads": 1, "warmup": 0,
-        "malloc": malloc_policy()}
+        "malloc": malloc_policy(), "device": "cpu"}
+    # ... and with which settings: two files of other configs could not be told apart.
+    assert config["model"]["num_anchors"] == 32 and config["data"]["max_length"] == 64
+    assert config["model"]["drafter"]["init_args"]["block_size"] == 8 and config["model"]["target"]["name_or_path"]
     # --ckpt beside the round reports, which time fresh weights, was ignored without a word.
     err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--cost_model", "true", "--ckpt",
                               str(path)])
