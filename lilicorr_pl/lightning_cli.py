@@ -820,8 +820,13 @@ class LilicorrCLI(LightningCLI):
                              "no checkpoint and exit as finished); set it > 0, or leave it unset for every batch")
         optimizer = plain_data(model.get("optimizer")) if model is not None else None
         lr = (optimizer.get("init_args") or {}).get("lr") if isinstance(optimizer, dict) else None
-        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not lr >= 0:
-            raise ValueError(f"model.optimizer.init_args.lr must be >= 0, got {lr}")
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"model.optimizer.init_args.lr must be a finite number >= 0, got {lr}")  # inf: nan loss
+        clip = trainer.get("gradient_clip_val") if trainer is not None else None
+        if isinstance(clip, (int, float)) and not isinstance(clip, bool) and not (math.isfinite(clip) and clip >= 0):
+            # A negative norm bound scaled every gradient by a negative factor: the run climbed its loss, exit 0.
+            raise ValueError(f"trainer.gradient_clip_val must be a finite number >= 0 (0 or null: no clipping), got "
+                             f"{clip}")
         scheduler = plain_data(model.get("lr_scheduler")) if model is not None else None
         warmup = (scheduler.get("init_args") or {}).get("warmup_fraction") if isinstance(scheduler, dict) else None
         if isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and not 0 <= warmup < 1:

@@ -495,8 +495,8 @@ class DraftSystem(L.LightningModule):
         for loss in losses:
             if weights and loss.name in weights:
                 w = float(weights[loss.name])
-                if w < 0:
-                    raise ValueError(f"model.loss_weights[{loss.name}] must be >= 0, got {w}")
+                if not (math.isfinite(w) and w >= 0):  # nan or inf: the loss was nan or inf, and the run exited 0
+                    raise ValueError(f"model.loss_weights[{loss.name}] must be a finite number >= 0, got {w}")
                 loss.weight = w
         return [loss for loss in losses if loss.name not in set(disabled or [])]
 

@@ -1981,7 +1981,15 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
 
 @pytest.mark.parametrize("flag, message", [
     ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be >= 1, got 0"),
-    ("--model.optimizer.init_args.lr=-1", "model.optimizer.init_args.lr must be >= 0, got -1"),
+    ("--model.optimizer.init_args.lr=-1", "model.optimizer.init_args.lr must be a finite number >= 0, got -1"),
+    # Not refused: a nan or inf loss, or gradient ascent (a negative clip scaled every gradient by -1), exit 0.
+    ("--model.optimizer.init_args.lr=.inf", "model.optimizer.init_args.lr must be a finite number >= 0, got inf"),
+    ("--trainer.gradient_clip_val=-1", "trainer.gradient_clip_val must be a finite number >= 0 (0 or null: no "
+                                       "clipping), got -1"),
+    ("--trainer.gradient_clip_val=.nan", "trainer.gradient_clip_val must be a finite number >= 0"),
+    ("--model.loss_weights={margin_hinge: .nan}", "model.loss_weights[margin_hinge] must be a finite number >= 0, got "
+                                                  "nan"),
+    ("--model.loss_weights={oracle_prefix_ce: .inf}", "model.loss_weights[oracle_prefix_ce] must be a finite number"),
     # Not refused late: it exited 0 as a finished run, with the data prepared and no checkpoint.
     ("--trainer.max_steps=0", "trainer.max_steps 0 trains nothing (the run would prepare the data, save no checkpoint "
                               "and exit as finished); set trainer.max_steps >= 1, or -1 for no limit"),

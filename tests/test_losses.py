@@ -292,3 +292,13 @@ def test_lattice_metrics_merge_state_equals_one_update():
     explicit.update(cat, torch.cat([z1, z2]), torch.cat([y1, y2]), torch.cat([k1, k2]),
                     cat.candidates.gather(-1, idx[..., None]).squeeze(-1))
     torch.testing.assert_close(explicit.compute()["selected_prefix"], single["selected_prefix"])
+
+
+def test_a_margin_that_is_not_a_finite_number_is_refused():
+    """A nan margin made the hinge, and so the run's loss, nan: the run went on and exited 0."""
+    from lilicorr_pl.losses import MarginHinge
+
+    for margin in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="MarginHinge margin must be a finite number, got"):
+            MarginHinge(weight=0.125, margin=margin)
+    assert MarginHinge(margin=-1.0).margin == -1.0

@@ -16,6 +16,8 @@ Shared conventions:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,8 @@ class MarginHinge(_ForcedSlotLoss):
             name: log name; defaults to ``margin_hinge``.
         """
         super().__init__(weight=weight, gamma=gamma, name=name)
+        if not math.isfinite(margin):  # a nan margin made the loss nan, silently
+            raise ValueError(f"MarginHinge margin must be a finite number, got {margin}")
         self.margin = float(margin)
 
     def forward(self, inputs: LossInputs) -> LossOutput:
