@@ -738,6 +738,9 @@ class LilicorrCLI(LightningCLI):
             # A built-in target's drafters are small: their warm starts are read in full, and checked, before the build
             _, system = dry_build(config, self.datamodule_class, self.model_class, folder,
                                   warm_starts=subcommand is not None)
+            untrained = system.untrained_part(resuming=bool(config.get("ckpt_path"))) if subcommand == "fit" else None
+            if untrained:
+                raise UserInputError(untrained)
             trainer = config.get("trainer")
             if trainer is not None:
                 if subcommand is None:  # prepare reads only where its stores are made: the rest is not built
@@ -1041,6 +1044,9 @@ class LilicorrCLI(LightningCLI):
         return signal.signal(signal.SIGINT, on_ctrl_c)
 
     def before_fit(self) -> None:
+        untrained = self.model.untrained_part(resuming=bool(self.config["fit"].get("ckpt_path")))
+        if untrained:
+            raise UserInputError(untrained)
         self._refuse_a_fresh_run_over_another()
         self._check_callbacks()
         self._wire_data()
@@ -1426,6 +1432,7 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
             system = parser.instantiate_classes(Namespace(model=model)).model
             if from_target_layers:
                 check_target_layer_init(system.drafter, system.target_spec.trust_remote_code)
+                system.hparams["init_drafter_layers_from_target"] = True  # as configured: checked, not read (meta)
         wire_logit_cache(system, datamodule)
     except (ValueError, TypeError) as err:
         raise UserInputError(str(err).strip().splitlines()[-1]) from None

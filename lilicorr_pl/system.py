@@ -577,6 +577,30 @@ class DraftSystem(L.LightningModule):
                 f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.DominoHead or DSparkHead"
             )
 
+    def untrained_part(self, resuming: bool) -> str | None:
+        """What a fit would leave at its random initialisation, as a one-line refusal naming the fix (None: nothing).
+        A head with weights that no active loss trains (its losses disabled or weighted 0) stayed random, and bench
+        then measured it; a frozen drafter with no warm start stayed random under the head trained on it. A resume
+        (``resuming``) or a warm start brings those weights from elsewhere."""
+        hp = self.hparams
+        if resuming:
+            return None
+        trains = "requires_lattice" if self.head.uses_lattice else "requires_corrector" if self.head.uses_corrector \
+            else None
+        if trains and any(p.requires_grad for p in self.head.parameters()) and not hp.get("init_head_from") and not any(
+                getattr(loss, trains) and loss.weight > 0 for loss in self.losses):
+            kind = "lattice" if trains == "requires_lattice" else "corrector"
+            return (f"model.head {type(self.head).__name__} has weights that no active loss trains (no {kind} loss in "
+                    f"model.losses is enabled with a weight > 0): it would stay at its random initialisation; enable "
+                    "one (model.disabled_losses, model.loss_weights), warm-start it (model.init_head_from), or drop "
+                    "the head (model.head: null, as configs/ablations/dflash_only.yaml)")
+        if hp.get("freeze_drafter") and not hp.get("init_drafter_from") and not hp.get(
+                "init_drafter_layers_from_target"):
+            return ("model.freeze_drafter: true with no warm start keeps the drafter at its random initialisation, and "
+                    "the head would learn to correct a random drafter; set model.init_drafter_from=<a served drafter "
+                    "directory> (`lilicorr export` of a trained checkpoint), or model.freeze_drafter: false")
+        return None
+
     @property
     def needs_target_logits(self) -> bool:
         """True when some active loss reads the target's logits."""

@@ -359,6 +359,8 @@ def test_an_unreadable_config_record_is_called_damaged_not_another_runs(tmp_path
 
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
 ONLINE_FEATURES = ["--data.feature_cache=false", "--data.logit_cache=false", "--model.target_logits=exact"]
+# The head stage freezes the drafter: a drafter that is not random (a frozen random one is refused).
+FROZEN_FROM_TARGET = ["--model.init_drafter_layers_from_target=true"]
 
 
 @pytest.mark.parametrize("features", ["store", "online"])
@@ -368,7 +370,7 @@ def test_head_stage_fit_serves_revisited_examples_from_the_context_memo_and_vali
     the memo on every later visit, validation batches never enter it, the hit rate is logged, the memo is emptied
     when the fit ends, and the trained head is the one a fit without the memo trains -- with the features read
     from the store or computed by the online target."""
-    stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16",
+    stage = ["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=16", *FROZEN_FROM_TARGET,
              *(ONLINE_FEATURES if features == "online" else [])]
     cli = fit_tiny(tmp_path / "memo", *stage, steps=8)  # 57 training examples: the fit revisits them
     memo = cli.model.context_memo
@@ -399,7 +401,7 @@ def test_context_memo_of_online_features_matches_the_padded_forward(tmp_path):
     reads them, so a ragged batch gives the same drafter logits and loss with the memo (part hits, then all) as
     without it."""
     cli = fit_tiny(tmp_path, "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--data.batch_size=8",
-                   *ONLINE_FEATURES, steps=1)
+                   *FROZEN_FROM_TARGET, *ONLINE_FEATURES, steps=1)
     system, memo = cli.model, cli.model.context_memo
     batch = {k: v.clone() for k, v in next(iter(cli.datamodule.train_dataloader())).items()}
     for row, n in enumerate([64, 50, 40, 33, 64, 20, 57, 45][: len(batch["index"])]):
@@ -915,6 +917,46 @@ def _tiny_run(root):
     """The tiny config's options for a quiet run in ``root`` that validates after every step."""
     return ["-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
             "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_fit_that_would_leave_a_trained_part_at_its_random_initialisation_is_refused(tmp_path, monkeypatch, capsys,
+                                                                                        built):
+    """A LiLiCorr head with its lattice losses off, a Domino head with its curriculum loss left out, and the head
+    stage's frozen drafter with no warm start trained without a word (the head, or the drafter under it, stayed
+    random, exit 0). Refused before the data are prepared, and before a built-in target's build; the same settings
+    with a warm start, or resumed, run."""
+    from lilicorr_pl import builtin
+
+    monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "cache"))
+    if built:
+        builtin.resolve_target_path("builtin:tiny")
+    root = tmp_path / "run"
+    fit = ["fit", "-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"]
+    domino = ["--model.head=lilicorr_pl.heads.DominoHead", "--model.head.init_args.gru_hidden=8",
+              "--model.head.init_args.rank=4", "--model.losses=[{class_path: lilicorr_pl.losses.DFlashCE}]"]
+    for flags, said in (
+            (["--model.disabled_losses=[oracle_prefix_ce, distractor_penalty]"],
+             "model.head LiLiCorrHead has weights that no active loss trains (no lattice loss in model.losses is "
+             "enabled with a weight > 0): it would stay at its random initialisation; enable one "
+             "(model.disabled_losses, model.loss_weights), warm-start it (model.init_head_from), or drop the head "
+             "(model.head: null, as configs/ablations/dflash_only.yaml)"),
+            (["--model.loss_weights={oracle_prefix_ce: 0, distractor_penalty: 0}"],
+             "model.head LiLiCorrHead has weights that no active loss trains (no lattice loss"),
+            (domino, "model.head DominoHead has weights that no active loss trains (no corrector loss"),
+            (["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml")],
+             "model.freeze_drafter: true with no warm start keeps the drafter at its random initialisation, and the "
+             "head would learn to correct a random drafter; set model.init_drafter_from=<a served drafter directory> "
+             "(`lilicorr export` of a trained checkpoint), or model.freeze_drafter: false")):
+        err = user_error(capsys, [*fit, *flags])
+        assert err.splitlines()[-1].startswith(f"lilicorr fit: error: {said}"), err
+        assert not (root / "cache").exists()
+        if not built:
+            _no_build(tmp_path)
+    main([*fit, *_tiny_run(root)[2:]])  # a trained checkpoint, then the head stage warm-started from its drafter
+    stage = main([*fit, "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), *FROZEN_FROM_TARGET,
+                  f"--trainer.default_root_dir={tmp_path / 'stage'}", "--trainer.enable_progress_bar=false"])
+    assert stage.trainer.global_step == 1
 
 
 def test_a_run_folders_records_are_checked_before_a_builtin_target_build(tmp_path, monkeypatch, capsys):
