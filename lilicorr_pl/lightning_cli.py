@@ -45,7 +45,7 @@ from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySign
 from lilicorr_pl.command import ShortUsage, config_arguments, constructor_reason, is_inline_config
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.fingerprint import fingerprint_files
-from lilicorr_pl.data.formats import DataFormatError, check_data_files, resolve_chat_template
+from lilicorr_pl.data.formats import ChatTemplateError, DataFormatError, check_data_files, resolve_chat_template
 from lilicorr_pl.data.store import CacheError
 from lilicorr_pl.files import atomic_file, check_output_paths, check_writable_dir, write_results_json
 from lilicorr_pl.heads.domino import first_form_refusal
@@ -999,9 +999,11 @@ class LilicorrCLI(LightningCLI):
         try:
             with verified_first(self._verified_first):
                 super()._run_subcommand(subcommand)
-        except (CacheError, StateMismatchError) as err:
-            # A data store that fails its checks, or a --ckpt_path whose tensors are not this config's: the message
-            # names the file and the fix, so it is one line, as fit's own checks before the run are.
+        except (CacheError, StateMismatchError, ChatTemplateError, DataFormatError) as err:
+            # A data store that fails its checks, a --ckpt_path whose tensors are not this config's, a chat template
+            # that does not parse or a record it cannot render (met at the first chat record, while the data are
+            # tokenized): the message names the file or setting and the fix, so it is one line, as fit's own checks
+            # before the run are.
             message = first_line(err)
             ckpt = None
             if isinstance(err, StateMismatchError):  # the file itself, also for --ckpt_path=last

@@ -2094,3 +2094,18 @@ def test_a_copied_run_folder_resumes_into_its_own_last_checkpoint(tmp_path, recw
     # The original folder is untouched.
     original = tmp_path / "a" / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     assert torch.load(original, map_location="cpu", weights_only=True)["global_step"] == 2
+
+
+def test_a_chat_template_that_does_not_parse_is_one_line_in_fit(tmp_path, capsys):
+    """bench and regenerate said it in one line; fit gave ChatTemplateError's traceback, met at the first chat record
+    while the data were tokenized."""
+    records = tmp_path / "chat.jsonl"
+    turn = {"messages": [{"role": "user", "content": "add one"}, {"role": "assistant", "content": "def f(x):\n"
+                                                                                               "    return x + 1"}]}
+    records.write_text((json.dumps(turn) + "\n") * 20)
+    root = tmp_path / "run"
+    err = user_error(capsys, ["fit", "-c", TINY, f"--trainer.default_root_dir={root}", "--trainer.max_steps=1",
+                              f"--data.train_files=[{records}]", "--data.chat_template={{ bogus"])
+    assert err.splitlines()[-1] == (
+        "lilicorr fit: error: the chat template does not parse (template line 1: unexpected end of template, expected "
+        "'end of print statement'.); fix data.chat_template, or the tokenizer's chat_template"), err
