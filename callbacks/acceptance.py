@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
+from lilicorr_pl.checkpoint import first_line
 from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
 from lilicorr_pl.decoding.benchmarks import (
     PromptSet,
@@ -20,6 +21,7 @@ from lilicorr_pl.decoding.benchmarks import (
     check_benchmark,
     keep_within_context,
     load_prompts,
+    read_prompt_file,
 )
 from lilicorr_pl.decoding.evaluate import ArmResult, evaluate_arm, summarize
 from lilicorr_pl.decoding.speculative import DRAFT_SAMPLING_RULES, DraftSamplingRule
@@ -91,8 +93,8 @@ class AcceptanceEval(L.Callback):
             )
         if every_n_train_steps is not None and every_n_train_steps < 0:
             raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
-        if temperature < 0:
-            raise ValueError(f"AcceptanceEval temperature must be >= 0, got {temperature}")
+        if not (math.isfinite(temperature) and temperature >= 0):  # nan: a traceback at the first evaluation
+            raise ValueError(f"AcceptanceEval temperature must be a finite number >= 0, got {temperature}")
         if table_rows < 0:
             raise ValueError(f"AcceptanceEval table_rows must be >= 0 (0: no table), got {table_rows}")
         if prompt_tokens < MIN_PREFIX_TOKENS:  # read only at the first evaluation, after training and before a save
@@ -136,6 +138,11 @@ class AcceptanceEval(L.Callback):
         benchmark's prompts) is there, and ``max_new_tokens`` leaves room for a prompt in the target's context; longer
         prompts are cut to fit when they are loaded (:meth:`prompt_set`)."""
         check_benchmark(self.benchmark, "AcceptanceEval benchmark")
+        if self.benchmark.endswith(".jsonl"):  # a malformed line: a traceback at the first evaluation, after training
+            try:
+                read_prompt_file(self.benchmark, self.num_prompts)
+            except ValueError as err:
+                raise ValueError(f"AcceptanceEval benchmark: {first_line(err)}") from None
         context = self._context(pl_module)
         if context is not None and self.max_new_tokens >= context:
             raise ValueError(f"AcceptanceEval max_new_tokens {self.max_new_tokens} leaves no room for a prompt in the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import Mock
@@ -376,3 +377,21 @@ def test_prompts_the_context_cannot_hold_are_cut_and_counted_and_a_budget_it_can
         prompts = callback.prompt_set(system)
     assert [len(ids) for ids in prompts.input_ids] == [8, 8] and callback.prompts_cut_to_context == 2
     assert callback.evaluate(fake_trainer(2, []), system)["eval/prompts_cut_to_context"] == 2.0
+
+
+def test_a_prompts_file_it_cannot_read_and_a_nan_temperature_are_refused_before_training(tmp_path):
+    """A prompts file that exists but holds malformed JSON, records without a prompt, or bytes that are not UTF-8, and a
+    nan temperature, were tracebacks at the first evaluation: after training, and before the first checkpoint."""
+    from callbacks import AcceptanceEval
+
+    for text, said in ((b"not json\n", r"bad.jsonl:1: malformed JSON"),
+                       (b'{"x": 1}\n', r"bad.jsonl:1: expected a non-empty string 'prompt' or 'text' field"),
+                       (b"\xff\xfe bad\n", r"bad.jsonl line 1: not UTF-8 text")):
+        (tmp_path / "bad.jsonl").write_bytes(text)
+        with pytest.raises(ValueError, match=rf"^AcceptanceEval benchmark: .*{said}"):
+            AcceptanceEval(benchmark=str(tmp_path / "bad.jsonl")).check_run(None)
+    (tmp_path / "good.jsonl").write_text('{"prompt": "def f(x):"}\n')
+    AcceptanceEval(benchmark=str(tmp_path / "good.jsonl")).check_run(None)
+    for temperature in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError, match="AcceptanceEval temperature must be a finite number >= 0, got"):
+            AcceptanceEval(temperature=temperature)
