@@ -1436,8 +1436,8 @@ def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataMo
                 check_target_layer_init(system.drafter, system.target_spec.trust_remote_code)
                 system.hparams["init_drafter_layers_from_target"] = True  # as configured: checked, not read (meta)
         wire_logit_cache(system, datamodule)
-    except (ValueError, TypeError) as err:
-        raise UserInputError(str(err).strip().splitlines()[-1]) from None
+    except (ValueError, TypeError) as err:  # a constructor's reason, not jsonargparse's "Given value: Namespace(…)"
+        raise UserInputError(constructor_reason(str(err)) if str(err).strip() else repr(err)) from None
     return datamodule, system
 
 

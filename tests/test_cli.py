@@ -2109,3 +2109,14 @@ def test_a_chat_template_that_does_not_parse_is_one_line_in_fit(tmp_path, capsys
     assert err.splitlines()[-1] == (
         "lilicorr fit: error: the chat template does not parse (template line 1: unexpected end of template, expected "
         "'end of print statement'.); fix data.chat_template, or the tokenizer's chat_template"), err
+
+
+@pytest.mark.parametrize("option, refusal", [
+    ("--model.head.init_args.num_heads=3", "hidden_size 64 is not divisible by num_heads 3; choose e.g. num_heads=2"),
+    ("--model.head.init_args.top_k=0", "top_k must be >= 1, got 0; the recipe uses 8"),
+])
+def test_prepare_names_a_constructors_refusal_not_the_settings_it_was_given(tmp_path, capsys, option, refusal):
+    """`lilicorr prepare` printed jsonargparse's `Given value: Namespace(class_path=…, init_args=…)`, which names neither
+    the problem nor the fix; fit gave the constructor's reason. Now prepare does too."""
+    err = user_error(capsys, ["prepare", "-c", TINY, option, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1] == f"lilicorr prepare: error: {refusal}", err

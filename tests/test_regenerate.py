@@ -887,3 +887,19 @@ def test_a_damaged_line_in_the_output_is_refused_by_number_not_skipped_and_appen
             run(target_dir, input_file, out)
     out.write_bytes(b"\n".join(lines))
     assert run(target_dir, input_file, out).skipped == 3
+
+
+def test_a_builtin_target_is_refused_naming_the_preset_that_builds_it(tmp_path):
+    """regenerate --target builtin:tiny told the user to build `--preset full` (another target): each built-in name is
+    refused naming the preset `lilicorr build-target` builds it with."""
+    from lilicorr_pl.builtin import TARGET_PRESETS
+    from lilicorr_pl.data.regenerate import regenerate
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "def f(x):"}\n')
+    for name, preset in TARGET_PRESETS.items():
+        with pytest.raises(ValueError, match=rf"--target builtin:{name}: regenerate needs a model directory or hub "
+                                             rf"name; build the built-in target with `lilicorr build-target --preset "
+                                             rf"{preset}` and pass the directory it prints"):
+            regenerate(f"builtin:{name}", str(source), str(tmp_path / "out.jsonl"))
+    assert not (tmp_path / "out.jsonl").exists()
