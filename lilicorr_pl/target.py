@@ -212,6 +212,20 @@ class TargetSpec:
     load_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``AutoModelForCausalLM.from_pretrained`` (e.g. attn_implementation)."""
 
+    def __post_init__(self) -> None:
+        # Arguments the load passes itself: given again here, the load failed with a TypeError once the data were
+        # tokenized ("got multiple values for keyword argument 'dtype'").
+        taken = sorted(set(self.load_kwargs or {}) & set(_LOAD_ARGUMENTS_SET))
+        if taken:
+            raise ValueError(f"model.target.load_kwargs sets {', '.join(taken)}, which lilicorr passes to from_pretrained "
+                             f"itself; set {', '.join(_LOAD_ARGUMENTS_SET[k] for k in taken)} instead")
+
+
+# from_pretrained arguments FrozenTarget passes itself, and the setting that chooses each.
+_LOAD_ARGUMENTS_SET = {"dtype": "model.target.dtype", "torch_dtype": "model.target.dtype",
+                       "trust_remote_code": "model.target.trust_remote_code",
+                       "output_loading_info": "nothing (lilicorr reads it to refuse missing tensors)"}
+
 
 @dataclass
 class TargetOutput:
@@ -309,7 +323,14 @@ def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = Fals
     caller that tokenizes nothing itself (what does tokenize asks for it with ``required=True``)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except ValueError as err:  # a Llama/Mistral directory without tokenizer files: no backend to build one from
+        if not required:
+            return None
+        raise UserInputError(
+            f"{setting} {name_or_path} holds no tokenizer transformers can load ({first_line(err)}); save the "
+            "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)") from None
     if len(tokenizer) < 2:
         if not required:
             return None
@@ -438,6 +459,13 @@ class FrozenTarget(nn.Module):
         try:
             model = load_causal_lm(name_or_path, "the target", dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                    **load_kwargs)
+        except (TypeError, ImportError, ValueError) as err:
+            if not load_kwargs or isinstance(err, UserInputError):  # not the options' doing: as it was raised
+                raise
+            # An option from_pretrained (or the model) does not take, or one that needs a package not installed: a
+            # traceback once the data were tokenized.
+            raise UserInputError(f"the target {name_or_path} did not load with model.target.load_kwargs {load_kwargs} "
+                                 f"({first_line(err, with_type=True)}); fix or drop them") from None
         except OSError as err:
             raise OSError(
                 f"could not load the target model {name_or_path!r} ({first_line(err, with_type=True)}); pass a local "

@@ -346,3 +346,36 @@ def test_the_default_layer_rule_names_the_feature_counts_it_can_spread(layers, f
         default_layer_ids(layers, features)
     if layers > 4:
         assert len(set(default_layer_ids(layers, layers - 3))) == layers - 3
+
+
+def test_a_llama_directory_without_tokenizer_files_is_one_line(tmp_path):
+    """A Llama or Mistral directory without tokenizer files was transformers' `Couldn't instantiate the backend
+    tokenizer` traceback (a Qwen one already made the empty tokenizer refused here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=rf"model.target.name_or_path {tmp_path / 'llama'} holds no tokenizer "
+                                         r"transformers can load \(Couldn't instantiate the backend tokenizer.*\); save "
+                                         r"the target's tokenizer beside its weights"):
+        tokenizer_of(str(tmp_path / "llama"), "model.target.name_or_path")
+    assert tokenizer_of(str(tmp_path / "llama"), "model.target.name_or_path", required=False) is None
+
+
+def test_load_kwargs_the_load_cannot_take_are_one_line(tmp_path):
+    """model.target.load_kwargs the load passes itself (dtype) were a TypeError once the data were tokenized; ones
+    from_pretrained or the model does not take, or that need a package not installed, a traceback there."""
+    from lilicorr_pl.target import TargetSpec
+
+    with pytest.raises(ValueError, match=r"model.target.load_kwargs sets dtype, which lilicorr passes to from_pretrained "
+                                         r"itself; set model.target.dtype instead"):
+        TargetSpec(name_or_path="t", load_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"sets torch_dtype, trust_remote_code, .*set model.target.dtype, "
+                                         r"model.target.trust_remote_code instead"):
+        TargetSpec(name_or_path="t", load_kwargs={"torch_dtype": "bfloat16", "trust_remote_code": True})
+    path = save_tiny_target(tmp_path)
+    with pytest.raises(ValueError, match=rf"the target {path} did not load with model.target.load_kwargs \{{'bogus_kw': "
+                                         r"1\} \(TypeError: .*unexpected keyword argument 'bogus_kw'\); fix or drop "
+                                         r"them"):
+        FrozenTarget.from_pretrained(str(path), load_tokenizer=False, bogus_kw=1)
