@@ -1049,6 +1049,10 @@ class LilicorrCLI(LightningCLI):
         untrained = self.model.untrained_part(resuming=bool(self.config["fit"].get("ckpt_path")))
         if untrained:
             raise UserInputError(untrained)
+        if self.model.drafter.attention == "flex" and self.trainer.strategy.root_device.type == "cpu":
+            # FlexAttention has no backward on a CPU: NotImplementedError at the first step, after the data were made
+            raise UserInputError("model.drafter.init_args.attention 'flex' cannot train on a CPU (FlexAttention has no "
+                                 "backward there); set it to 'auto' or 'sdpa', or train on a GPU")
         self._refuse_a_fresh_run_over_another()
         self._check_callbacks()
         self._wire_data()

@@ -2032,6 +2032,17 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
     ("--model.loss_weights={margin_hinge: .nan}", "model.loss_weights[margin_hinge] must be a finite number >= 0, got "
                                                   "nan"),
     ("--model.loss_weights={oracle_prefix_ce: .inf}", "model.loss_weights[oracle_prefix_ce] must be a finite number"),
+    # A traceback at the first step, once the data were made (RoPE; FlexAttention's missing CPU backward), or 0 read
+    # as unset (the target's size).
+    ("--model.drafter.init_args.head_dim=3", "model.drafter.init_args.head_dim must be even (RoPE rotates its two "
+                                             "halves), got 3"),
+    ("--model.drafter.init_args.head_dim=0", "model.drafter.init_args.head_dim must be >= 1 (or null: the target's), "
+                                             "got 0"),
+    ("--model.drafter.init_args.intermediate_size=0", "model.drafter.init_args.intermediate_size must be >= 1"),
+    *([("--model.drafter.init_args.attention=flex", "model.drafter.init_args.attention 'flex' cannot train on a CPU "
+                                                    "(FlexAttention has no backward there); set it to 'auto' or "
+                                                    "'sdpa', or train on a GPU")]
+      if not torch.cuda.is_available() else []),
     # Not refused late: it exited 0 as a finished run, with the data prepared and no checkpoint.
     ("--trainer.max_steps=0", "trainer.max_steps 0 trains nothing (the run would prepare the data, save no checkpoint "
                               "and exit as finished); set trainer.max_steps >= 1, or -1 for no limit"),

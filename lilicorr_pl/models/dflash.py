@@ -347,6 +347,13 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {attention!r}")
+        for key, size in (("intermediate_size", intermediate_size), ("num_attention_heads", num_attention_heads),
+                          ("num_key_value_heads", num_key_value_heads), ("head_dim", head_dim)):
+            if size is not None and size < 1:  # 0 was read as unset: the target's size, without a word
+                raise ValueError(f"model.drafter.init_args.{key} must be >= 1 (or null: the target's), got {size}")
+        if head_dim is not None and head_dim % 2:  # a traceback in RoPE at the first step, after the data were made
+            raise ValueError(f"model.drafter.init_args.head_dim must be even (RoPE rotates its two halves), got "
+                             f"{head_dim}")
         self.num_layers = num_layers
         self.block_size = block_size
         self.mask_token_id = mask_token_id
