@@ -48,10 +48,16 @@ def check_device(device: str, flag: str = "--device", here: bool = True) -> None
     except RuntimeError:  # torch's "Expected one of cpu, cuda, ..."
         raise ValueError(f"{flag} {device!r} is not a device; use cpu, cuda or cuda:N, or leave it unset (CUDA when "
                          "available)") from None
+    index = torch.device(device).index
+    if kind == "cpu" and index:  # torch names it, and a checkpoint's tensors cannot be restored to it (a traceback)
+        raise ValueError(f"{flag} {device}: the CPU has no device {index}; use {flag} cpu")
     if not here:
         return
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{flag} {device}: CUDA is not available on this machine; use {flag} cpu")
+    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+                         f"{flag} cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{flag} {device}: MPS is not available on this machine; use {flag} cpu")
 

@@ -1544,6 +1544,13 @@ def test_a_device_name_is_always_checked_and_its_presence_only_where_asked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available on this machine"):
             check_device("cuda:0", "--data.precompute_device")
+    # torch names cpu:1, and bench's checkpoint restore to it was a traceback; a CUDA index past the devices here too.
+    with pytest.raises(ValueError, match=r"^--device cpu:1: the CPU has no device 1; use --device cpu$"):
+        check_device("cpu:1", here=False)
+    check_device("cpu:0")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=rf"this machine has {torch.cuda.device_count()} CUDA device\(s\)"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
 
 
 def test_a_training_checkpoint_as_warm_start_and_a_missing_accelerator_name_their_fix(tmp_path, monkeypatch, capsys):
