@@ -124,12 +124,13 @@ def resolve_data_file(path: str, chars_per_record: int = DATA_CHARS) -> str:
         return str(path)
     split, n, out = _data_place(path, chars_per_record)
     expected = _data_bytes(split, n, chars_per_record)
-    if out.is_symlink() or out.exists() and not out.is_file():
-        raise UserInputError(f"{out} is {'a symbolic link' if out.is_symlink() else 'not a file'}, where lilicorr "
-                             f"caches {path}; move it out of the cache folder (LILICORR_CACHE), then rerun")
+    if out.is_file() and out.read_bytes() == expected:  # a link to a shared copy that holds them too
+        return str(out)
+    if out.is_symlink() or out.exists() and not out.is_file():  # the user's: never replaced
+        what = (f"a symbolic link that does not hold the records of {path}" if out.is_symlink() else
+                f"not a file, where lilicorr caches {path}")
+        raise UserInputError(f"{out} is {what}; move it out of the cache folder (LILICORR_CACHE), then rerun")
     if out.is_file():
-        if out.read_bytes() == expected:
-            return str(out)
         print(f"lilicorr: {out} does not hold the records of {path} (damaged or edited); it is written again",
               file=sys.stderr)
     try:  # a cache folder that is a file (or not writable) was a traceback at the mkdir

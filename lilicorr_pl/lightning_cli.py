@@ -738,9 +738,6 @@ class LilicorrCLI(LightningCLI):
             # A built-in target's drafters are small: their warm starts are read in full, and checked, before the build
             _, system = dry_build(config, self.datamodule_class, self.model_class, folder,
                                   warm_starts=subcommand is not None)
-            untrained = system.untrained_part(resuming=bool(config.get("ckpt_path"))) if subcommand == "fit" else None
-            if untrained:
-                raise UserInputError(untrained)
             trainer = config.get("trainer")
             if trainer is not None:
                 if subcommand is None:  # prepare reads only where its stores are made: the rest is not built
@@ -757,11 +754,28 @@ class LilicorrCLI(LightningCLI):
                     if "enable_progress_bar" in self.reporting:
                         built["enable_progress_bar"] = self.reporting["enable_progress_bar"]
                 dry = dry_trainer(built, trainer, self.trainer_class, loggers=subcommand is not None)
+                if subcommand == "fit":
+                    self._refuse_an_untrainable_fit(system, dry)
                 for callback in built.get("callbacks") or () if subcommand in ("fit", "validate") else ():
                     check = getattr(callback, "check_run", None)  # as _check_callbacks does, later
                     if callable(check):
                         check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
         return dry
+
+    def _refuse_an_untrainable_fit(self, system: DraftSystem, trainer: Trainer) -> None:
+        """A fit that would leave a trained part at its random initialisation (:meth:`DraftSystem.untrained_part`:
+        unless it resumes from a checkpoint there is), or train a FlexAttention drafter on a CPU (no backward there:
+        NotImplementedError at the first step, after the data were made): one line, before the data (and, with the
+        Trainer built for the checks, before a ``builtin:`` target's build)."""
+        ckpt = self.config["fit"].get("ckpt_path")
+        resuming = bool(ckpt) and not (ckpt == "last" and not os.path.exists("last")
+                                       and self._last_checkpoint("fit") is None)  # last, with none yet: a new run
+        untrained = system.untrained_part(resuming=resuming)
+        if untrained:
+            raise UserInputError(untrained)
+        if system.drafter.attention == "flex" and trainer.strategy.root_device.type == "cpu":
+            raise UserInputError("model.drafter.init_args.attention 'flex' cannot train on a CPU (FlexAttention has no "
+                                 "backward there); set it to 'auto' or 'sdpa', or train on a GPU")
 
     def _refuse_replacing_a_record(self, subcommand: str | None, dry: Trainer | bool) -> None:
         """Before a ``builtin:`` target's build (``dry``: the Trainer :meth:`_check_before_a_target_build` built), what
@@ -821,6 +835,10 @@ class LilicorrCLI(LightningCLI):
         if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:  # the same silent exit
             raise ValueError(f"trainer.limit_train_batches {limit} trains nothing (the run would prepare the data, save "
                              "no checkpoint and exit as finished); set it > 0, or leave it unset for every batch")
+        target = plain_data(model.get("target")) if model is not None else None
+        if "torch_dtype" in ((target or {}).get("load_kwargs") or {}):  # checkpoints trained so still load
+            raise ValueError("model.target.load_kwargs torch_dtype is ignored beside the dtype lilicorr passes to "
+                             "from_pretrained; set model.target.dtype instead")
         optimizer = plain_data(model.get("optimizer")) if model is not None else None
         lr = (optimizer.get("init_args") or {}).get("lr") if isinstance(optimizer, dict) else None
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not (math.isfinite(lr) and lr >= 0):
@@ -907,10 +925,10 @@ class LilicorrCLI(LightningCLI):
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)
-            check_resume_split(saved_data, data, ckpt, _edited_training_files(trained_on, saved_data, data))
+            check_resume_split(saved_data, data, ckpt, **_training_files_against(trained_on, saved_data, data))
         elif subcommand in VALIDATION_STAGES:
             check_evaluation_settings(saved, current, saved_data, data, ckpt, subcommand,
-                                      _edited_training_files(trained_on, saved_data, data))
+                                      **_training_files_against(trained_on, saved_data, data))
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
         """The checkpoint ``ckpt_path="last"`` will resume from, found before anything is built: as Lightning finds
@@ -1046,13 +1064,7 @@ class LilicorrCLI(LightningCLI):
         return signal.signal(signal.SIGINT, on_ctrl_c)
 
     def before_fit(self) -> None:
-        untrained = self.model.untrained_part(resuming=bool(self.config["fit"].get("ckpt_path")))
-        if untrained:
-            raise UserInputError(untrained)
-        if self.model.drafter.attention == "flex" and self.trainer.strategy.root_device.type == "cpu":
-            # FlexAttention has no backward on a CPU: NotImplementedError at the first step, after the data were made
-            raise UserInputError("model.drafter.init_args.attention 'flex' cannot train on a CPU (FlexAttention has no "
-                                 "backward there); set it to 'auto' or 'sdpa', or train on a GPU")
+        self._refuse_an_untrainable_fit(self.model, self.trainer)
         self._refuse_a_fresh_run_over_another()
         self._check_callbacks()
         self._wire_data()
@@ -1393,17 +1405,34 @@ class PrepareCLI(LilicorrCLI):
         self.datamodule, _ = dry_build(self.config, self.datamodule_class, self.model_class)
 
 
-def _edited_training_files(trained_on: Any, saved_data: Mapping[str, Any], data: Mapping[str, Any]) -> list[str]:
-    """The training files, named as the checkpoint named them (``saved_data``), whose content is not the one it
-    recorded (``trained_on``: its ``data_files.train_files``); none where it recorded none, or where the files are
-    others or held-out files are given (then no split of them is the checkpoint's)."""
-    if not trained_on or data.get("val_files") or portable(saved_data.get("train_files")) != portable(
-            data.get("train_files")):
-        return []
+def _training_files_against(trained_on: Any, saved_data: Mapping[str, Any],
+                            data: Mapping[str, Any]) -> dict[str, Any]:
+    """This run's training files against those the checkpoint trained beside (``trained_on``: its recorded
+    ``data_files.train_files``), as :func:`check_resume_split` / :func:`check_evaluation_settings` take them:
+    ``same_files``, whether they hold the recorded content (another path to the same bytes is the same data: a moved
+    run folder, a job's local copy; where the checkpoint recorded none, by the places they name), and ``edited``,
+    those under the paths it named whose content changed. Nothing is read where held-out files are given."""
+    if data.get("val_files"):
+        return {}
+    same_paths = _resolved(saved_data.get("train_files")) == _resolved(data.get("train_files"))
+    if not trained_on:  # a checkpoint of an earlier version
+        return {"same_files": same_paths}
     try:
-        return edited_files(trained_on, fingerprint_files(check_data_files(data["train_files"], "data.train_files")))
+        now = fingerprint_files(check_data_files(data["train_files"], "data.train_files"))
     except (ValueError, OSError):  # unreadable files: the data module's checks say so, in their words
-        return []
+        return {}
+    return {"same_files": [(r.get("bytes"), r.get("sha256")) for r in trained_on] == [(n["bytes"], n["sha256"])
+                                                                                     for n in now],
+            "edited": edited_files(trained_on, now) if same_paths else []}
+
+
+def _resolved(files: Any) -> Any:
+    """Data file settings compared as places: built-in data by their key-bearing names, other paths resolved (a
+    relative path and an absolute one to the same file are one place)."""
+    names = portable([files] if isinstance(files, str) else files)
+    if not isinstance(names, list):
+        return names
+    return [name if str(name).startswith("<") else os.path.realpath(os.path.expanduser(str(name))) for name in names]
 
 
 def dry_build(config: Any, datamodule_class: type[DraftDataModule] = DraftDataModule,

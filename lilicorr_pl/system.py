@@ -160,11 +160,21 @@ def _split_changes(saved_data: Mapping[str, Any], current_data: Mapping[str, Any
     return split
 
 
+def _same_training_files(saved_data: Mapping[str, Any], current_data: Mapping[str, Any],
+                         same_files: bool | None) -> bool:
+    """Whether this run's training files are the checkpoint's: ``same_files`` where the caller compared their content
+    with the checkpoint's record, else by their paths (built-in data by their key-bearing names)."""
+    if same_files is not None:
+        return same_files
+    return saved_data.get("train_files") == current_data.get("train_files")
+
+
 def check_resume_split(saved_data: Mapping[str, Any], current_data: Mapping[str, Any], ckpt: Any,
-                       edited: Sequence[str] = ()) -> None:
+                       edited: Sequence[str] = (), same_files: bool | None = None) -> None:
     """A resumed fit validates on the split its steps so far were validated on: raise (one line) where this run splits
     its validation examples off the training files in another way (other files, other split settings, training files
-    ``edited`` in place since, held-out files dropped), which would validate on examples those steps trained on.
+    ``edited`` in place since, held-out files dropped): that split may validate on examples those steps trained on.
+    ``same_files``: whether the training files hold the content the checkpoint recorded (None: compared by path).
     Held-out files (``data.val_files``) now: any split is the run's own choice."""
     saved_data, current_data = portable(plain_data(dict(saved_data))), portable(plain_data(dict(current_data)))
     if not saved_data or current_data.get("val_files"):
@@ -172,29 +182,32 @@ def check_resume_split(saved_data: Mapping[str, Any], current_data: Mapping[str,
     was, now = saved_data.get("train_files"), current_data.get("train_files")
     if saved_data.get("val_files"):
         changes = [f"data.val_files: checkpoint {_short(saved_data.get('val_files'), 80)} vs now none"]
-    elif was != now:
+    elif edited:
+        changes = [f"data.train_files: {name} edited since the checkpoint" for name in edited]
+    elif not _same_training_files(saved_data, current_data, same_files):
         changes = [f"data.train_files: checkpoint {_short(was, 80)} vs now {_short(now, 80)}"]
     else:
         changes = [f"data.{k}: checkpoint {_short(a)} vs now {_short(b)}" for k, a, b in _split_changes(saved_data,
                                                                                                      current_data)]
-        changes += [f"data.train_files: {name} edited since the checkpoint" for name in edited]
     if changes:
         raise CheckpointError(
-            f"cannot resume --ckpt_path {ckpt} with another validation split ({'; '.join(changes[:3])}): its steps so "
-            "far trained on examples this one would validate on; resume with the checkpoint's data settings and "
-            "files, or validate on held-out files (data.val_files)"
+            f"cannot resume --ckpt_path {ckpt} with another validation split ({'; '.join(changes[:3])}): it may "
+            "validate on examples the steps so far trained on; resume with the checkpoint's data settings and files, "
+            "or validate on held-out files (data.val_files)"
         )
 
 
 def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, Any], saved_data: Mapping[str, Any],
                               current_data: Mapping[str, Any], ckpt: Any, subcommand: str,
-                              edited: Sequence[str] = ()) -> None:
+                              edited: Sequence[str] = (), same_files: bool | None = None) -> None:
     """``validate``/``predict`` measure a checkpoint as it was trained: raise (one line) where this run's drafter or
     head settings, the target layers the drafter reads, or the validation split differ from the checkpoint's. The
     losses, the target's place and dtype and other data files are the measurement's own choice (recorded in its
     ``<subcommand>-config.yaml``). Only values both sides state are compared: an option the checkpoint predates, or
     one left to be derived (None), is not a difference; a shape that still differs is named when the weights load.
-    ``edited``: the training files whose content is not what the checkpoint trained on (:func:`edited_files`)."""
+    ``edited``: the training files, under the paths the checkpoint trained on, whose content is not what it recorded
+    (:func:`edited_files`); ``same_files``: whether the training files hold the content it recorded (None: compared by
+    path)."""
     saved, current = plain_data(dict(saved)), plain_data(dict(current))
     if "head" in saved:
         saved["head"] = as_trained(saved["head"])
@@ -221,19 +234,21 @@ def check_evaluation_settings(saved: Mapping[str, Any], current: Mapping[str, An
     # Built-in data files by their key-bearing names: the same files in another machine's cache folder are the same
     # training data (compared by path, a split off them was taken for other data, and measured examples it trained on).
     saved_data, current_data = portable(plain_data(dict(saved_data))), portable(plain_data(dict(current_data)))
-    if not saved_data or current_data.get("val_files") or saved_data.get("train_files") != current_data.get("train_files"):
-        return  # held-out files, or other training files: the measurement's own data
-    if saved_data.get("val_files"):  # it held out files; now a share of the files it trained on is split off
-        raise CheckpointError(
-            f"--ckpt_path {ckpt} was validated on data.val_files {_short(saved_data.get('val_files'), 80)} and trained on "
-            f"every example of data.train_files, so this {subcommand} would measure it on examples it trained on; pass "
-            "the same data.val_files (or other held-out files)"
-        )
+    if not saved_data or current_data.get("val_files"):
+        return  # held-out files: the measurement's own data
     if edited:  # the same paths, other contents: a split of them is not the checkpoint's
         raise CheckpointError(
             f"--ckpt_path {ckpt} trained on data.train_files whose content has changed since ({', '.join(edited[:3])} "
             f"edited), so this {subcommand} would measure a split of them that may hold examples it trained on; "
             "restore the files it trained on, or measure held-out files with data.val_files"
+        )
+    if not _same_training_files(saved_data, current_data, same_files):
+        return  # other training files: the measurement's own data
+    if saved_data.get("val_files"):  # it held out files; now a share of the files it trained on is split off
+        raise CheckpointError(
+            f"--ckpt_path {ckpt} was validated on data.val_files {_short(saved_data.get('val_files'), 80)} and trained on "
+            f"every example of data.train_files, so this {subcommand} would measure it on examples it trained on; pass "
+            "the same data.val_files (or other held-out files)"
         )
     split = _split_changes(saved_data, current_data)
     if split:

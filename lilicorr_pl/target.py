@@ -220,17 +220,19 @@ class TargetSpec:
 
     def __post_init__(self) -> None:
         # Arguments the load passes itself: given again here, the load failed with a TypeError once the data were
-        # tokenized ("got multiple values for keyword argument 'dtype'").
+        # tokenized ("got multiple values for keyword argument 'dtype'"), so no checkpoint records one.
         taken = sorted(set(self.load_kwargs or {}) & set(_LOAD_ARGUMENTS_SET))
         if taken:
+            fixes = sorted({_LOAD_ARGUMENTS_SET[k] for k in taken})
             raise ValueError(f"model.target.load_kwargs sets {', '.join(taken)}, which lilicorr passes to from_pretrained "
-                             f"itself; set {', '.join(_LOAD_ARGUMENTS_SET[k] for k in taken)} instead")
+                             f"itself; {' and '.join(fixes)}")
 
 
-# from_pretrained arguments FrozenTarget passes itself, and the setting that chooses each.
-_LOAD_ARGUMENTS_SET = {"dtype": "model.target.dtype", "torch_dtype": "model.target.dtype",
-                       "trust_remote_code": "model.target.trust_remote_code",
-                       "output_loading_info": "nothing (lilicorr reads it to refuse missing tensors)"}
+# from_pretrained arguments FrozenTarget passes itself, and what to do instead. (torch_dtype is transformers' old
+# name for dtype, which it ignores beside dtype: refused for a new run only, as checkpoints were trained with it.)
+_LOAD_ARGUMENTS_SET = {"dtype": "set model.target.dtype instead",
+                       "trust_remote_code": "set model.target.trust_remote_code instead",
+                       "output_loading_info": "drop output_loading_info (lilicorr reads the loading info itself)"}
 
 
 @dataclass
@@ -332,6 +334,8 @@ def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = Fals
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except ValueError as err:  # a Llama/Mistral directory without tokenizer files: no backend to build one from
+        if "instantiate the backend tokenizer" not in str(err):  # another cause (a package it needs): its own words
+            raise
         if not required:
             return None
         raise UserInputError(
@@ -468,10 +472,11 @@ class FrozenTarget(nn.Module):
         except (TypeError, ImportError, ValueError) as err:
             if not load_kwargs or isinstance(err, UserInputError):  # not the options' doing: as it was raised
                 raise
-            # An option from_pretrained (or the model) does not take, or one that needs a package not installed: a
-            # traceback once the data were tokenized.
+            # An option from_pretrained (or the model) does not take, or one that needs a package not installed, was
+            # a traceback once the data were tokenized; the cause may also be the model's own (it is quoted).
             raise UserInputError(f"the target {name_or_path} did not load with model.target.load_kwargs {load_kwargs} "
-                                 f"({first_line(err, with_type=True)}); fix or drop them") from None
+                                 f"({first_line(err, with_type=True)}); fix what it names: one of those options, or "
+                                 "a package it needs") from None
         except OSError as err:
             raise OSError(
                 f"could not load the target model {name_or_path!r} ({first_line(err, with_type=True)}); pass a local "

@@ -726,10 +726,14 @@ def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_
                       ({**data, "train_files": ["a.jsonl", "b.jsonl"]},
                        "data.train_files: checkpoint ['a.jsonl'] vs now ['a.jsonl', 'b.jsonl']")):
         with pytest.raises(CheckpointError, match=re.escape(
-                f"cannot resume --ckpt_path c.ckpt with another validation split ({said}): its steps so far trained "
-                "on examples this one would validate on; resume with the checkpoint's data settings and files, or "
+                f"cannot resume --ckpt_path c.ckpt with another validation split ({said}): it may validate on "
+                "examples the steps so far trained on; resume with the checkpoint's data settings and files, or "
                 "validate on held-out files (data.val_files)")):
             check_resume_split(data, now, "c.ckpt")
+    # The same bytes under another path (a moved run folder, a job's local copy), as the caller compared them.
+    check_resume_split(data, {**data, "train_files": ["/elsewhere/a.jsonl"]}, "c.ckpt", same_files=True)
+    with pytest.raises(CheckpointError, match=r"\(data.train_files: checkpoint \['a.jsonl'\] vs now \['a.jsonl'\]\)"):
+        check_resume_split(data, data, "c.ckpt", same_files=False)
     with pytest.raises(CheckpointError, match=r"\(data.val_files: checkpoint \['held.jsonl'\] vs now none\)"):
         check_resume_split({**data, "val_files": ["held.jsonl"]}, data, "c.ckpt")
     with pytest.raises(CheckpointError, match=r"\(data.train_files: a.jsonl edited since the checkpoint\)"):

@@ -947,7 +947,14 @@ def test_a_fit_that_would_leave_a_trained_part_at_its_random_initialisation_is_r
             (["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml")],
              "model.freeze_drafter: true with no warm start keeps the drafter at its random initialisation, and the "
              "head would learn to correct a random drafter; set model.init_drafter_from=<a served drafter directory> "
-             "(`lilicorr export` of a trained checkpoint), or model.freeze_drafter: false")):
+             "(`lilicorr export` of a trained checkpoint), or model.freeze_drafter: false"),
+            # --ckpt_path=last with nothing to resume yet (a batch job's first submission) is a new run.
+            (["-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--ckpt_path=last"],
+             "model.freeze_drafter: true with no warm start keeps the drafter at its random initialisation"),
+            # No FlexAttention backward on a CPU: a traceback at the first step, once the data were made.
+            *([(["--model.drafter.init_args.attention=flex"], "model.drafter.init_args.attention 'flex' cannot train "
+                                                              "on a CPU (FlexAttention has no backward there)")]
+              if not torch.cuda.is_available() else [])):
         err = user_error(capsys, [*fit, *flags])
         assert err.splitlines()[-1].startswith(f"lilicorr fit: error: {said}"), err
         assert not (root / "cache").exists()
@@ -1746,7 +1753,7 @@ def test_a_resume_keeps_the_validation_split_and_an_edited_training_file_is_told
                               "--data.seed=7", "--ckpt_path=last"])
     assert err.splitlines()[-1] == (
         f"lilicorr fit: error: cannot resume --ckpt_path {ckpt} with another validation split (data.seed: checkpoint 0 "
-        "vs now 7): its steps so far trained on examples this one would validate on; resume with the checkpoint's data "
+        "vs now 7): it may validate on examples the steps so far trained on; resume with the checkpoint's data "
         "settings and files, or validate on held-out files (data.val_files)")
     mine.write_text("".join(reversed(records[:60])))  # the same records, in place: another split of them
     run = ["-c", str(tmp_path / "runs" / "tiny" / "config.yaml"), "--ckpt_path=last"]
@@ -1760,6 +1767,23 @@ def test_a_resume_keeps_the_validation_split_and_an_edited_training_file_is_told
     assert main(["validate", *run, f"--data.val_files=[{mine}]", "--trainer.enable_progress_bar=false"])
     mine.write_text("".join(records[:60]))  # restored: the same bytes, so the same split
     assert main(["fit", *run, "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]).trainer.global_step == 4
+    # The same bytes under another path (a moved run folder, a job's local copy) are the same data: they resume and
+    # validate, where the path alone read as other files.
+    copy = tmp_path / "local" / "train.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(mine.read_bytes())
+    moved = main(["fit", *run, "--trainer.max_steps=5", f"--data.train_files=[{copy}]",
+                  "--trainer.enable_progress_bar=false"])
+    assert moved.trainer.global_step == 5
+    err = user_error(capsys, ["validate", *run, f"--data.train_files=[{copy}]", "--data.seed=7"])
+    assert "trained beside another validation split of the same data.train_files (data.seed: checkpoint 0" in err
+    # A file deleted after the data were read: a checkpoint records the content as it was read (each save read the
+    # files again: a deleted one failed every save, and one edited during the run was recorded as edited).
+    identity = [{"name": "train.jsonl", "bytes": copy.stat().st_size, "sha256": file_sha256(copy)}]
+    copy.unlink()
+    moved.trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", map_location="cpu", weights_only=True)["lilicorr"]["data_files"]
+    assert saved == {"train_files": identity, "val_files": None}
 
 
 def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tmp_path):
@@ -2041,6 +2065,9 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
     ("--model.loss_weights={oracle_prefix_ce: .inf}", "model.loss_weights[oracle_prefix_ce] must be a finite number"),
     # A traceback at the first step, once the data were made (RoPE; FlexAttention's missing CPU backward), or 0 read
     # as unset (the target's size).
+    ("--model.target.load_kwargs={torch_dtype: bfloat16}", "model.target.load_kwargs torch_dtype is ignored beside "
+                                                           "the dtype lilicorr passes to from_pretrained; set "
+                                                           "model.target.dtype instead"),
     ("--model.drafter.init_args.head_dim=3", "model.drafter.init_args.head_dim must be even (RoPE rotates its two "
                                              "halves), got 3"),
     ("--model.drafter.init_args.head_dim=0", "model.drafter.init_args.head_dim must be >= 1 (or null: the target's), "

@@ -373,11 +373,13 @@ def test_a_damaged_builtin_data_file_is_written_again_not_trained_on(tmp_path, m
         assert data.read_bytes() == whole
         assert capsys.readouterr().err == (f"lilicorr: {data} does not hold the records of builtin:stdlib-train:40 "
                                            "(damaged or edited); it is written again\n")
-    mine = tmp_path / "mine.jsonl"
-    mine.write_text('{"text": "my own"}\n')
+    shared = tmp_path / "shared.jsonl"  # a link to a shared copy of the same records is used as it is
+    shared.write_bytes(whole)
     data.unlink()
-    data.symlink_to(mine)
-    with pytest.raises(UserInputError, match=f"{data} is a symbolic link, where lilicorr caches "
+    data.symlink_to(shared)
+    assert builtin.resolve_data_file("builtin:stdlib-train:40") == str(data) and data.is_symlink()
+    shared.write_text('{"text": "my own"}\n')  # a link to other records is the user's: refused, never replaced
+    with pytest.raises(UserInputError, match=f"{data} is a symbolic link that does not hold the records of "
                                              r"builtin:stdlib-train:40; move it out of the cache folder"):
         builtin.resolve_data_file("builtin:stdlib-train:40")
-    assert mine.read_text() == '{"text": "my own"}\n'
+    assert shared.read_text() == '{"text": "my own"}\n' and data.is_symlink()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -897,9 +898,10 @@ def test_a_builtin_target_is_refused_naming_the_preset_that_builds_it(tmp_path):
 
     source = tmp_path / "in.jsonl"
     source.write_text('{"prompt": "def f(x):"}\n')
-    for name, preset in TARGET_PRESETS.items():
-        with pytest.raises(ValueError, match=rf"--target builtin:{name}: regenerate needs a model directory or hub "
-                                             rf"name; build the built-in target with `lilicorr build-target --preset "
-                                             rf"{preset}` and pass the directory it prints"):
+    presets = ", ".join(f"builtin:{name}: --preset {preset}" for name, preset in TARGET_PRESETS.items())
+    for name in (*TARGET_PRESETS, "nonesuch"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"--target builtin:{name}: regenerate needs a model directory or hub name; pass the directory `lilicorr "
+                f"build-target` prints for the preset of the built-in target ({presets})")):
             regenerate(f"builtin:{name}", str(source), str(tmp_path / "out.jsonl"))
     assert not (tmp_path / "out.jsonl").exists()

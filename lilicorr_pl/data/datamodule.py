@@ -271,12 +271,12 @@ class DraftDataModule(L.LightningDataModule):
         return splits
 
     def files_identity(self) -> dict[str, list[dict[str, Any]] | None]:
-        """The content identity of ``train_files`` and ``val_files`` (:func:`fingerprint_files`; None: no held-out
-        files): what a checkpoint records of the data it trained beside, so a file edited in place under the same
-        path is told from the one it trained on."""
-        return {key: fingerprint_files(check_data_files(files, setting)) if files else None
-                for key, files, setting in (("train_files", self.train_files, "data.train_files"),
-                                            ("val_files", self.val_files, "data.val_files"))}
+        """The content identity of ``train_files`` and ``val_files`` as they were read (:func:`fingerprint_files`,
+        taken when their token stores were keyed; None: not read in this process, or no held-out files): what a
+        checkpoint records of the data it trained beside, so a file edited in place under the same path is told from
+        the one it trained on. Nothing is read again (a file deleted or edited since does not change it)."""
+        return {key: (self._parts.get(f"{split}/tokens") or {}).get("files")
+                for key, split in (("train_files", "train"), ("val_files", "val"))}
 
     def _check_inputs(self) -> None:
         """Cheap checks that must fail before any tokenizer or model work."""

@@ -525,10 +525,10 @@ def regenerate(
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or unset for every record), got {limit}")
     if str(target).startswith("builtin:"):
-        name = str(target)[len("builtin:"):]
-        preset = {"tiny": "test"}.get(name, name)  # builtin.TARGET_PRESETS (an edge module: not imported here)
-        raise ValueError(f"--target {target}: regenerate needs a model directory or hub name; build the built-in "
-                         f"target with `lilicorr build-target --preset {preset}` and pass the directory it prints")
+        # builtin.TARGET_PRESETS, spelled out: an edge module, not imported here (a test holds the two together)
+        raise ValueError(f"--target {target}: regenerate needs a model directory or hub name; pass the directory "
+                         "`lilicorr build-target` prints for the preset of the built-in target (builtin:tiny: --preset "
+                         "test, builtin:quick: --preset quick, builtin:full: --preset full)")
     # A hub name is "org/name"; anything path-like must exist here (not transformers' "Repo id must be..." error).
     where = local_target_path(target)
     if where is not None:
