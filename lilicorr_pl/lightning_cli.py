@@ -768,8 +768,8 @@ class LilicorrCLI(LightningCLI):
         NotImplementedError at the first step, after the data were made): one line, before the data (and, with the
         Trainer built for the checks, before a ``builtin:`` target's build)."""
         ckpt = self.config["fit"].get("ckpt_path")
-        resuming = bool(ckpt) and not (ckpt == "last" and not os.path.exists("last")
-                                       and self._last_checkpoint("fit") is None)  # last, with none yet: a new run
+        # last with none yet (a batch job's first submission) is a new run; found as Lightning's own callbacks find it
+        resuming = bool(ckpt) and not (ckpt == "last" and not self._last_checkpoints(trainer))
         untrained = system.untrained_part(resuming=resuming)
         if untrained:
             raise UserInputError(untrained)
@@ -836,9 +836,11 @@ class LilicorrCLI(LightningCLI):
             raise ValueError(f"trainer.limit_train_batches {limit} trains nothing (the run would prepare the data, save "
                              "no checkpoint and exit as finished); set it > 0, or leave it unset for every batch")
         target = plain_data(model.get("target")) if model is not None else None
-        if "torch_dtype" in ((target or {}).get("load_kwargs") or {}):  # checkpoints trained so still load
+        if "torch_dtype" in ((target or {}).get("load_kwargs") or {}) and not config.get("ckpt_path"):
+            # A new run only: runs recorded with it resume, and their checkpoints load (it never changed the dtype).
             raise ValueError("model.target.load_kwargs torch_dtype is ignored beside the dtype lilicorr passes to "
-                             "from_pretrained; set model.target.dtype instead")
+                             "from_pretrained; drop it from model.target.load_kwargs (model.target.dtype sets the "
+                             "target's dtype)")
         optimizer = plain_data(model.get("optimizer")) if model is not None else None
         lr = (optimizer.get("init_args") or {}).get("lr") if isinstance(optimizer, dict) else None
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not (math.isfinite(lr) and lr >= 0):

@@ -964,6 +964,12 @@ def test_a_fit_that_would_leave_a_trained_part_at_its_random_initialisation_is_r
     stage = main([*fit, "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), *FROZEN_FROM_TARGET,
                   f"--trainer.default_root_dir={tmp_path / 'stage'}", "--trainer.enable_progress_bar=false"])
     assert stage.trainer.global_step == 1
+    # Resumed from its last checkpoint, the frozen drafter is the checkpoint's: no warm start needed. A run recorded
+    # with load_kwargs torch_dtype (accepted before; ignored beside dtype) resumes too: only a new run is refused.
+    resumed = main([*fit, "-c", str(ROOT / "configs" / "ablations" / "head_stage.yaml"), "--ckpt_path=last",
+                    f"--trainer.default_root_dir={tmp_path / 'stage'}", "--trainer.enable_progress_bar=false",
+                    "--trainer.max_steps=2", "--model.target.load_kwargs={torch_dtype: float32}"])
+    assert resumed.trainer.global_step == 2
 
 
 def test_a_run_folders_records_are_checked_before_a_builtin_target_build(tmp_path, monkeypatch, capsys):
@@ -2066,8 +2072,9 @@ def test_ckpt_path_best_is_one_line_in_a_new_process(command, configs, capsys, t
     # A traceback at the first step, once the data were made (RoPE; FlexAttention's missing CPU backward), or 0 read
     # as unset (the target's size).
     ("--model.target.load_kwargs={torch_dtype: bfloat16}", "model.target.load_kwargs torch_dtype is ignored beside "
-                                                           "the dtype lilicorr passes to from_pretrained; set "
-                                                           "model.target.dtype instead"),
+                                                           "the dtype lilicorr passes to from_pretrained; drop it "
+                                                           "from model.target.load_kwargs (model.target.dtype sets "
+                                                           "the target's dtype)"),
     ("--model.drafter.init_args.head_dim=3", "model.drafter.init_args.head_dim must be even (RoPE rotates its two "
                                              "halves), got 3"),
     ("--model.drafter.init_args.head_dim=0", "model.drafter.init_args.head_dim must be >= 1 (or null: the target's), "
