@@ -440,7 +440,7 @@ class DraftSystem(L.LightningModule):
         self.losses = torch.nn.ModuleList(
             self._apply_loss_flags(losses if losses is not None else [DFlashCE()], disabled_losses, loss_weights)
         )
-        self._check_losses(head)
+        self._check_losses(head, disabled_losses)
 
         from transformers import AutoConfig
 
@@ -570,7 +570,7 @@ class DraftSystem(L.LightningModule):
     def _top_k(self) -> int:
         return int(self.head.top_k)
 
-    def _check_losses(self, head: Selector | None) -> None:
+    def _check_losses(self, head: Selector | None, disabled: list[str] | None = None) -> None:
         names = [loss.name for loss in self.losses]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
@@ -578,11 +578,14 @@ class DraftSystem(L.LightningModule):
         if not self.losses:
             raise ValueError("model.losses is empty; add at least lilicorr_pl.losses.DFlashCE")
         lattice_needed = [l.name for l in self.losses if l.requires_lattice]
+        # Two overlays that each disable losses: the later list replaces the earlier (dflash_only, then no_distractor).
+        replaced = (f"; model.disabled_losses is {list(disabled)}: a list set again by a later -c file or option "
+                    "replaces the earlier one, so name every loss to disable in the last") if disabled else ""
         if lattice_needed and (head is None or not head.uses_lattice):
             raise ValueError(
                 f"loss components {lattice_needed} need a lattice head, but model.head is "
                 f"{type(head).__name__ if head else None}; set model.head to lilicorr_pl.heads.LiLiCorrHead "
-                "or drop those losses (see configs/ablations/dflash_only.yaml)"
+                f"or drop those losses (see configs/ablations/dflash_only.yaml){replaced}"
             )
 
         corrector_needed = [l.name for l in self.losses if l.requires_corrector]

@@ -2172,3 +2172,18 @@ def test_prepare_names_a_constructors_refusal_not_the_settings_it_was_given(tmp_
     the problem nor the fix; fit gave the constructor's reason. Now prepare does too."""
     err = user_error(capsys, ["prepare", "-c", TINY, option, f"--trainer.default_root_dir={tmp_path / 'run'}"])
     assert err.splitlines()[-1] == f"lilicorr prepare: error: {refusal}", err
+
+
+def test_two_overlays_that_disable_losses_are_told_the_later_list_replaces_the_earlier(tmp_path, capsys):
+    """`-c dflash_only.yaml -c no_distractor.yaml` left the lattice losses on beside no head: the refusal blamed the
+    losses and said nothing of why they were back (the later overlay's disabled_losses replaced the earlier list)."""
+    ablations = ROOT / "configs" / "ablations"
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(ablations / "dflash_only.yaml"), "-c",
+                              str(ablations / "no_distractor.yaml"), f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1] == (
+        "lilicorr fit: error: loss components ['oracle_prefix_ce', 'margin_hinge'] need a lattice head, but model.head "
+        "is None; set model.head to lilicorr_pl.heads.LiLiCorrHead or drop those losses (see "
+        "configs/ablations/dflash_only.yaml); model.disabled_losses is ['distractor_penalty']: a list set again by a "
+        "later -c file or option replaces the earlier one, so name every loss to disable in the last"), err
+    err = user_error(capsys, ["fit", "-c", TINY, "--model.head=null", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert err.splitlines()[-1].endswith("drop those losses (see configs/ablations/dflash_only.yaml)"), err
