@@ -472,6 +472,10 @@ def load_round_modules(
         if key in _POSITIVE_FIELDS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"--target_overrides: {key} must be a positive integer, got {value!r}")
         setattr(config, key, value)
+    heads, kv_heads = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", None) or 0)
+    if overrides and kv_heads and heads % kv_heads:  # the drafter's refusal named its own settings, not these
+        raise ValueError(f"--target_overrides: the target's num_attention_heads {heads} is not a multiple of its "
+                         f"num_key_value_heads {kv_heads}; override both to a shape a model can have")
     depth = int(config.num_hidden_layers)
     if depth != layers and getattr(config, "layer_types", None) and "layer_types" not in overrides:
         pattern = list(config.layer_types)  # the same attention pattern, repeated to the new depth

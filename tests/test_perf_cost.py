@@ -307,6 +307,10 @@ def test_round_timing_takes_a_shape_that_does_not_exist_yet_and_refuses_bad_ones
     for bad in ('{"num_hidden_layers": 0}', '{"hidden_size": -4}', '{"num_hidden_layers": 2.5}'):  # an IndexError / a
         err = user_error(capsys, [*base, "--target-overrides", bad])  # shape error deep in the cost model
         assert "--target_overrides: " in err and "must be a positive integer" in err, (bad, err)
+    # A head count its key-value heads do not divide: the drafter's refusal said to fix model.drafter.init_args.
+    err = user_error(capsys, [*base, "--target-overrides", '{"num_attention_heads": 3, "num_key_value_heads": 2}'])
+    assert err.strip().endswith("--target_overrides: the target's num_attention_heads 3 is not a multiple of its "
+                                "num_key_value_heads 2; override both to a shape a model can have"), err
     import lilicorr_pl.perf as perf
 
     built_on, real = [], perf.load_round_modules
