@@ -1032,12 +1032,17 @@ class LilicorrCLI(LightningCLI):
         except SIGTERMException:
             # Lightning stops its loops at the next batch after a SIGTERM by raising a SystemExit with no status,
             # which exits 0: a cancelled or preempted run would read as a finished one.
+            signum = signal.SIGINT if ctrl_c else signal.SIGTERM
+            if not self.trainer.is_global_zero:  # rank 0 says it, once (every rank said it)
+                raise SystemExit(128 + signum) from None
             step, total = self.trainer.global_step, self.trainer.max_steps
             where = f"at step {step}{f' of {total}' * (total is not None and total > 0)}"
+            if self.trainer.world_size > 1:  # the stop-time save is one process's: none was written at this step
+                where += (f" on {self.trainer.world_size} processes, where the stop saves nothing: the steps after the "
+                          "latest scheduled save are trained again")
             by = "Ctrl-C" if ctrl_c else "SIGTERM"
             raise StoppedBySignal(f"training stopped by {by} {where}" if subcommand == "fit"
-                                  else f"{subcommand} stopped by {by} before its end",
-                                  signal.SIGINT if ctrl_c else signal.SIGTERM) from None
+                                  else f"{subcommand} stopped by {by} before its end", signum) from None
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)

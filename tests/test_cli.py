@@ -2187,3 +2187,34 @@ def test_two_overlays_that_disable_losses_are_told_the_later_list_replaces_the_e
         "later -c file or option replaces the earlier one, so name every loss to disable in the last"), err
     err = user_error(capsys, ["fit", "-c", TINY, "--model.head=null", f"--trainer.default_root_dir={tmp_path / 'run'}"])
     assert err.splitlines()[-1].endswith("drop those losses (see configs/ablations/dflash_only.yaml)"), err
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sigterm_under_several_processes_is_said_once_naming_what_resumes(rank, monkeypatch):
+    """Under DDP every rank printed `training stopped by SIGTERM at step 32 …; resume with … --ckpt_path=last`, which
+    the stop-time save does not back there (one process's: last.ckpt held step 25). Rank 0 says it, once, naming that
+    the steps after the latest scheduled save are trained again; the others exit with the same status, silent."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lilicorr_pl import lightning_cli
+    from lilicorr_pl.checkpoint import StoppedBySignal
+
+    def stop(self, subcommand):
+        raise SIGTERMException
+
+    monkeypatch.setattr(LightningCLI, "_run_subcommand", stop)
+    cli = object.__new__(lightning_cli.LilicorrCLI)
+    cli._verified_first = None
+    cli.trainer = SimpleNamespace(is_global_zero=rank == 0, global_step=32, max_steps=50, world_size=2)
+    monkeypatch.setattr(cli, "_stop_fit_on_ctrl_c", lambda pressed: None)
+    with pytest.raises(SystemExit) as stopped:
+        cli._run_subcommand("fit")
+    assert stopped.value.code == 143
+    if rank:
+        assert not isinstance(stopped.value, StoppedBySignal)  # nothing said: the cli prints only this class
+    else:
+        assert stopped.value.what == ("training stopped by SIGTERM at step 32 of 50 on 2 processes, where the stop "
+                                      "saves nothing: the steps after the latest scheduled save are trained again")
