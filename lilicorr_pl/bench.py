@@ -19,6 +19,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, UserInputError, check_checkpoint_file, first_line, read_verified,
                                     verified_first)
+from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
 from lilicorr_pl.files import check_output_paths, write_results_json
 from lilicorr_pl.target import CompileModeName, DeviceName, check_device, resolve_dtype
 
@@ -113,6 +114,7 @@ def run_bench(
     compile: bool = False,
     template: str | None = None,
     compile_mode: str = "default",
+    prompt_tokens: int = 64,
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
@@ -123,6 +125,7 @@ def run_bench(
     share) is device time rather than launch time; it adds the same few synchronisations per step to the
     plain-decoding baseline and to every arm.
     ``compile_mode``: ``torch.compile``'s mode for the compiled heads (``"reduce-overhead"``: in CUDA graphs).
+    ``prompt_tokens``: the token budget of each standard-library prefix (the ``stdlib-*`` benchmarks).
     ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
     the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
     """
@@ -144,7 +147,7 @@ def run_bench(
                              "its config); save the target's tokenizer beside its weights (tokenizer.save_pretrained "
                              "into that directory), or pass --target")
     prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
-                           enable_thinking=enable_thinking, seed=seed, template=template)
+                           enable_thinking=enable_thinking, seed=seed, template=template, prefix_tokens=prompt_tokens)
     check_context(prompts, max_new_tokens, target)
     if num_prompts is not None and len(prompts.input_ids) < num_prompts:  # said, and recorded beside the count
         print(f"[lilicorr] bench: {benchmark} holds {len(prompts.input_ids)} prompts, fewer than --num_prompts "
@@ -166,6 +169,7 @@ def run_bench(
             "max_new_tokens": max_new_tokens,
             "num_prompts": len(prompts.input_ids),
             "num_prompts_requested": num_prompts,
+            "prompt_tokens": prompt_tokens if benchmark.startswith("stdlib-") else None,  # a stdlib prefix's budget
             "chat_template": prompts.chat_template,
             "enable_thinking": prompts.enable_thinking,
             "seed": seed,
@@ -436,6 +440,7 @@ def bench(
     walk: Literal["greedy", "viterbi", "top1_start"] | None = None,
     target: str | None = None,
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+    prompt_tokens: PositiveInt = 64,
 ) -> list[dict[str, Any]]:
     """Real speculative-decoding benchmark of a trained checkpoint.
 
@@ -478,6 +483,8 @@ def bench(
         dtype: the target's dtype here; auto: a checkpoint's model.target.dtype, the dtype a served directory's
             weights are stored in (an export's is its target's). E.g. float32 to measure a bfloat16-trained drafter on
             a CPU without bf16 matmuls.
+        prompt_tokens: the token budget of each standard-library prefix (stdlib-heldout, stdlib-train,
+            stdlib-train-docstring), as AcceptanceEval's prompt_tokens sets it for the same prompts.
     """
     from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 
@@ -506,6 +513,9 @@ def bench(
     try:
         names = parse_selectors(selectors)
         check_benchmark(benchmark, "--benchmark")
+        if prompt_tokens < MIN_PREFIX_TOKENS:  # as AcceptanceEval refuses it: a prefix with context before its header
+            raise ValueError(f"--prompt_tokens must be >= {MIN_PREFIX_TOKENS} (a code prefix with context before its "
+                             f"header), got {prompt_tokens}")
         if benchmark.endswith(".jsonl"):
             prompts = read_prompt_file(benchmark, num_prompts)
             if chat_template == "no":
@@ -569,7 +579,7 @@ def bench(
             chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
             timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
             draft_sampling=draft_sampling, compile=compile, compile_mode=compile_mode,
-            template=template,
+            template=template, prompt_tokens=prompt_tokens,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None

@@ -697,3 +697,23 @@ def test_a_folder_named_like_a_prompt_file_is_called_a_folder(tmp_path):
         read_prompt_file(folder)
     with pytest.raises(FileNotFoundError, match=r"prompt file .*nope.jsonl does not exist"):
         check_benchmark(str(tmp_path / "nope.jsonl"))
+
+
+def test_bench_measures_the_prompts_acceptance_eval_logged(tmp_path, capsys):
+    """The tiny config's AcceptanceEval decodes 40-token stdlib prefixes; bench cut them at 64 tokens and had no option
+    for another length, so the τ a run logged could not be measured again (bench refused 16 new tokens beside its
+    64-token prefixes on this 64-position target). --prompt_tokens sets it, and gives the logged τ."""
+    from test_cli import fit_tiny
+
+    cli = fit_tiny(tmp_path, steps=6)  # AcceptanceEval runs at the validations of steps 3 and 6: the last at 6
+    logged = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k in ("eval/tau", "eval/tau_top1")}
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    (run,) = cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", "stdlib-heldout", "--num_prompts", "2",
+                       "--max_new_tokens", "16", "--prompt_tokens", "40", "--selectors", "top1,lilicorr"])
+    assert run["prompt_tokens"] == 40
+    assert run["selectors"]["lilicorr"]["tau"] == pytest.approx(logged["eval/tau"])
+    assert run["selectors"]["top1"]["tau"] == pytest.approx(logged["eval/tau_top1"])
+    from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
+
+    err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--benchmark", "stdlib-heldout", "--prompt_tokens", "1"])
+    assert f"--prompt_tokens must be >= {MIN_PREFIX_TOKENS} (a code prefix with context before its header), got 1" in err
