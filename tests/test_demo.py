@@ -437,6 +437,13 @@ def test_a_damaged_stage_checkpoint_is_never_reused(tmp_path, capsys):
     err = user_error(capsys, argv)
     assert err.strip().endswith(f"the demo's training data {data_file} is not the file it regenerated (edited or "
                                 f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
+    # ... and with its last record deleted too: the rerun regenerated that record, sealed the edited file as its own
+    # and trained on it. The sealed bytes are checked before a regeneration appends.
+    data_file.write_text("\n".join([lines[1], lines[0], *lines[2:-1]]) + "\n")
+    err = user_error(capsys, argv)
+    assert err.strip().endswith(f"the demo's training data {data_file} is not the file it regenerated (edited or "
+                                f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
+    assert data_file.read_text().count("\n") == len(lines) - 1  # nothing regenerated into it
 
 
 def test_more_benchmark_prompts_than_a_benchmark_holds_are_refused_before_training(tmp_path, capsys, monkeypatch):
@@ -1096,3 +1103,65 @@ def test_the_more_prompts_script_refuses_what_is_not_a_finished_demo_before_deco
     # The checkpoint found beside the moved results file; the benchmark gave 3 of the 5 asked: nothing written.
     assert refusal(results) == "more_prompts: the humaneval benchmark gave 3 prompts, fewer than 5; ask for at most 3"
     assert decoded and decoded[0][0] == {"dflash": demo_dir / "checkpoints" / "dflash-k.ckpt"} and not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="flock and reparenting: POSIX")
+def test_a_killed_demos_background_stages_keep_its_workdir_and_stop(tmp_path):
+    """A demo killed with SIGKILL (no cleanup runs) left its background stages training, and its rerun was let into
+    the workdir beside them: two trainers writing one run folder. The stages inherit the workdir lock, so a rerun is
+    refused while one runs, and each stops (SIGTERM: it saves where it is) once its demo is gone."""
+    import signal
+    import subprocess
+    import sys
+
+    from lilicorr_pl.files import InUseError, hold_alone
+
+    stage = ("import time\nfrom pathlib import Path\nfrom lilicorr_pl.demo.run import stop_when_orphaned\n"
+             f"stop_when_orphaned(0.1)\nPath({str(tmp_path / 'ready')!r}).touch()\ntime.sleep(120)\n")
+    demo = ("import subprocess, sys, time\nfrom pathlib import Path\nfrom lilicorr_pl.demo import run\n"
+            f"with run._alone_in(Path({str(tmp_path)!r})):\n"
+            f"    subprocess.Popen([sys.executable, '-c', {stage!r}], **run.stage_process_options())\n"
+            "    time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", demo])
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "ready").exists():
+        assert parent.poll() is None and time.monotonic() < deadline, "the stage never started"
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    with open(tmp_path / ".lilicorr-demo.lock", "a") as lock:
+        with pytest.raises(InUseError):  # the killed demo's stage still holds the workdir
+            hold_alone(lock, "busy")
+    deadline = time.monotonic() + 30
+    while True:  # ... until it has stopped by itself, its demo being gone
+        with open(tmp_path / ".lilicorr-demo.lock", "a") as lock:
+            try:
+                hold_alone(lock, "busy")
+                break
+            except InUseError:
+                assert time.monotonic() < deadline, "the orphaned stage did not stop"
+        time.sleep(0.2)
+
+
+def test_a_sigterm_during_regeneration_says_how_to_go_on(tmp_path, capsys, monkeypatch):
+    """Outside a stage's fit (regeneration, the benchmark in this process) a SIGTERM ended the demo without a word
+    (exit 143): it says what stopped and how to go on, as a stop inside a fit does."""
+    import signal
+
+    import importlib
+
+    regenerate_module = importlib.import_module("lilicorr_pl.data.regenerate")  # the package exports the function
+
+    def cancelled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        pytest.fail("the SIGTERM did not stop the regeneration")
+
+    monkeypatch.setattr(regenerate_module, "regenerate", cancelled)  # the demo imports it when it runs
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        main([*demo_argv(tmp_path), "--arms", "dflash"])
+    assert stopped.value.code == 143
+    assert capsys.readouterr().err.strip().endswith(
+        "lilicorr demo: stopped by SIGTERM; rerun the same command: every finished stage is reused (exit status 143)")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler it found, back

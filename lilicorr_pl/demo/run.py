@@ -412,11 +412,31 @@ def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: 
     digest = file_digest(data_file)
     previous = _previous_meta(record, key)
     if previous is not None and not regenerated_now and previous.get("data_file") != digest:
-        raise UserInputError(f"the demo's training data {data_file} is not the file it regenerated (edited or "
-                             f"damaged); delete {data_file.parent} and rerun the demo to regenerate it")
+        raise UserInputError(_not_regenerated(data_file))
     if previous is None or regenerated_now:
-        _write_json(record, {"key": key, "data_file": digest})
+        _write_json(record, {"key": key, "data_file": digest, "bytes": data_file.stat().st_size})
     return digest
+
+
+def check_before_regenerating(record: Path, data_file: Path, key: str) -> None:
+    """The sealed part of the regenerated data (:func:`check_regenerated`), checked before a regeneration appends to
+    it: a rerun that regenerated a missing record sealed the file whole, an edit of the records before it included (a
+    hand-edited record was trained on and sealed as regenerated). An interrupted regeneration appends after the
+    sealed bytes, which stay as sealed."""
+    previous = _previous_meta(record, key)
+    sealed = previous.get("bytes") if previous is not None else None  # seals of earlier versions hold no size
+    if not isinstance(sealed, int) or not data_file.is_file():
+        return
+    digest = hashlib.sha256()
+    with open(data_file, "rb") as fh:
+        digest.update(fh.read(sealed))
+    if data_file.stat().st_size < sealed or digest.hexdigest()[:16] != previous.get("data_file"):
+        raise UserInputError(_not_regenerated(data_file))
+
+
+def _not_regenerated(data_file: Path) -> str:
+    return (f"the demo's training data {data_file} is not the file it regenerated (edited or damaged); delete "
+            f"{data_file.parent} and rerun the demo to regenerate it")
 
 
 def train_base(workdir: Path, target_dir: str, data_file: Path, data_key: str, data_digest: str, steps: int,
@@ -681,7 +701,7 @@ class Background:
                     [sys.executable, "-m", "lilicorr_pl.demo.run",
                      json.dumps({**job, "progress_file": str(progress_file)})],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env,
-                    cwd=log_file.parent)
+                    cwd=log_file.parent, **stage_process_options())
             self.running[name] = _Process(process, log_file, progress_file, bar, slot)
         except BaseException:
             bar.close()
@@ -1108,9 +1128,11 @@ def demo(
                 raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
                                      f"{cfg['docstring_prompts']}: lower them)") from None
         # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
+        check_before_regenerating(data_dir / "data.json", data_file, data_key)
         try:
-            stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                               batch_size=64, seed=seed, device=device, dtype=dtype)
+            with stop_on_sigterm():  # a SIGTERM here ended the demo without a word (exit 143)
+                stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"],
+                                   temperature=0.0, batch_size=64, seed=seed, device=device, dtype=dtype)
         except InUseError as err:  # its data file held by a `lilicorr regenerate` run pointed into this workdir
             raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
@@ -1153,9 +1175,10 @@ def demo(
         if cached is not None:
             log(f"   reusing the measured comparison {bench_file} (key {bench_key})")
         else:
-            rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
-                                  cfg["prefix_tokens"], seed, compile=compile, point_mass=cfg["point_mass"],
-                                  jobs=bench_jobs, scratch=workdir / "bench" / bench_key)
+            with stop_on_sigterm():  # in this process (one job), a SIGTERM ended the demo without a word (exit 143)
+                rows = run_comparison(ckpts, cfg["temperatures"], cfg["bench_prompts"], cfg["bench_new_tokens"],
+                                      cfg["prefix_tokens"], seed, compile=compile, point_mass=cfg["point_mass"],
+                                      jobs=bench_jobs, scratch=workdir / "bench" / bench_key)
             # How it was measured: processes at once, and the torch threads of each.
             cached = {"key": bench_key, "rows": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                       "processes": bench_jobs,
@@ -1224,16 +1247,49 @@ def demo(
 
 @contextlib.contextmanager
 def _alone_in(workdir: Path) -> Iterator[None]:
-    """This demo alone in ``workdir`` (a lock on its ``.lilicorr-demo.lock``, released when the demo ends, however it
-    ends): a second demo started there by mistake would train and benchmark the same stages at once, into the same run
-    folders and logs."""
+    """This demo alone in ``workdir`` (a lock on its ``.lilicorr-demo.lock``, released when the demo and every stage it
+    started in the background have ended, however they end): a second demo started there by mistake would train and
+    benchmark the same stages at once, into the same run folders and logs. The background stages inherit the lock
+    (:func:`stage_process_options`): a demo killed with SIGKILL left them training, and its rerun was let in beside
+    them, until they stopped (:func:`stop_when_orphaned`)."""
     with open(workdir / ".lilicorr-demo.lock", "a") as held:
         try:
             hold_alone(held, f"another lilicorr demo is running in --workdir {workdir}; wait for it to finish, or "
                              "choose another --workdir")
         except InUseError as err:
             raise UserInputError(str(err)) from None
-        yield
+        _WORKDIR_LOCK.append(held.fileno())
+        try:
+            yield
+        finally:
+            _WORKDIR_LOCK.remove(held.fileno())
+
+
+# The running demo's workdir lock (its file descriptor, while held), inherited by the stages it starts.
+_WORKDIR_LOCK: list[int] = []
+
+
+def stage_process_options() -> dict[str, Any]:
+    """``subprocess.Popen`` options of a background stage: the workdir lock passed on, so it stays held while the stage
+    runs, also after its demo was killed."""
+    return {"pass_fds": tuple(_WORKDIR_LOCK)}
+
+
+def stop_when_orphaned(interval: float = 1.0) -> None:
+    """In a background stage: a thread that sends this process SIGTERM once its demo is gone (a SIGKILL, which runs no
+    cleanup; the process is then another's child). The stage stops as a SIGTERM stops it, saving where it is, and its
+    demo's rerun goes on from there."""
+    import signal
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="lilicorr-demo-parent-watch", daemon=True).start()
 
 
 def arm_row(bench: str, temp: float, arm: str, r: Any, target_tps: float) -> dict[str, Any]:
@@ -1463,6 +1519,7 @@ if __name__ == "__main__":  # one stage in a background process (--jobs > 1): an
     import sys
 
     job = json.loads(sys.argv[1])
+    stop_when_orphaned()
     try:
         {"arm": _train_arm_process, "bench": _bench_process}[job["kind"]](job)
     except UserInputError as err:  # one line, exit status 2: the parent raises it as the user's error it is
