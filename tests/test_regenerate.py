@@ -905,3 +905,29 @@ def test_a_builtin_target_is_refused_naming_the_preset_that_builds_it(tmp_path):
                 f"build-target` prints for the preset of the built-in target ({presets})")):
             regenerate(f"builtin:{name}", str(source), str(tmp_path / "out.jsonl"))
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_sampled_answers_resume_as_an_uninterrupted_run_and_no_batch_repeats_anothers(target_dir, tmp_path):
+    """At T > 0 the run seeded one stream from --seed: a resume restarted it, so the records after a stop drew the draws
+    the first records had drawn (record 8 came out as record 0), and a resumed output was not the uninterrupted one.
+    Each batch now draws from a stream of its first record; an output of the earlier rule is refused as such."""
+    texts = [{"text": "def f(x):\n    return x + 1\n"} for _ in range(8)]  # the same prompt: the draws tell them apart
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in texts))
+    settings = {"temperature": 1.0, "batch_size": 2, "max_new_tokens": 12, "seed": 5}
+    whole = tmp_path / "whole.jsonl"
+    run(target_dir, source, whole, **settings)
+    resumed = tmp_path / "resumed.jsonl"
+    run(target_dir, source, resumed, limit=4, **settings)  # stopped after 4 records: resumed by the next run
+    run(target_dir, source, resumed, **settings)
+    answers = [json.loads(line)["completion"] for line in resumed.read_text().splitlines()]
+    assert len(set(answers[:4]) & set(answers[4:])) < 2  # the resumed half did not draw the first half's draws again
+    assert resumed.read_text() == whole.read_text()
+    from lilicorr_pl.data.regenerate import provenance_path
+
+    record = json.loads(provenance_path(whole).read_text())
+    assert record["sampling_streams"] == {"rule": 2, "batch_size": 2}
+    del record["sampling_streams"]  # as an earlier version recorded it
+    provenance_path(whole).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="written by an earlier lilicorr version, whose record lacks sampling_streams"):
+        run(target_dir, source, whole, **settings)

@@ -253,6 +253,15 @@ def prompt_passes_fields(record: Any) -> bool:
 
 
 LATER_FIELDS = ("stop_token_ids", "tokenizer_sha256")
+SAMPLING_STREAMS = 2
+"""How sampled answers draw their randomness: 2, a stream per batch seeded by its first record's index
+(:func:`batch_seed`); before, one stream for the whole run from ``--seed``, which a resume restarted, so the records
+after a stop drew the draws the first records had drawn."""
+
+
+def batch_seed(seed: int, first_index: int) -> int:
+    """The seed of the batch whose first record is ``first_index`` (distinct for every batch of a run)."""
+    return (int(seed) * 1_000_003 + int(first_index)) % (2**63)
 """Settings an output's record holds since they were added to it (a record written before lacks them)."""
 
 
@@ -305,6 +314,8 @@ def check_provenance(output: Path, provenance: dict[str, Any], sampled_target: C
     format_1 = "prompt_format" in provenance and "prompt_format" not in saved  # checked last: it reads the input
     if format_1:
         provenance = {k: v for k, v in provenance.items() if k != "prompt_format"}
+    if "sampling_streams" not in saved and not (saved.get("temperature") or 0) > 0:  # a greedy output resumed with
+        provenance = {k: v for k, v in provenance.items() if k != "sampling_streams"}  # sampling: said as that, below
     unrecorded = sorted(set(provenance) - set(saved))
     if unrecorded:
         raise ValueError(
@@ -587,6 +598,11 @@ def regenerate(
         "stop_token_ids": stop_ids,
         "tokenizer_sha256": fingerprint(fingerprint_tokenizer(tokenizer)),
     }
+    if temperature > 0:
+        # Sampled answers draw from a stream seeded per batch by its first record (SAMPLING_STREAMS): a resume goes on
+        # with the draws an uninterrupted run makes, and no batch repeats another's. The batch size shapes the draws.
+        # An output recorded before (one stream for the whole run, restarted by every resume) is refused as such.
+        provenance["sampling_streams"] = {"rule": SAMPLING_STREAMS, "batch_size": int(batch_size)}
     if where is None:  # a hub name: the commit it resolves to, so a new revision on the hub is not appended to an old one's
         provenance["target_revision"] = hub_revision(str(target))
     else:
@@ -651,7 +667,6 @@ def regenerate(
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             pad_id = 0
-        torch.manual_seed(seed)
         generation_meta = {
             "target": str(target),
             "enable_thinking": bool(enable_thinking),
@@ -695,6 +710,8 @@ def regenerate(
             stats.succeeded += 1
 
         def run(batch: list[_Job]) -> None:
+            if temperature > 0:  # this batch's own stream (SAMPLING_STREAMS)
+                torch.manual_seed(batch_seed(seed, batch[0].index))
             try:
                 results = _generate(model, batch, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
                                     temperature=temperature)
