@@ -419,6 +419,20 @@ def _checked_system(path: Path, target: str | None, served: bool, first: Any, de
     return system, template
 
 
+def _exported_for(path: Path) -> str | None:
+    """The target a served directory written by ``lilicorr export`` names (None: another writer's, or unreadable)."""
+    import json
+
+    from lilicorr_pl.interop import EXPORT_MARKER
+
+    try:
+        marker = json.loads((path / "config.json").read_text(encoding="utf-8")).get(EXPORT_MARKER)
+    except (OSError, ValueError, AttributeError):
+        return None
+    target = marker.get("target") if isinstance(marker, dict) else None
+    return str(target) if target else None
+
+
 def bench(
     ckpt: str,
     benchmark: str = "humaneval",
@@ -506,8 +520,10 @@ def bench(
                              "each once")
     served = path.is_dir() and (path / "config.json").is_file()  # a serving directory: ours or a released drafter
     if served and target is None:
-        raise UserInputError(f"--ckpt {path} is a served drafter directory, which records no target; pass the target "
-                             "model it drafts for with --target (a directory or hub name)")
+        named = _exported_for(path)  # an export names the target it was trained for, as that machine named it
+        raise UserInputError(f"--ckpt {path} is a served drafter directory, which does not load its target; pass the "
+                             "target model it drafts for with --target (a directory or hub name"
+                             + (f"; it was exported for {named}" if named else "") + ")")
     if not served:
         check_checkpoint_file(path)
     try:

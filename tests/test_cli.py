@@ -1736,7 +1736,12 @@ def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder(tmp_path, capsys):
     assert f"checkpoint {served} is a served drafter directory, not a training checkpoint" in err, err
     # bench measures a served directory against the target it names (test_bench), and needs it named.
     err = user_error(capsys, ["bench", "--ckpt", str(served)])
-    assert f"--ckpt {served} is a served drafter directory, which records no target; pass the target model" in err
+    assert err.strip().endswith(f"--ckpt {served} is a served drafter directory, which does not load its target; pass "
+                                "the target model it drafts for with --target (a directory or hub name)"), err
+    # An export names the target it was trained for (it said "records no target"): named as the hint it is.
+    (served / "config.json").write_text(json.dumps({"lilicorr_pl": {"version": "0", "target": "/runs/qwen3-8b"}}))
+    err = user_error(capsys, ["bench", "--ckpt", str(served)])
+    assert err.strip().endswith("--target (a directory or hub name; it was exported for /runs/qwen3-8b)"), err
 
 
 def test_a_resume_keeps_the_validation_split_and_an_edited_training_file_is_told_apart(tmp_path, capsys):
