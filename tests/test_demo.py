@@ -1116,11 +1116,14 @@ def test_a_killed_demos_background_stages_keep_its_workdir_and_stop(tmp_path):
 
     from lilicorr_pl.files import InUseError, hold_alone
 
-    stage = ("import time\nfrom pathlib import Path\nfrom lilicorr_pl.demo.run import stop_when_orphaned\n"
-             f"stop_when_orphaned(0.1)\nPath({str(tmp_path / 'ready')!r}).touch()\ntime.sleep(120)\n")
-    demo = ("import subprocess, sys, time\nfrom pathlib import Path\nfrom lilicorr_pl.demo import run\n"
+    # The stage is given its demo's pid, as Background gives it: a demo killed while the stage still imported had
+    # handed it over already, and it kept training. It looks every 2 s: the lock is tried at once after the kill.
+    stage = ("import sys, time\nfrom pathlib import Path\nfrom lilicorr_pl.demo.run import stop_when_orphaned\n"
+             f"stop_when_orphaned(int(sys.argv[1]), interval=2.0)\nPath({str(tmp_path / 'ready')!r}).touch()\n"
+             "time.sleep(120)\n")
+    demo = ("import os, subprocess, sys, time\nfrom pathlib import Path\nfrom lilicorr_pl.demo import run\n"
             f"with run._alone_in(Path({str(tmp_path)!r})):\n"
-            f"    subprocess.Popen([sys.executable, '-c', {stage!r}], **run.stage_process_options())\n"
+            f"    subprocess.Popen([sys.executable, '-c', {stage!r}, str(os.getpid())], **run.stage_process_options())\n"
             "    time.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", demo])
     deadline = time.monotonic() + 90
@@ -1141,6 +1144,10 @@ def test_a_killed_demos_background_stages_keep_its_workdir_and_stop(tmp_path):
             except InUseError:
                 assert time.monotonic() < deadline, "the orphaned stage did not stop"
         time.sleep(0.2)
+    # A stage whose demo was gone before it began to watch (killed while the stage imported) stops at once.
+    late = subprocess.run([sys.executable, "-c", "import time\nfrom lilicorr_pl.demo.run import stop_when_orphaned\n"
+                           "stop_when_orphaned(0, interval=0.1)\ntime.sleep(60)\n"], timeout=60)
+    assert late.returncode == -signal.SIGTERM
 
 
 def test_a_sigterm_during_regeneration_says_how_to_go_on(tmp_path, capsys, monkeypatch):

@@ -920,6 +920,13 @@ def test_sampled_answers_resume_as_an_uninterrupted_run_and_no_batch_repeats_ano
     resumed = tmp_path / "resumed.jsonl"
     run(target_dir, source, resumed, limit=4, **settings)  # stopped after 4 records: resumed by the next run
     run(target_dir, source, resumed, **settings)
+    # Stopped inside a batch (3 of 8): that batch (records 2 and 3, each drawn alone) differs; the later batches keep
+    # to their multiples of the batch size and draw what the uninterrupted run drew.
+    inside = tmp_path / "inside.jsonl"
+    run(target_dir, source, inside, limit=3, **settings)
+    run(target_dir, source, inside, **settings)
+    lines, expected = inside.read_text().splitlines(), whole.read_text().splitlines()
+    assert lines[:2] == expected[:2] and lines[4:] == expected[4:] and lines[2:4] != expected[2:4]
     answers = [json.loads(line)["completion"] for line in resumed.read_text().splitlines()]
     assert len(set(answers[:4]) & set(answers[4:])) < 2  # the resumed half did not draw the first half's draws again
     assert resumed.read_text() == whole.read_text()

@@ -28,6 +28,7 @@ left-padded batches.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import math
@@ -253,16 +254,18 @@ def prompt_passes_fields(record: Any) -> bool:
 
 
 LATER_FIELDS = ("stop_token_ids", "tokenizer_sha256")
+"""Settings an output's record holds since they were added to it (a record written before lacks them)."""
 SAMPLING_STREAMS = 2
-"""How sampled answers draw their randomness: 2, a stream per batch seeded by its first record's index
-(:func:`batch_seed`); before, one stream for the whole run from ``--seed``, which a resume restarted, so the records
-after a stop drew the draws the first records had drawn."""
+"""How sampled answers draw their randomness: 2, batches aligned on multiples of the batch size in the input's
+order, each sampling from a stream seeded by its first record (:func:`batch_seed`); before, one stream for the whole
+run from ``--seed``, which a resume restarted, so the records after a stop drew the draws the first records had
+drawn."""
 
 
 def batch_seed(seed: int, first_index: int) -> int:
-    """The seed of the batch whose first record is ``first_index`` (distinct for every batch of a run)."""
-    return (int(seed) * 1_000_003 + int(first_index)) % (2**63)
-"""Settings an output's record holds since they were added to it (a record written before lacks them)."""
+    """The seed of the batch whose first record is ``first_index``: distinct for every batch and every ``--seed``."""
+    digest = hashlib.sha256(f"lilicorr regenerate {int(seed)} {int(first_index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _is_settings_record(record: Path) -> bool:
@@ -740,6 +743,10 @@ def regenerate(
                 fail(index, entry)
                 bar.update(1)
                 continue
+            if temperature > 0 and pending and entry.index // batch_size != pending[0].index // batch_size:
+                run(pending)  # sampled batches keep to their multiples of the batch size (SAMPLING_STREAMS): a
+                bar.update(len(pending))  # resume after a stop between them draws what an uninterrupted run draws
+                pending = []
             pending.append(entry)
             if len(pending) >= batch_size:
                 run(pending)

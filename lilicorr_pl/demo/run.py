@@ -699,7 +699,7 @@ class Background:
                     out.flush()
                 process = subprocess.Popen(
                     [sys.executable, "-m", "lilicorr_pl.demo.run",
-                     json.dumps({**job, "progress_file": str(progress_file)})],
+                     json.dumps({**job, "progress_file": str(progress_file), "demo_pid": os.getpid()})],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env,
                     cwd=log_file.parent, **stage_process_options())
             self.running[name] = _Process(process, log_file, progress_file, bar, slot)
@@ -1275,14 +1275,15 @@ def stage_process_options() -> dict[str, Any]:
     return {"pass_fds": tuple(_WORKDIR_LOCK)}
 
 
-def stop_when_orphaned(interval: float = 1.0) -> None:
-    """In a background stage: a thread that sends this process SIGTERM once its demo is gone (a SIGKILL, which runs no
-    cleanup; the process is then another's child). The stage stops as a SIGTERM stops it, saving where it is, and its
-    demo's rerun goes on from there."""
+def stop_when_orphaned(parent: int | None = None, interval: float = 1.0) -> None:
+    """In a background stage: a thread that sends this process SIGTERM once its demo (``parent``: the pid its job
+    names; else this process's parent now) is gone (a SIGKILL, which runs no cleanup; the process is then another's
+    child). The stage stops as a SIGTERM stops it, saving where it is, and its demo's rerun goes on from there. The
+    job names the demo because a demo killed while the stage was still importing had already handed it over."""
     import signal
     import threading
 
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else int(parent)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -1519,7 +1520,7 @@ if __name__ == "__main__":  # one stage in a background process (--jobs > 1): an
     import sys
 
     job = json.loads(sys.argv[1])
-    stop_when_orphaned()
+    stop_when_orphaned(job.get("demo_pid"))
     try:
         {"arm": _train_arm_process, "bench": _bench_process}[job["kind"]](job)
     except UserInputError as err:  # one line, exit status 2: the parent raises it as the user's error it is
