@@ -655,10 +655,10 @@ class LilicorrCLI(LightningCLI):
                 warm = config.get("model").get(key) if config.get("model") is not None else None
                 if warm:  # read only once the system is built
                     read_config(os.path.expanduser(str(warm)))
-            unbuilt = self._check_before_a_target_build(config, subcommand)
-            self._resolve_builtin_target(config, unbuilt is not None)  # last: it may find the target built
-            if unbuilt is not None:  # the run folder's records, against the config as the build will leave it
-                self._refuse_replacing_a_record(subcommand, unbuilt)
+            unbuilt, dry = self._check_before_a_target_build(config, subcommand)
+            self._resolve_builtin_target(config, unbuilt)  # last: it may find the target built
+            if dry is not None:  # the run folder's records, against the config as the build will leave it
+                self._refuse_replacing_a_record(subcommand, dry)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
 
@@ -720,18 +720,18 @@ class LilicorrCLI(LightningCLI):
         target = model.get("target") if model is not None else None
         return target, target.get("name_or_path") if target is not None else None
 
-    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> Trainer | bool | None:
+    def _check_before_a_target_build(self, config: Any, subcommand: str | None) -> tuple[bool, Trainer | None]:
         """A ``builtin:`` target not built yet: the data module and the system are built on the meta device against
         the config the build will have, and the Trainer's settings checked as its constructor checks them, so a
         setting they refuse is refused now, not after a build of up to half an hour (``--data.batch_size=-1`` and
         ``--trainer.accelerator=gpu`` on a CPU were). A built one is loaded in seconds: the run's own constructors
-        check. When such a target is not built yet: the Trainer built for the check, with the run's loggers and its
-        config record's callback (where a record is written), or True where none was built; else None."""
+        check. Returns whether such a target is not built yet, and the Trainer built for the check (with the run's
+        loggers and its config record's callback, where a record is written; None where none was built)."""
         _, name = self._target(config)
         preview = builtin.unbuilt_target_config(name) if name is not None and config.get("data") is not None else None
         if preview is None:
-            return None
-        dry: Trainer | bool = True
+            return False, None
+        dry: Trainer | None = None
         with tempfile.TemporaryDirectory(prefix="lilicorr-target-config-") as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run's own constructors warn, once
             preview.save_pretrained(folder)
@@ -760,7 +760,7 @@ class LilicorrCLI(LightningCLI):
                     check = getattr(callback, "check_run", None)  # as _check_callbacks does, later
                     if callable(check):
                         check(system)  # a ProgressFile path holding a user's file, AcceptanceEval's budget
-        return dry
+        return True, dry
 
     def _refuse_an_untrainable_fit(self, system: DraftSystem, trainer: Trainer) -> None:
         """A fit that would leave a trained part at its random initialisation (:meth:`DraftSystem.untrained_part`:
@@ -777,13 +777,11 @@ class LilicorrCLI(LightningCLI):
             raise UserInputError("model.drafter.init_args.attention 'flex' cannot train on a CPU (FlexAttention has no "
                                  "backward there); set it to 'auto' or 'sdpa', or train on a GPU")
 
-    def _refuse_replacing_a_record(self, subcommand: str | None, dry: Trainer | bool) -> None:
+    def _refuse_replacing_a_record(self, subcommand: str | None, dry: Trainer) -> None:
         """Before a ``builtin:`` target's build (``dry``: the Trainer :meth:`_check_before_a_target_build` built), what
         the run's hooks check once its Trainer is built: a fit's ``config.yaml`` against another run's record, and
         ``validate``/``predict``'s ``<stage>-config.yaml`` against a user's file. Those hooks check again after the
         build (a resume's changed settings are recorded there)."""
-        if not isinstance(dry, Trainer):
-            return
         if subcommand == "fit":
             self._refuse_a_fresh_run_over_another(dry)
         elif subcommand in ("validate", "predict"):
@@ -1428,9 +1426,8 @@ def _training_files_against(trained_on: Any, saved_data: Mapping[str, Any],
         now = fingerprint_files(check_data_files(data["train_files"], "data.train_files"))
     except (ValueError, OSError):  # unreadable files: the data module's checks say so, in their words
         return {}
-    return {"same_files": [(r.get("bytes"), r.get("sha256")) for r in trained_on] == [(n["bytes"], n["sha256"])
-                                                                                     for n in now],
-            "edited": edited_files(trained_on, now) if same_paths else []}
+    changed = edited_files(trained_on, now)  # position by position: [] also where the lists differ in length
+    return {"same_files": len(trained_on) == len(now) and not changed, "edited": changed if same_paths else []}
 
 
 def _resolved(files: Any) -> Any:
