@@ -543,7 +543,7 @@ def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
     from omegaconf.errors import InterpolationKeyError
 
     key = str(getattr(err, "full_key", "") or "")  # relative to the file omegaconf read
-    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    reason = first_line(err)
     named = re.search(r"Interpolation key '([^']+)'", reason)
     holding = [c for c in _config_sources(args) if _yaml_at(c.loaded, key) is not _UNSET]
     plain = (str, int, float, bool, type(None), list, dict)  # a YAML !!set or a date is none of them

@@ -379,7 +379,9 @@ def render_chat(
     except TemplateSyntaxError as err:
         raise _does_not_parse(err, option) from None
     except TemplateError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        from lilicorr_pl.checkpoint import first_line
+
+        reason = first_line(err)
         raise DataFormatError(
             f"{where}: the chat template cannot render it ({reason}); fix the record's turns (roles, tool_calls "
             f"shape) or pass a template that renders them ({option})"
