@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -85,6 +86,10 @@ def plain_data(value: Any) -> Any:
         return [plain_data(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return plain_data(dataclasses.asdict(value))
+    if (inspect.isfunction(value) or isinstance(value, type)) and getattr(value, "__module__", None):
+        # A default factory (model.optimizer's) is the function itself in a run and its import path in the checkpoint's
+        # config record: compared as the path, or a resume of a run that left it at its default is refused.
+        return f"{value.__module__}.{value.__qualname__}"
     return value
 
 
@@ -133,8 +138,9 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
 
 # What the validation split is drawn from when no data.val_files are given (DraftDataModule.setup): other values
 # draw another split from the same examples, part of which the checkpoint trained on (max_length: records left without
-# a supervised token are dropped, and packing follows it). A smaller val_fraction alone keeps a subset of the split.
-SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples", "max_length")
+# a supervised token are dropped, and packing follows it; the chat template and its thinking flag render the records
+# into other token counts, so other records are dropped). A smaller val_fraction alone keeps a subset of the split.
+SPLIT_KEYS = ("val_fraction", "seed", "pack", "max_examples", "max_length", "enable_thinking", "chat_template")
 # How a module computes, not what: the same numbers (the attention kernel; dropout, off in evaluation).
 _COMPUTE_ONLY = ("attention", "dropout")
 

@@ -672,7 +672,7 @@ def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that
     drafter = {"class_path": "lilicorr_pl.models.DFlashDrafter", "init_args": {"num_layers": 1, "attention": "flex"}}
     model = {"drafter": drafter, "head": head, "target": {"name_or_path": "t", "layer_ids": None, "num_features": 3}}
     data = {"train_files": ["a.jsonl"], "val_files": None, "val_fraction": 0.1, "seed": 0, "pack": False,
-            "max_examples": None, "max_length": 64}
+            "max_examples": None, "max_length": 64, "enable_thinking": False, "chat_template": None}
 
     def check(model_now=None, data_now=None, saved_data=None):
         check_evaluation_settings(model, model_now or model, saved_data or data, data_now or data, "c.ckpt", "validate")
@@ -714,7 +714,7 @@ def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_
     from lilicorr_pl.system import check_evaluation_settings, check_resume_split, edited_files
 
     data = {"train_files": ["a.jsonl"], "val_files": None, "val_fraction": 0.1, "seed": 0, "pack": False,
-            "max_examples": None, "max_length": 64}
+            "max_examples": None, "max_length": 64, "enable_thinking": False, "chat_template": None}
     check_resume_split(data, data, "c.ckpt")
     check_resume_split(data, {**data, "val_fraction": 0.05}, "c.ckpt")  # part of the same split
     check_resume_split(data, {**data, "seed": 7, "train_files": ["b.jsonl"], "val_files": ["held.jsonl"]}, "c.ckpt")
@@ -723,6 +723,9 @@ def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_
     for now, said in (({**data, "seed": 7}, "data.seed: checkpoint 0 vs now 7"),
                       ({**data, "val_fraction": 0.3}, "data.val_fraction: checkpoint 0.1 vs now 0.3"),
                       ({**data, "max_length": 128}, "data.max_length: checkpoint 64 vs now 128"),
+                      # rendered into other token counts, other records are dropped at max_length: another split
+                      ({**data, "enable_thinking": True}, "data.enable_thinking: checkpoint False vs now True"),
+                      ({**data, "chat_template": "t.jinja"}, "data.chat_template: checkpoint None vs now 't.jinja'"),
                       ({**data, "train_files": ["a.jsonl", "b.jsonl"]},
                        "data.train_files: checkpoint ['a.jsonl'] vs now ['a.jsonl', 'b.jsonl']")):
         with pytest.raises(CheckpointError, match=re.escape(

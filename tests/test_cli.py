@@ -2223,3 +2223,18 @@ def test_a_sigterm_under_several_processes_is_said_once_naming_what_resumes(rank
     else:
         assert stopped.value.what == ("training stopped by SIGTERM at step 32 of 50 on 2 processes, where the stop "
                                       "saves nothing: the steps after the latest scheduled save are trained again")
+
+
+def test_a_fit_with_the_default_optimizer_and_scheduler_resumes(tmp_path):
+    """A config that leaves model.optimizer and model.lr_scheduler at their defaults could not be resumed: the
+    checkpoint records the default factory by its import path and the resumed run held the function itself, so the two
+    read as other optimizer settings and the same config with --ckpt_path=last was refused."""
+    text = (ROOT / "configs" / "tiny.yaml").read_text()
+    start, end = text.index("  optimizer:\n"), text.index("data:\n")
+    assert "lr_scheduler:" in text[start:end]
+    config = tmp_path / "defaults.yaml"
+    config.write_text(text[:start] + text[end:])
+    run = ["fit", "-c", str(config), f"--trainer.default_root_dir={tmp_path / 'runs' / 'defaults'}",
+           "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
+    assert main([*run, "--trainer.max_steps=2"]).trainer.global_step == 2
+    assert main([*run, "--trainer.max_steps=3", "--ckpt_path=last"]).trainer.global_step == 3
