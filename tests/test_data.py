@@ -233,6 +233,19 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
         (1, '{"text": "a"}'), (3, '{"text": "b\u2028c"}'), (4, '{"text": "d"}'), (6, "{oops")]
     with pytest.raises(DataFormatError, match=r"broken\.jsonl line 6: malformed JSON"):
         load_examples([str(path)], tok)
+    # A UTF-8 byte order mark first (some Windows editors write one) is not part of line 1: it was "malformed JSON
+    # (Unexpected UTF-8 BOM (decode using utf-8-sig))", a fix in Python's terms; regenerate reads the same lines.
+    from lilicorr_pl.data.regenerate import _iter_input
+
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n{"text": "b"}\r{"text": "\xef\xbb\xbfc"}\n')
+    assert [(i, line.strip()) for i, line in text_lines(path)] == [
+        (1, '{"text": "a"}'), (2, '{"text": "b"}'), (3, '{"text": "\ufeffc"}')]  # inside a value: the value's own
+    assert [ex.input_ids for ex in load_examples([str(path)], tok)] == [
+        ex.input_ids for ex in load_examples([write_jsonl(tmp_path / "plain.jsonl", [
+            {"text": "a"}, {"text": "b"}, {"text": "\ufeffc"}])], tok)]
+    assert [(i, where, record) for i, where, record in _iter_input(path)] == [
+        (0, "broken.jsonl line 1", {"text": "a"}), (1, "broken.jsonl line 2", {"text": "b"}),
+        (2, "broken.jsonl line 3", {"text": "\ufeffc"})]
 
 
 def test_empty_conversation_and_unknown_format(tmp_path, tok):

@@ -155,26 +155,39 @@ def json_error(err: json.JSONDecodeError) -> str:
     return f"{err.msg.removesuffix(' at')} at column {err.colno}"
 
 
-def text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number from 1, line)`` for each non-blank line of a UTF-8 text file; a line that is not UTF-8 raises
-    ``DataFormatError`` naming the file, the line and the byte (it was a traceback, or a message with neither)."""
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number from 1, bytes)`` of every line of a file, blank ones included (with its \n or \r\n). Lines end
+    at \n, \r\n or a lone \r, as a file opened as text splits them (not at \u2028, which JSON strings may hold as
+    is); a UTF-8 byte order mark (what some Windows editors put first) is not part of the first line. The one rule for
+    every reader of a .jsonl file: the same file reads the same in fit, bench and regenerate."""
     i = 0
     with open(path, "rb") as f:
         for raw in f:
-            # Lines end at \n, \r\n or a lone \r, as a file opened as text splits them (not at \u2028, which JSON
-            # strings may hold as is).
+            if i == 0:
+                raw = raw.removeprefix(UTF8_BOM)
             parts = re.split(rb"\r(?!\n)", raw)
             for part in parts[:-1] if not parts[-1] else parts:  # nothing after a line's final lone \r
                 i += 1
-                try:
-                    line = part.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    raise DataFormatError(
-                        f"{path.name} line {i}: not UTF-8 text (byte 0x{part[err.start]:02x} at column "
-                        f"{err.start + 1}); save the file as UTF-8 ({path})"
-                    ) from None
-                if line.strip():
-                    yield i, line
+                yield i, part
+
+
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number from 1, line)`` for each non-blank line of a UTF-8 text file (:func:`raw_lines`); a line that is
+    not UTF-8 raises ``DataFormatError`` naming the file, the line and the byte (it was a traceback, or a message with
+    neither)."""
+    for i, part in raw_lines(path):
+        try:
+            line = part.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataFormatError(
+                f"{path.name} line {i}: not UTF-8 text (byte 0x{part[err.start]:02x} at column "
+                f"{err.start + 1}); save the file as UTF-8 ({path})"
+            ) from None
+        if line.strip():
+            yield i, line
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:

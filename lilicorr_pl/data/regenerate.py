@@ -74,6 +74,7 @@ from lilicorr_pl.data.formats import (
     detect_format,
     effective_chat_template,
     json_error,
+    raw_lines,
     record_messages,
     render_chat,
     resolve_chat_template,
@@ -121,30 +122,29 @@ def _iter_input(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | Excepti
             yield i, f"{path.name} row {i + 1}", row
         return
     index = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                # One bad line is a failed record (counted, reported with its line number), not an abort.
-                where = f"{path.name} line {line_no}"
-                yield index, where, DataFormatError(
-                    f"{where}: not valid UTF-8 (byte {err.start}); re-encode the file as UTF-8")
-                index += 1
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise DataFormatError(f"{path.name} line {line_no}: expected a JSON object")
-                yield index, f"{path.name} line {line_no}", record
-            except json.JSONDecodeError as err:
-                yield index, f"{path.name} line {line_no}", DataFormatError(
-                    f"{path.name} line {line_no}: malformed JSON ({json_error(err)})")
-            except DataFormatError as err:
-                yield index, f"{path.name} line {line_no}", err
+    for line_no, raw in raw_lines(path):  # the lines fit reads (a lone \r ends one; a byte order mark is not one)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            # One bad line is a failed record (counted, reported with its line number), not an abort.
+            where = f"{path.name} line {line_no}"
+            yield index, where, DataFormatError(
+                f"{where}: not valid UTF-8 (byte {err.start}); re-encode the file as UTF-8")
             index += 1
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise DataFormatError(f"{path.name} line {line_no}: expected a JSON object")
+            yield index, f"{path.name} line {line_no}", record
+        except json.JSONDecodeError as err:
+            yield index, f"{path.name} line {line_no}", DataFormatError(
+                f"{path.name} line {line_no}: malformed JSON ({json_error(err)})")
+        except DataFormatError as err:
+            yield index, f"{path.name} line {line_no}", err
+        index += 1
 
 
 PROVENANCE_SUFFIX = ".provenance.json"
