@@ -938,3 +938,30 @@ def test_sampled_answers_resume_as_an_uninterrupted_run_and_no_batch_repeats_ano
     provenance_path(whole).write_text(json.dumps(record))
     with pytest.raises(ValueError, match="written by an earlier lilicorr version, whose record lacks sampling_streams"):
         run(target_dir, source, whole, **settings)
+
+
+def test_answers_regenerated_by_another_target_are_told_apart_from_this_targets(target_dir, input_file, tmp_path):
+    """fit read only the thinking flag and the template from a regenerated file's records: training on answers another
+    model (or other weights under the same path) wrote was silent. The settings record beside the file names the
+    target by its files' digests: the same files anywhere are the same target, other weights are said."""
+    from lilicorr_pl.data.regenerate import answered_by_another_target
+
+    out = tmp_path / "out.jsonl"
+    run(target_dir, input_file, out)
+    assert answered_by_another_target(out, target_dir) is None
+    moved = shutil.copytree(target_dir, tmp_path / "elsewhere")  # the same files in another folder
+    assert answered_by_another_target(out, moved) is None
+    other = tmp_path / "other"
+    model = Qwen3ForCausalLM.from_pretrained(target_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(other)
+    said = answered_by_another_target(out, other)
+    assert said == (f"out.jsonl holds answers lilicorr regenerate wrote with the target {target_dir} (its "
+                    f"out.jsonl.provenance.json), whose config and weight files are not those of model.target {other}: "
+                    "the drafter learns another model's continuations; regenerate the data with this target, or train "
+                    "against that one")
+    # Nothing to compare: a file without a settings record, a hub name, no target.
+    assert answered_by_another_target(input_file, other) is None
+    assert answered_by_another_target(out, "Qwen/Qwen3-8B") is None and answered_by_another_target(out, None) is None

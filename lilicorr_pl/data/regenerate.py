@@ -268,6 +268,28 @@ def batch_seed(seed: int, first_index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def answered_by_another_target(data_file: str | os.PathLike, target: str | os.PathLike | None) -> str | None:
+    """Why the answers in a file ``lilicorr regenerate`` wrote are not ``target``'s own: the settings record beside it
+    names a target whose config and weight files hash otherwise (another model, or other weights under the same path).
+    None where they are the target's, where the file has no such record, or where the two cannot be compared (a hub
+    name, a record of sampled-window digests). The weight files are hashed once per file version (a memo)."""
+    record = provenance_path(Path(data_file))
+    if target is None or not _is_settings_record(record) or not Path(target).is_dir():
+        return None
+    saved = json.loads(record.read_text(encoding="utf-8"))
+    recorded, dtype = saved.get("target_fingerprint"), saved.get("dtype")
+    if saved.get("target_hash") != "content" or not isinstance(recorded, str) or not isinstance(dtype, str):
+        return None
+    # As regenerate keyed it (its target's torch dtype, and its name as recorded): the files alone are compared.
+    now = fingerprint(fingerprint_target({"name_or_path": str(target), "dtype": f"torch.{dtype}"}, include_layers=False,
+                                         name=str(saved.get("target"))))
+    if now == recorded:
+        return None
+    return (f"{Path(data_file).name} holds answers lilicorr regenerate wrote with the target {saved.get('target')} (its "
+            f"{record.name}), whose config and weight files are not those of model.target {target}: the drafter "
+            "learns another model's continuations; regenerate the data with this target, or train against that one")
+
+
 def _is_settings_record(record: Path) -> bool:
     """Whether ``record`` reads as the settings record :func:`regenerate` writes beside its output."""
     try:
