@@ -1175,6 +1175,9 @@ class LilicorrCLI(LightningCLI):
         if not isinstance(loaded, dict):  # no settings to compare: "another run (its …: None)" would mislead
             raise UserInputError(f"{record} is not a config record that can be read (damaged, or not YAML settings), "
                                  f"so it is not replaced; move it, or write this run elsewhere with {elsewhere}")
+        if not _written_by_the_config_callback(Path(record)):  # a file of the user's own, not a run's record
+            raise UserInputError(f"{record} is not a config record a run wrote (a file of yours named like one), so "
+                                 f"it is not replaced; move it, or write this run elsewhere with {elsewhere}")
         key = differing[0]
         fix = ("--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record; "
                "write it elsewhere with" if nothing_to_resume else

@@ -355,6 +355,16 @@ def test_an_unreadable_config_record_is_called_damaged_not_another_runs(tmp_path
             f"error: {root / 'config.yaml'} is not a config record that can be read (damaged, or not YAML settings), "
             "so it is not replaced; move it, or write this run elsewhere with another --trainer.default_root_dir"), err
         assert (root / "config.yaml").read_text() == text and not (root / "checkpoints").exists()
+    # YAML settings of the user's own under that name (no run wrote them): "records another run (its data.batch_size:
+    # None, …)" misled; said as what it is, and kept.
+    text = "model:\n  notes: my settings\ntrainer: {}\n"
+    (root / "config.yaml").write_text(text)
+    err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+                              "--trainer.max_steps=1"])
+    assert err.strip().endswith(
+        f"error: {root / 'config.yaml'} is not a config record a run wrote (a file of yours named like one), so it is "
+        "not replaced; move it, or write this run elsewhere with another --trainer.default_root_dir"), err
+    assert (root / "config.yaml").read_text() == text and not (root / "checkpoints").exists()
 
 
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.
