@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -21,7 +22,7 @@ from lilicorr_pl.checkpoint import (CHECKSUM_KEY, UserInputError, check_checkpoi
                                     verified_first)
 from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
 from lilicorr_pl.files import check_output_paths, write_results_json
-from lilicorr_pl.target import CompileModeName, DeviceName, check_device, resolve_dtype
+from lilicorr_pl.target import CompileModeName, DeviceName, check_device, resolve_dtype, tokenizer_of
 
 SELECTOR_NAMES = ("top1", "lilicorr", "domino", "dspark")  # lilicorr_pl.heads.SELECTORS (a test keeps them equal)
 DRAFT_SAMPLING_CHOICES = ("both", "proposal", "point_mass")
@@ -585,9 +586,25 @@ def bench(
         from lilicorr_pl.data.fingerprint import content_sha256
 
         weights_digest = content_sha256(path / "model.safetensors")
+    chat = {"auto": None, "yes": True, "no": False}[chat_template]
+    # The prompts against the target's context before its weights load (minutes for a large model): they need only
+    # its tokenizer and config. A too-long budget or prompt, or a prompts file that cannot be read, was said after.
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+
+    try:
+        tokenizer = tokenizer_of(str(system.target_path), "--target", trust_remote_code, required=False)
+    except Exception:  # noqa: BLE001 - a hub name not on this machine, a package it needs: the load says so below
+        tokenizer = None
+    if tokenizer is not None:
+        try:
+            prompts = load_prompts(benchmark, tokenizer, num_prompts, chat_template=chat,
+                                   enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
+                                   template=template, prefix_tokens=prompt_tokens)
+            check_context(prompts, max_new_tokens, SimpleNamespace(config=system.drafter.target_config))
+        except (ValueError, ImportError) as err:
+            raise UserInputError(str(err)) from None
     system.load_target()
     system.to(device)
-    chat = {"auto": None, "yes": True, "no": False}[chat_template]
 
     try:
         runs = run_bench(

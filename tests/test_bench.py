@@ -384,9 +384,9 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
     err = user_error(capsys, argv)
     assert re.search(message, err), err
     assert not calls, "bad input must be refused before any decoding"
-    # ... and before the target's weights are read (--lattice_k and --selectors against the trained head were
-    # refused only after it loaded), but for the prompts' lengths, which are measured in the target's tokens.
-    assert bool(loads) is (case in ("past_the_context", "prompts_past_the_context")), loads
+    # ... and before the target's weights are read: --lattice_k and --selectors against the trained head, and the
+    # prompts' lengths against its context (measured with its tokenizer and config), were refused once it had loaded.
+    assert not loads, loads
     assert not list(tmp_path.glob("**/*.tmp")), "no temporary file may be left behind"
 
 

@@ -769,3 +769,20 @@ def test_a_reference_made_with_the_arms_stops_keeps_custom_stops_lossless(target
     assert len(reference[0].tokens) <= 4 < len(free)
     r = evaluate_arm(target, drafter, Top1Selector(), prompts, 12, reference=reference, stop_token_ids=stop)
     assert r.lossless is True
+
+
+def test_the_lattice_oracle_knows_the_targets_tokens_past_the_budget_and_a_stop(target):
+    """The demo's oracle row: its reference was the greedy output itself, cut at the budget (and at a stop), so in the
+    last round the oracle fell back to top-1 on the slots past it, whose accepted drafts τ counts for every arm: arms
+    beat the "bound" on some prompts. With K = V every slot holds the target's token, so every round of the oracle
+    accepts its whole block, the last one too."""
+    from types import SimpleNamespace
+
+    from lilicorr_pl.demo.run import evaluate_oracle
+
+    drafter = real_drafter(target, block_size=5, seed=2)
+    prompts = random_prompts(target.output_rows, 3, seed=61)
+    reference = [target_generate(target, p, 18) for p in prompts]  # the target's own stops, as the demo decodes
+    out = evaluate_oracle(SimpleNamespace(target=target, drafter=drafter), SimpleNamespace(input_ids=prompts),
+                          reference, 18, target.output_rows)
+    assert out["per_prompt_tau"] == [5.0, 5.0, 5.0] and out["tau"] == 5.0

@@ -1100,9 +1100,42 @@ def test_the_more_prompts_script_refuses_what_is_not_a_finished_demo_before_deco
     results.write_text(json.dumps(good))
     assert refusal(results, count="0") == "2"  # argparse's own exit, with its message
     assert "0 is not a count of prompts; pass 1 or more" in capsys.readouterr().err and not decoded
-    # The checkpoint found beside the moved results file; the benchmark gave 3 of the 5 asked: nothing written.
-    assert refusal(results) == "more_prompts: the humaneval benchmark gave 3 prompts, fewer than 5; ask for at most 3"
+    # The prompts are counted before any decoding (it decoded every prompt of every arm first, then refused), read as
+    # the demo reads them with the target's tokenizer; a count the held-out cuts cannot give is one line, not a
+    # traceback after the checkpoints loaded.
+    from types import SimpleNamespace
+
+    import lilicorr_pl.decoding.benchmarks as benchmarks
+    import lilicorr_pl.system as system
+    import lilicorr_pl.target as target
+
+    opened, available = [], [3]
+    monkeypatch.setattr(system.DraftSystem, "from_checkpoint",
+                        classmethod(lambda cls, path, **k: opened.append(path) or SimpleNamespace(target_path="t")))
+    monkeypatch.setattr(target, "tokenizer_of", lambda path, setting: f"tokenizer of {path}")
+
+    def load_prompts(bench, tokenizer, num, **kwargs):
+        assert tokenizer == "tokenizer of t" and kwargs["chat_template"] is False and kwargs["seed"] == 1
+        if isinstance(available[0], Exception):
+            raise available[0]
+        return SimpleNamespace(input_ids=[[1]] * min(num, available[0]))
+
+    monkeypatch.setattr(benchmarks, "load_prompts", load_prompts)
+    # The checkpoint found beside the moved results file; the benchmark holds 3 of the 5 asked: nothing decoded.
+    assert refusal(results) == "more_prompts: the humaneval benchmark has 3 prompts, fewer than 5; ask for at most 3"
+    assert opened == [demo_dir / "checkpoints" / "dflash-k.ckpt"] and not decoded and not out.exists()
+    available[0] = ValueError("Only 667 of the requested 100000 heldout prefixes could be cut")
+    assert refusal(results, "100000") == ("more_prompts: the humaneval benchmark: Only 667 of the requested 100000 "
+                                          "heldout prefixes could be cut; ask for fewer prompts")
+    # Held, but the measurement gave fewer: still no file that says it measured that many.
+    available[0] = 5
+    assert refusal(results) == "more_prompts: the humaneval benchmark gave 3 prompts, not 5"
     assert decoded and decoded[0][0] == {"dflash": demo_dir / "checkpoints" / "dflash-k.ckpt"} and not out.exists()
+    # The demo's own prompts come first: as many as both measured are compared (fewer than the demo's 40 compared
+    # false), a prompt with no round being NaN here and null in the demo's JSON.
+    nan = float("nan")
+    assert script.same_tau([2.0, 3.0], [2.0, 3.0, 4.0]) and script.same_tau([2.0, nan, 3.0], [2.0, None])
+    assert not script.same_tau([2.0, 3.5], [2.0, 3.0, 4.0]) and not script.same_tau([nan], [2.0])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="flock and reparenting: POSIX")

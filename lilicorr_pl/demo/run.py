@@ -755,15 +755,21 @@ def training_order(arms: Sequence[str]) -> list[str]:
 
 def evaluate_oracle(system: Any, prompts: Any, reference: list[Any], max_new_tokens: int, top_k: int,
                     on_prompt: Any = None) -> dict[str, Any]:
-    """Real τ of the top-K lattice oracle on the same drafter (T = 0 only); ``on_prompt`` after each prompt."""
+    """Real τ of the top-K lattice oracle on the same drafter (T = 0 only); ``on_prompt`` after each prompt.
+
+    The oracle knows the target's greedy tokens one block past the budget and past a stop: the last round verifies
+    drafts there, and τ counts the accepted ones (as every arm's does), so a reference cut at the budget left the
+    oracle's last round at top-1 there, below arms that accepted them."""
     from lilicorr_pl.decoding.metrics import AcceptanceMetrics
     from lilicorr_pl.decoding.oracle import OracleSelector
-    from lilicorr_pl.decoding.speculative import speculative_generate
+    from lilicorr_pl.decoding.speculative import speculative_generate, target_generate
 
-    metric = AcceptanceMetrics(num_slots=system.drafter.num_slots)
+    slots = int(system.drafter.num_slots)
+    metric = AcceptanceMetrics(num_slots=slots)
     per_prompt_tau, per_prompt_rounds = [], []
     for ids, ref in zip(prompts.input_ids, reference):
-        selector = OracleSelector(top_k, ref.tokens, len(ids))
+        known = target_generate(system.target, ids, max_new_tokens + slots, stop_token_ids=[]).tokens
+        selector = OracleSelector(top_k, known, len(ids))
         r = speculative_generate(system.target, system.drafter, selector, ids, max_new_tokens)
         if r.tokens != ref.tokens:
             raise AssertionError("oracle decoding diverged from greedy decoding: speculative decoding is not lossless")

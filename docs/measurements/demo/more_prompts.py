@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -50,6 +51,36 @@ def read_demo(path: str) -> tuple[dict[str, Any], dict[str, Path]]:
     return demo, ckpts
 
 
+def check_prompt_count(ckpts: dict[str, Path], benchmark: str, num_prompts: int, prefix_tokens: int, seed: int) -> None:
+    """Before minutes of decoding: the benchmark holds ``num_prompts`` prompts, read as the demo's benchmark reads
+    them (HumanEval has 164; the held-out cuts as many as their modules hold); one line otherwise."""
+    from lilicorr_pl.decoding.benchmarks import load_prompts
+    from lilicorr_pl.system import DraftSystem
+    from lilicorr_pl.target import tokenizer_of
+
+    system = DraftSystem.from_checkpoint(next(iter(ckpts.values())), map_location="cpu")
+    tokenizer = tokenizer_of(str(system.target_path), "the demo's target")
+    try:
+        got = len(load_prompts(benchmark, tokenizer, num_prompts, chat_template=False, seed=seed + 1,
+                               prefix_tokens=prefix_tokens).input_ids)
+    except ValueError as err:
+        raise SystemExit(f"more_prompts: the {benchmark} benchmark: {err}; ask for fewer prompts") from None
+    if got < num_prompts:
+        raise SystemExit(f"more_prompts: the {benchmark} benchmark has {got} prompts, fewer than {num_prompts}; ask "
+                         f"for at most {got}")
+
+
+def same_tau(measured: list[float], demo: list[float | None]) -> bool:
+    """Whether the first prompts' τ are the demo's, as many as both measured (a prompt with no round: NaN here, null in
+    the demo's JSON)."""
+    n = min(len(measured), len(demo))
+
+    def plain(value: float | None) -> float | None:
+        return None if value is None or math.isnan(value) else value
+
+    return [plain(v) for v in measured[:n]] == [plain(v) for v in demo[:n]]
+
+
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -72,13 +103,14 @@ def main() -> None:
     demo, ckpts = read_demo(args.results)
     settings = demo["settings"]
     torch.set_num_threads(1)
+    check_prompt_count(ckpts, args.benchmark, args.num_prompts, settings["prefix_tokens"], demo["seed"])
     start = time.time()
     rows, plain = measure(ckpts, [args.benchmark], [0.0], args.num_prompts, settings["bench_new_tokens"],
                           settings["prefix_tokens"], demo["seed"], compile=settings["compile"])
     measured = {len(r["per_prompt_tau"]) for r in rows}
-    if measured != {args.num_prompts}:  # the benchmark holds fewer: never a file that says more than was measured
-        raise SystemExit(f"more_prompts: the {args.benchmark} benchmark gave {min(measured)} prompts, fewer than "
-                         f"{args.num_prompts}; ask for at most {min(measured)}")
+    if measured != {args.num_prompts}:  # never a file that says more than was measured
+        raise SystemExit(f"more_prompts: the {args.benchmark} benchmark gave {min(measured)} prompts, not "
+                         f"{args.num_prompts}")
     add_ratio_intervals(rows, plain, seed=demo["seed"])
     shown = {r["arm"]: r for r in demo["results"] if r["benchmark"] == args.benchmark and r["temperature"] == 0}
     result = {
@@ -90,9 +122,8 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "seconds": round(time.time() - start, 1),
         "demo_prompts": settings["bench_prompts"],
-        "first_prompts_equal_demo": {
-            r["arm"]: r["per_prompt_tau"][:settings["bench_prompts"]] == shown[r["arm"]]["per_prompt_tau"]
-            for r in rows if r["arm"] in shown and "per_prompt_tau" in r},
+        "first_prompts_equal_demo": {r["arm"]: same_tau(r["per_prompt_tau"], shown[r["arm"]]["per_prompt_tau"])
+                                     for r in rows if r["arm"] in shown and "per_prompt_tau" in r},
         "rows": rows,
     }
     write_results_json(Path(args.output), result, COMMAND)
