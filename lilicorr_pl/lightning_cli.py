@@ -1356,11 +1356,13 @@ def _written_by_the_config_callback(path: Path) -> bool:
         return False
     try:
         with open(path, encoding="utf-8") as fh:
-            text = fh.read(1 << 22)
-        saved = yaml.safe_load(text)
+            if not fh.readline().startswith("# lightning.pytorch=="):  # its header, before reading all of it
+                return False
+            fh.seek(0)
+            saved = yaml.safe_load(fh.read())  # whole: a record of a long file list or an inline template is large
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    return text.startswith("# lightning.pytorch==") and isinstance(saved, dict) and {"model", "trainer"} <= set(saved)
+    return isinstance(saved, dict) and {"model", "trainer"} <= set(saved)
 
 
 def _checkpoint_folders(trainer: Any, root: Path) -> list[Path]:

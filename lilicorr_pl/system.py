@@ -158,12 +158,26 @@ def edited_files(recorded: Sequence[Mapping[str, Any]] | None, now: Sequence[Map
 def _split_changes(saved_data: Mapping[str, Any], current_data: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """The :data:`SPLIT_KEYS` whose values draw another validation split from the same files; a smaller
     ``val_fraction`` alone keeps the same permutation's first examples, a part of the same split."""
+    if not saved_data.get("val_fraction") and not current_data.get("val_fraction"):
+        return []  # no share of the training files validates, before or now: there is no split to redraw
     split = [(k, saved_data.get(k), current_data.get(k)) for k in SPLIT_KEYS
-             if k in saved_data and saved_data.get(k) != current_data.get(k)]
+             if k in saved_data and saved_data.get(k) != current_data.get(k)
+             and not (k == "chat_template" and _same_template(saved_data.get(k), current_data.get(k)))]
     if [k for k, *_ in split] == ["val_fraction"] and (current_data.get("val_fraction") or 0) <= (
             saved_data.get("val_fraction") or 0):
         return []
     return split
+
+
+def _same_template(was: Any, now: Any) -> bool:
+    """Whether two ``data.chat_template`` settings give the same template: the same text, inline or in a file under
+    any path (a file no longer there: compared as given)."""
+    from lilicorr_pl.data.formats import resolve_chat_template
+
+    try:
+        return was is not None and now is not None and resolve_chat_template(was) == resolve_chat_template(now)
+    except (OSError, ValueError):
+        return False
 
 
 def _same_training_files(saved_data: Mapping[str, Any], current_data: Mapping[str, Any],

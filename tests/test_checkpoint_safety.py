@@ -706,7 +706,7 @@ def test_the_evaluation_check_refuses_what_changes_the_measurement_and_only_that
         check(saved_data={**data, "val_files": ["held.jsonl"]})
 
 
-def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_the_trained_one():
+def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_the_trained_one(tmp_path):
     """A resume that split its validation examples off the training files in another way (another seed, a larger
     share, other files, an edited file, the held-out files dropped) was applied: val/* then measured examples the
     steps before trained on, and validate refused the checkpoint's own first split. validate/predict of files edited
@@ -733,6 +733,16 @@ def test_a_resume_keeps_its_validation_split_and_an_edited_training_file_is_not_
                 "examples the steps so far trained on; resume with the checkpoint's data settings and files, or "
                 "validate on held-out files (data.val_files)")):
             check_resume_split(data, now, "c.ckpt")
+    # The same template given another way (a relative and an absolute path, inline text) is the same rendering; no
+    # share of the files validating, before or now, is no split to redraw.
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    for was, now in ((str(template), str(template.parent / "." / "t.jinja")), (str(template), template.read_text())):
+        check_resume_split({**data, "chat_template": was}, {**data, "chat_template": now}, "c.ckpt")
+    with pytest.raises(CheckpointError, match="data.chat_template: checkpoint"):
+        check_resume_split({**data, "chat_template": str(template)}, {**data, "chat_template": "{{ 'x' }}"}, "c.ckpt")
+    unsplit = {**data, "val_fraction": 0.0}
+    check_resume_split(unsplit, {**unsplit, "seed": 7, "enable_thinking": True}, "c.ckpt")
     # The same bytes under another path (a moved run folder, a job's local copy), as the caller compared them.
     check_resume_split(data, {**data, "train_files": ["/elsewhere/a.jsonl"]}, "c.ckpt", same_files=True)
     with pytest.raises(CheckpointError, match=r"\(data.train_files: checkpoint \['a.jsonl'\] vs now \['a.jsonl'\]\)"):

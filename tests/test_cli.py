@@ -248,12 +248,13 @@ def test_resume_with_nothing_to_resume_is_a_new_run_and_guarded_like_one(tmp_pat
     it skipped the guard and replaced the config.yaml another run (or the user) had left in the folder."""
     root = tmp_path / "runs" / "tiny"
     root.mkdir(parents=True)
-    (root / "config.yaml").write_text("model:\n  num_anchors: 64\n")  # not this run's record
+    record = "# lightning.pytorch==2.6.0\nmodel:\n  num_anchors: 64\ntrainer:\n  max_steps: 5\n"  # another run's
+    (root / "config.yaml").write_text(record)
     err = user_error(capsys, ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
                               "--trainer.max_steps=1", "--ckpt_path=last"])
     assert f"{root / 'config.yaml'} records another run" in err, err
     assert "--ckpt_path=last found no checkpoint of it to resume, so this would be a new run over its record" in err
-    assert (root / "config.yaml").read_text() == "model:\n  num_anchors: 64\n"
+    assert (root / "config.yaml").read_text() == record
     assert not (root / "checkpoints").exists()
     (root / "config.yaml").unlink()
     cli = fit_tiny(tmp_path, "--ckpt_path=last", steps=1)  # nothing there: a new run, which writes its record
@@ -365,6 +366,14 @@ def test_an_unreadable_config_record_is_called_damaged_not_another_runs(tmp_path
         f"error: {root / 'config.yaml'} is not a config record a run wrote (a file of yours named like one), so it is "
         "not replaced; move it, or write this run elsewhere with another --trainer.default_root_dir"), err
     assert (root / "config.yaml").read_text() == text and not (root / "checkpoints").exists()
+    # A run's record is read whole (the first 4 MiB of a long file list did not parse, and read as a file of yours).
+    from lilicorr_pl.lightning_cli import _written_by_the_config_callback
+
+    files = [f"/data/shard-{i:06d}.jsonl" for i in range(200_000)]
+    large = root / "large.yaml"
+    large.write_text("# lightning.pytorch==2.6.0\n" + yaml.safe_dump({"model": {}, "trainer": {}, "data": {
+        "train_files": files}}))
+    assert large.stat().st_size > 1 << 22 and _written_by_the_config_callback(large)
 
 
 # Features from the data module's store (the overlay as shipped), or from the online target with the exact penalty.

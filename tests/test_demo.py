@@ -1124,9 +1124,9 @@ def test_the_more_prompts_script_refuses_what_is_not_a_finished_demo_before_deco
     # The checkpoint found beside the moved results file; the benchmark holds 3 of the 5 asked: nothing decoded.
     assert refusal(results) == "more_prompts: the humaneval benchmark has 3 prompts, fewer than 5; ask for at most 3"
     assert opened == [demo_dir / "checkpoints" / "dflash-k.ckpt"] and not decoded and not out.exists()
-    available[0] = ValueError("Only 667 of the requested 100000 heldout prefixes could be cut")
+    available[0] = ValueError("Only 667 of the requested 100000 heldout prefixes could be cut; request fewer.")
     assert refusal(results, "100000") == ("more_prompts: the humaneval benchmark: Only 667 of the requested 100000 "
-                                          "heldout prefixes could be cut; ask for fewer prompts")
+                                          "heldout prefixes could be cut; request fewer")
     # Held, but the measurement gave fewer: still no file that says it measured that many.
     available[0] = 5
     assert refusal(results) == "more_prompts: the humaneval benchmark gave 3 prompts, not 5"

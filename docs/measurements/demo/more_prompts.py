@@ -58,13 +58,13 @@ def check_prompt_count(ckpts: dict[str, Path], benchmark: str, num_prompts: int,
     from lilicorr_pl.system import DraftSystem
     from lilicorr_pl.target import tokenizer_of
 
-    system = DraftSystem.from_checkpoint(next(iter(ckpts.values())), map_location="cpu")
+    system = DraftSystem.from_checkpoint(next(iter(ckpts.values())), map_location="cpu", load_target=False)
     tokenizer = tokenizer_of(str(system.target_path), "the demo's target")
     try:
         got = len(load_prompts(benchmark, tokenizer, num_prompts, chat_template=False, seed=seed + 1,
                                prefix_tokens=prefix_tokens).input_ids)
     except ValueError as err:
-        raise SystemExit(f"more_prompts: the {benchmark} benchmark: {err}; ask for fewer prompts") from None
+        raise SystemExit(f"more_prompts: the {benchmark} benchmark: {str(err).rstrip('.')}") from None  # names the fix
     if got < num_prompts:
         raise SystemExit(f"more_prompts: the {benchmark} benchmark has {got} prompts, fewer than {num_prompts}; ask "
                          f"for at most {got}")
