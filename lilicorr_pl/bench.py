@@ -439,8 +439,8 @@ def bench(
     benchmark: str = "humaneval",
     num_prompts: PositiveInt = 16,
     max_new_tokens: PositiveInt = 128,
-    temperature: Sequence[NonNegativeFloat] = (0.0,),
-    selectors: Sequence[str] = ("top1", "lilicorr"),
+    temperature: Sequence[NonNegativeFloat] | NonNegativeFloat = (0.0,),
+    selectors: Sequence[str] | str = ("top1", "lilicorr"),
     draft_sampling: Literal["both", "proposal", "point_mass"] = "both",
     chat_template: Literal["auto", "yes", "no"] = "auto",
     device: DeviceName | None = None,
@@ -504,6 +504,8 @@ def bench(
     from lilicorr_pl.decoding.benchmarks import check_benchmark, read_prompt_file, refuse_chat_records
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # One value, or a list: in a -c file as on the command line (`temperature: 0.7`, `selectors: top1,lilicorr`).
+    temperature = [temperature] if isinstance(temperature, (int, float)) else temperature
     temperatures = [float(t) for t in temperature]
     # Everything checkable is checked before the target (possibly billions of parameters) is loaded.
     path = Path(ckpt)

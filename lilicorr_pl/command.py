@@ -71,7 +71,10 @@ def _is_bool(hint: Any) -> bool:
 
 
 def _is_list(hint: Any) -> bool:
-    return typing.get_origin(_strip_optional(hint)) in (list, Sequence, typing.Sequence)
+    """A list option; or one value or a list (``Sequence[float] | float``), spelt as a list on the command line."""
+    hint = _strip_optional(hint)
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return any(typing.get_origin(option) in (list, Sequence, typing.Sequence) for option in options)
 
 
 def _is_value(token: str) -> bool:

@@ -184,6 +184,24 @@ def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_p
     assert "holds 2 prompts, fewer than --num_prompts 5: every result is over those 2" in capsys.readouterr().err
 
 
+def test_a_bench_config_file_takes_one_temperature_and_a_comma_list_of_selectors(tiny_run, tmp_path, capsys):
+    """In a -c file, `temperature: 0.5` and `selectors: top1,lilicorr` were refused ("expected Sequence") where the
+    command line takes the same values; a list in the file still works, and a bad value is named as before."""
+    _, ckpt = tiny_run
+    prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    config = tmp_path / "bench.yaml"
+    for text, temps, names in (("temperature: 0.5\nselectors: top1,lilicorr\n", [0.5], ["top1", "lilicorr"]),
+                               ("temperature: [0, 1]\nselectors: [lilicorr]\n", [0.0, 1.0], ["lilicorr"])):
+        config.write_text(f"ckpt: {ckpt}\nbenchmark: {prompts}\nnum_prompts: 1\nmax_new_tokens: 4\n" + text)
+        runs = cli_main(["bench", "-c", str(config)])
+        assert [r["temperature"] for r in runs] == temps and all(list(r["selectors"]) == names for r in runs)
+    config.write_text(f"ckpt: {ckpt}\nbenchmark: {prompts}\ntemperature: -0.5\n")
+    assert "temperature" in user_error(capsys, ["bench", "-c", str(config)])
+    run = cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "1", "--max-new-tokens",
+                    "4", "--temperature", "0.5", "--selectors", "top1"])  # the command line, as before
+    assert [r["temperature"] for r in run] == [0.5]
+
+
 def test_bench_compile_compiles_every_head_and_decodes_the_same_tokens(tiny_run, tmp_path):
     """--compile: the same τ and histograms as eager (same drafts), recorded in the JSON."""
     _, ckpt = tiny_run
