@@ -116,6 +116,7 @@ def run_bench(
     template: str | None = None,
     compile_mode: str = "default",
     prompt_tokens: int = 64,
+    prompts: Any = None,
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
@@ -127,6 +128,7 @@ def run_bench(
     plain-decoding baseline and to every arm.
     ``compile_mode``: ``torch.compile``'s mode for the compiled heads (``"reduce-overhead"``: in CUDA graphs).
     ``prompt_tokens``: the token budget of each standard-library prefix (the ``stdlib-*`` benchmarks).
+    ``prompts``: the benchmark's prompts already read with the target's tokenizer and these settings (None: read here).
     ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
     the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
     """
@@ -147,8 +149,9 @@ def run_bench(
         raise UserInputError(f"the target {target.name_or_path} holds no tokenizer (transformers made an empty one from "
                              "its config); save the target's tokenizer beside its weights (tokenizer.save_pretrained "
                              "into that directory), or pass --target")
-    prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
-                           enable_thinking=enable_thinking, seed=seed, template=template, prefix_tokens=prompt_tokens)
+    if prompts is None:
+        prompts = load_prompts(benchmark, target.tokenizer, num_prompts, chat_template=chat_template,
+                               enable_thinking=enable_thinking, seed=seed, template=template, prefix_tokens=prompt_tokens)
     check_context(prompts, max_new_tokens, target)
     if num_prompts is not None and len(prompts.input_ids) < num_prompts:  # said, and recorded beside the count
         print(f"[lilicorr] bench: {benchmark} holds {len(prompts.input_ids)} prompts, fewer than --num_prompts "
@@ -589,19 +592,22 @@ def bench(
 
         weights_digest = content_sha256(path / "model.safetensors")
     chat = {"auto": None, "yes": True, "no": False}[chat_template]
+    thinking = bool(meta.get("enable_thinking") or False)
     # The prompts against the target's context before its weights load (minutes for a large model): they need only
-    # its tokenizer and config. A too-long budget or prompt, or a prompts file that cannot be read, was said after.
+    # its tokenizer (the one the target loads with) and config. A too-long budget or prompt, or a prompts file that
+    # cannot be read, was said after. They are read once: the benchmark decodes these.
     from lilicorr_pl.decoding.benchmarks import load_prompts
 
+    prompts = None
     try:
-        tokenizer = tokenizer_of(str(system.target_path), "--target", trust_remote_code, required=False)
+        tokenizer = tokenizer_of(str(system.target_path), "--target", system.target_spec.trust_remote_code,
+                                 required=False)
     except Exception:  # noqa: BLE001 - a hub name not on this machine, a package it needs: the load says so below
         tokenizer = None
     if tokenizer is not None:
         try:
-            prompts = load_prompts(benchmark, tokenizer, num_prompts, chat_template=chat,
-                                   enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
-                                   template=template, prefix_tokens=prompt_tokens)
+            prompts = load_prompts(benchmark, tokenizer, num_prompts, chat_template=chat, enable_thinking=thinking,
+                                   seed=seed, template=template, prefix_tokens=prompt_tokens)
             check_context(prompts, max_new_tokens, SimpleNamespace(config=system.drafter.target_config))
         except (ValueError, ImportError) as err:
             raise UserInputError(str(err)) from None
@@ -611,10 +617,10 @@ def bench(
     try:
         runs = run_bench(
             system, benchmark, names, temperatures, num_prompts, max_new_tokens,
-            chat_template=chat, enable_thinking=bool(meta.get("enable_thinking") or False), seed=seed,
+            chat_template=chat, enable_thinking=thinking, seed=seed,
             timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
             draft_sampling=draft_sampling, compile=compile, compile_mode=compile_mode,
-            template=template, prompt_tokens=prompt_tokens,
+            template=template, prompt_tokens=prompt_tokens, prompts=prompts,
         )
     except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
         raise UserInputError(str(err)) from None
