@@ -5,12 +5,15 @@ goes through :func:`read_checkpoint`:
 
 - ``torch.load(weights_only=True)``: tensors and plain containers only; a pickled object (whose
   ``__reduce__`` could run anything) is refused before it is built;
-- a SHA-256 of the trainable state recorded at save time is checked, so a flipped byte is refused
-  instead of being benchmarked or trained on;
-- the components a checkpoint names (``class_path`` of drafter, head, losses, optimizer, scheduler)
-  must live in trusted packages: naming a module makes jsonargparse import it, which runs its code;
-- ``trust_remote_code`` is never taken from a checkpoint: only the user's own flag for this run enables
-  it, and a checkpoint trained with it is refused until the user passes that flag.
+- a SHA-256 of the trainable state recorded at save time is checked, and another of the records (hyper-parameters,
+  data settings, the training record), so a flipped byte is refused instead of being benchmarked, exported or
+  trained on;
+- every name a checkpoint gives that jsonargparse would import (``class_path`` of drafter, head, losses, optimizer,
+  scheduler, and any other dotted name in their options) must live in trusted packages: naming a module makes
+  jsonargparse import it, which runs its code;
+- ``trust_remote_code`` is never taken from a checkpoint, nor are target load options that fetch code (hub
+  kernels): only the user's own flag for this run enables them, and a checkpoint trained with them is refused until
+  the user passes that flag.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import json
 import pickle
 import re
 import signal
@@ -100,6 +104,33 @@ def state_checksum(state_dict: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
+RECORD_CHECKSUM_KEY = "record_sha256"
+# What a checkpoint records besides its weights, and what commands read from it: how to rebuild the system, the data
+# settings, and the training record (target layers, block size, mask token, thinking flag, data files, ...).
+_RECORDS = ("hyper_parameters", "datamodule_hyper_parameters", "lilicorr")
+
+
+def _plain_record(value: Any) -> Any:
+    """``value`` as JSON takes it, the same for the same record before a save and after a weights-only load: mappings
+    with their keys as text, tuples as lists, anything else (a dtype) by its ``repr``."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain_record(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_record(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return repr(value)
+
+
+def record_checksum(checkpoint: Mapping[str, Any]) -> str:
+    """SHA-256 over a checkpoint's records (:data:`_RECORDS`, this checksum itself left out), as canonical JSON: what
+    :func:`state_checksum` is for the weights, for the settings an export hands to an engine and a resume compares."""
+    parts = {key: checkpoint.get(key) for key in _RECORDS}
+    parts["lilicorr"] = {k: v for k, v in (parts["lilicorr"] or {}).items() if k != RECORD_CHECKSUM_KEY}
+    text = json.dumps(_plain_record(parts), sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def not_a_checkpoint_file(path: Path) -> str:
     """The message for a ``--ckpt`` that exists and is no file: a run's folder, a served export, or anything else."""
     if (path / "config.json").is_file():
@@ -152,7 +183,7 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"checkpoint {path} has no state_dict; is it a `lilicorr fit` checkpoint?")
     if verify:
-        verify_checksum(checkpoint, path)
+        verify_checksum(checkpoint, path, records=True)
     return checkpoint
 
 
@@ -193,13 +224,22 @@ def _verified_already(expected: Any) -> bool:
         return False
 
 
-def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
+def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None, records: bool = False) -> None:
     """Raise when the state dict differs from the checksum recorded at save time (unless it is the file a command
-    verified when it first opened it, unchanged since: :func:`verified_first`)."""
+    verified when it first opened it, unchanged since: :func:`verified_first`); with ``records``, also when the
+    checkpoint's records do (:func:`record_checksum`; a checkpoint as read from its file: Lightning's
+    ``load_from_checkpoint`` writes its keyword arguments into the hyper-parameters before the hooks see them)."""
     expected = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
     if _verified_already(expected):
         return
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
+    recorded = (checkpoint.get("lilicorr") or {}).get(RECORD_CHECKSUM_KEY)  # absent: written before it was recorded
+    if records and recorded is not None and record_checksum(checkpoint) != recorded:
+        raise CheckpointError(
+            f"{where} is corrupted: its recorded settings (hyper-parameters, data settings or training record: the "
+            "target's layers, the block size, the mask token, ...) do not match the checksum recorded when it was "
+            "saved; use another checkpoint (nothing was loaded)"
+        )
     if expected is None:
         warnings.warn(f"{where} records no checksum (written by an older lilicorr_pl); its integrity is not verified",
                       stacklevel=3)
@@ -211,16 +251,31 @@ def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = Non
         )
 
 
-def _class_paths(value: Any) -> Iterable[str]:
+# A string jsonargparse may import: a dotted Python name (``pkg.mod.obj``; it imports no name without a dot).
+_IMPORTABLE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+# The system's options that hold plain data, never a name jsonargparse imports: the target (a model's name or folder,
+# its dtype, layer ids), the warm starts' folders and the instantiator (checked on its own).
+_PLAIN_DATA_KEYS = frozenset({"target", "init_drafter_from", "init_head_from", "_instantiator", "target_logits"})
+
+
+def _class_paths(value: Any, top: bool = True) -> Iterable[str]:
+    """Every name in ``value`` that jsonargparse may import when it rebuilds the system: each ``class_path``, and any
+    other string that reads as a Python name (a callable's or a class's argument given by its import path,
+    ``lr_lambda: pkg.f``, or a component given as a bare class path, ``head: pkg.Head``: jsonargparse imports those
+    too). The system's plain-data options (:data:`_PLAIN_DATA_KEYS`) are not read."""
     if isinstance(value, Mapping):
         for key, item in value.items():
+            if top and key in _PLAIN_DATA_KEYS:
+                continue
             if key in ("class_path", "_class_path") and isinstance(item, str):
                 yield item
             else:
-                yield from _class_paths(item)
+                yield from _class_paths(item, top=False)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _class_paths(item)
+            yield from _class_paths(item, top=False)
+    elif isinstance(value, str) and not top and _IMPORTABLE.match(value):
+        yield value
 
 
 def config_modules(config: Any) -> list[str]:
@@ -243,11 +298,34 @@ def check_class_paths(hparams: Mapping[str, Any], path: str | Path, allow: Itera
         )
 
 
+# from_pretrained options that fetch or run code from elsewhere: the ``kernels`` hub (compiled kernels of any repo).
+_CODE_LOAD_KWARGS = ("use_kernels", "kernel_config", "allow_all_kernels", "code_revision")
+
+
+def code_load_kwargs(load_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """The options of ``model.target.load_kwargs`` that load code from elsewhere: the kernels options, and an
+    ``attn_implementation`` naming a hub repository (``org/name``: transformers downloads and loads its kernel)."""
+    load_kwargs = load_kwargs if isinstance(load_kwargs, Mapping) else {}
+    found = [k for k in _CODE_LOAD_KWARGS if load_kwargs.get(k) not in (None, False)]
+    attention = load_kwargs.get("attn_implementation")
+    if isinstance(attention, str) and "/" in attention:
+        found.append(f"attn_implementation: {attention}")
+    return found
+
+
 def check_remote_code(target_hparams: Mapping[str, Any] | None, allowed: bool, path: str | Path, flag: str) -> None:
-    """A checkpoint trained with ``trust_remote_code`` is refused until the user passes ``flag`` for this run."""
+    """A checkpoint trained with ``trust_remote_code``, or with target load options that load code from elsewhere
+    (:func:`code_load_kwargs`), is refused until the user passes ``flag`` for this run."""
     if target_hparams and target_hparams.get("trust_remote_code") and not allowed:
         raise CheckpointError(
             f"checkpoint {path} was trained with a target that needs trust_remote_code "
             f"({target_hparams.get('name_or_path')!r}); remote code is never enabled from a checkpoint: "
             f"pass {flag} if you trust that target's code"
+        )
+    fetched = code_load_kwargs((target_hparams or {}).get("load_kwargs"))
+    if fetched and not allowed:
+        raise CheckpointError(
+            f"checkpoint {path} loads its target with options that fetch and run code from elsewhere "
+            f"(model.target.load_kwargs: {', '.join(fetched)}); code is never loaded on a checkpoint's word: pass "
+            f"{flag} if you trust it"
         )

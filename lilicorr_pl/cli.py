@@ -77,8 +77,10 @@ def config_files(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def check_config_files(argv: Sequence[str]) -> None:
-    """A missing or malformed YAML config is one line naming the file (jsonargparse would say ``<unicode string>``)."""
+def check_config_files(argv: Sequence[str], sections: Sequence[str] = ()) -> None:
+    """A missing or malformed YAML config is one line naming the file (jsonargparse would say ``<unicode string>``).
+    ``sections``: keys whose text in a config names a file of that section's options (``model: model.yaml``, read
+    relative to the config's folder): one that is not there is named with where it was looked for."""
     import yaml
 
     for _, text in config_arguments(argv):
@@ -103,6 +105,12 @@ def check_config_files(argv: Sequence[str]) -> None:
             what = "empty" if loaded is None else f"a YAML {type(loaded).__name__}, not a mapping of options"
             raise UserInputError(f"config file {path} is {what}; write its options as \"name: value\" lines "
                                  "(see the subcommand's --print_config), or drop -c/--config")
+        for section in sections:
+            value = loaded.get(section)
+            if isinstance(value, str) and not is_inline_config(value) and not (path.parent / value).is_file():
+                raise UserInputError(f"{section}: {value} in config file {path} names no file: a section's file is "
+                                     f"read relative to its config's folder, and {path.parent / value} is not one; "
+                                     f"fix the name, or write the {section} options there as a mapping")
 
 
 def run(argv: Sequence[str]) -> Any:
@@ -110,7 +118,7 @@ def run(argv: Sequence[str]) -> Any:
     name = argv[0] if argv else None
     if name in LIGHTNING or name in TOOLS:
         argv = config_files(argv)
-        check_config_files(argv)
+        check_config_files(argv, ("model", "data") if name in LIGHTNING or name in OWN_PARSER else ())
     if name in LIGHTNING:
         from lilicorr_pl.lightning_cli import run_lightning
 

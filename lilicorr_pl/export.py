@@ -69,13 +69,17 @@ def export(
                                              allow_modules=list(allow_module),  # CheckpointError: one line
                                              target_path=target, load_target=False,  # the drafter and head only
                                              builtin_name=builtin_name_of)
-    # Not loaded, but its weight files are read (once per version: a memo) to say whether they are the ones the
-    # drafter trained against, as an engine will serve it with them.
-    system.warn_if_other_target({"lilicorr": system.checkpoint_meta}, "using it measures or serves")
     head = system.head if isinstance(system.head, LiLiCorrHead) else None
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
               "exporting the DFlash drafter alone", file=sys.stderr)
+    if head is not None and (head.decode != "greedy" or head.serve_top_k is not None):
+        # The layout has no field for them: the engines, and bench --ckpt DIR, walk greedily over every candidate.
+        chosen = ", ".join(f"{k}: {v}" for k, v in (("decode", head.decode), ("serve_top_k", head.serve_top_k))
+                           if (k == "decode" and v != "greedy") or (k == "serve_top_k" and v is not None))
+        print(f"lilicorr export: note: this checkpoint's head decodes with {chosen}, which the serving layout does not "
+              f"record; the export is served (and measured by bench --ckpt DIR) with the greedy walk over all "
+              f"{head.top_k} candidates", file=sys.stderr)
     from lilicorr_pl.target import resolve_dtype
 
     weights_dtype = resolve_dtype(system.target_spec.dtype if dtype == "auto" else dtype)
@@ -86,4 +90,8 @@ def export(
         raise UserInputError(str(err)) from None
     kind = LILICORR_ARCHITECTURE if head is not None else DFLASH_ARCHITECTURE
     print(f"exported {kind} to {out} ({str(weights_dtype).removeprefix('torch.')})")
+    # Not loaded, but its weight files are read (once per version: a memo) to say whether they are the ones the drafter
+    # trained against, as an engine will serve it with them: after the export, whose own checks (weights that are not
+    # finite) come first.
+    system.warn_if_other_target({"lilicorr": system.checkpoint_meta}, "using it measures or serves")
     return out

@@ -348,13 +348,22 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     if head is not None:
         _check_head_fits(head, drafter)
     output = check_output_dir(output, overwrite)
-    created = not output.exists()
+    # What is written, and its checks (weights that are not finite), before any folder is made.
+    cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
+    created = [folder for folder in (output, *output.parents) if not folder.exists()]  # the deepest first
     output.mkdir(parents=True, exist_ok=True)
-    # One export at a time into a folder: two at once would each publish their two files, and the folder could end
-    # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither export).
-    with _held_alone(output):
-        _check_contents(output, overwrite)  # again, held: another export may have finished into it since the check
-        _export_into(drafter, output, head, extra, dtype, head_mlp_names, created)
+    try:
+        # One export at a time into a folder: two at once would each publish their two files, and the folder could
+        # end with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
+        with _held_alone(output):
+            _check_contents(output, overwrite)  # again, held: another export may have finished into it since
+            _export_into(cfg, state, output, extra)
+    except BaseException:
+        for folder in created:  # the folders this call made, while empty: nothing else
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+        raise
     return output
 
 
@@ -369,19 +378,17 @@ def _held_alone(output: Path) -> Iterator[None]:
         raise ExportError(str(err)) from None
 
 
-def _export_into(drafter: DFlashDrafter, output: Path, head: LiLiCorrHead | None, extra: dict[str, Any] | None,
-                 dtype: torch.dtype | None, head_mlp_names: str, created: bool) -> None:
-    """:func:`export_drafter`'s writing, with ``output`` made and held: the files under temporary names inside it,
-    then renamed into place (``created``: the folder is this call's, removed again if the export fails empty)."""
+def _export_into(cfg: dict[str, Any], state: dict[str, torch.Tensor], output: Path,
+                 extra: dict[str, Any] | None) -> None:
+    """:func:`export_drafter`'s writing of ``cfg`` and ``state``, with ``output`` made and held: the files under
+    temporary names inside it, then renamed into place."""
     # The temporary files live inside the destination (same filesystem: each rename is atomic).
     tmp = Path(tempfile.mkdtemp(prefix=_EXPORT_TMP, suffix=f".{writer_tag()}.tmp", dir=output))
     try:
-        cfg = drafter_config(drafter, head, dtype)
         # Every export says it is one (what --overwrite may replace; a released drafter has no such key).
         # One id in both files: the two renames into place are two steps, and a reader holding the config of one
         # export and the weights of another (an --overwrite killed between them) is told so (read_weights). The id is
         # a digest of what is exported, so the same weights and config export to the same bytes.
-        state = export_state(drafter, head, dtype, head_mlp_names)
         cfg[EXPORT_MARKER] = {"version": __import__("lilicorr_pl").__version__, **(extra or {})}
         content = json.dumps(cfg, sort_keys=True).encode() + state_checksum(state).encode()
         cfg[EXPORT_MARKER][EXPORT_ID] = export_id = hashlib.sha256(content).hexdigest()[:32]
@@ -393,8 +400,6 @@ def _export_into(drafter: DFlashDrafter, output: Path, head: LiLiCorrHead | None
         _publish(files, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if created and not any(output.iterdir()):
-            output.rmdir()  # the empty directory this call made, nothing else
         raise
     shutil.rmtree(tmp, ignore_errors=True)  # our own temporary directory, empty by now
 
@@ -425,7 +430,34 @@ def read_config(directory: str | Path) -> dict[str, Any]:
                          "it") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not a model config; re-export it")
+    problem = _dflash_config_problem(cfg.get("dflash_config"))
+    if problem:
+        raise ValueError(f"{cfg_path}: dflash_config {problem}; is it a damaged export? re-export it")
     return cfg
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dflash_config_problem(dflash: Any) -> str | None:
+    """What is wrong with a serving config's ``dflash_config`` for the loaders that read it (None: nothing): a
+    mapping, its layer ids a non-empty list of integers, its mask token an integer (they were tracebacks: ``'list'
+    object has no attribute 'get'``, ``int() argument must be … not 'NoneType'``, ``max() arg is an empty
+    sequence``)."""
+    if dflash is None:
+        return None
+    if not isinstance(dflash, dict):
+        return f"is a JSON {type(dflash).__name__}, not an object"
+    layer_ids = dflash.get("target_layer_ids")
+    if layer_ids is not None and not (isinstance(layer_ids, list) and layer_ids and all(map(_is_int, layer_ids))):
+        return f"target_layer_ids is {json.dumps(layer_ids)}, not a non-empty list of integers"
+    if "mask_token_id" in dflash and not _is_int(dflash["mask_token_id"]):
+        return f"mask_token_id is {json.dumps(dflash['mask_token_id'])}, not an integer"
+    for key in ("block_size",):
+        if dflash.get(key) is not None and not _is_int(dflash[key]):
+            return f"{key} is {json.dumps(dflash[key])}, not an integer"
+    return None
 
 
 def _require_sizes(cfg: dict[str, Any], cfg_path: Path) -> None:
@@ -486,6 +518,9 @@ def load_drafter(directory: str | Path, attention: str = "auto",
         raise ValueError(
             f"{cfg_path} lacks block_size or dflash_config.target_layer_ids; is it a DFlash drafter config?"
         )
+    if cfg.get("num_target_layers") is not None and not _is_int(cfg["num_target_layers"]):
+        raise ValueError(f"{cfg_path}: num_target_layers is {json.dumps(cfg['num_target_layers'])}, not an integer; "
+                         "is it a damaged export? re-export it")
     target_like = Qwen3Config(
         **{k: cfg[k] for k in QWEN3_FIELDS if k in cfg},
         num_hidden_layers=int(cfg.get("num_target_layers", max(layer_ids) + 1)),
@@ -500,6 +535,14 @@ def load_drafter(directory: str | Path, attention: str = "auto",
     ).build(target_like, layer_ids)
     tensors = read_weights(directory) if weights is None else weights
     state = {k: v for k, v in tensors.items() if not k.startswith(HEAD_PREFIX)}
+    built = drafter.state_dict()
+    other = [k for k, v in state.items() if k in built and tuple(v.shape) != tuple(built[k].shape)]
+    if other:  # torch's load raised a RuntimeError listing every tensor: one line, the first named with both shapes
+        key = other[0]
+        raise ValueError(f"{weights_path}: {len(other)} tensors do not have the shapes its config.json describes "
+                         f"({key}: {list(state[key].shape)} in the file, {list(built[key].shape)} from the config); "
+                         "check config.json's sizes (hidden_size, head_dim, num_attention_heads, intermediate_size, "
+                         "...) against the weights, or re-export it")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights_path}: keys do not match a DFlash drafter: missing {missing[:6]}, unexpected {unexpected[:6]}")

@@ -435,8 +435,32 @@ def _config_sources(args: Sequence[str]) -> list[_Config]:
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue  # the -c files were checked before parsing; jsonargparse has read what it could
         where = f"the inline {flag} config" if inline else f"config file {text}"
-        out.append(_Config(i, where, flag.lstrip("-") if flag != "-c" else "", loaded))
+        section = flag.lstrip("-") if flag != "-c" else ""
+        files = _section_files(loaded, Path(text).parent) if not inline and not section else {}
+        if files:  # ``model: model.yaml``: that file stands for the section, read where jsonargparse reads it
+            loaded = {k: v for k, v in loaded.items() if k not in files}
+        out.append(_Config(i, where, section, loaded))
+        out += [_Config(i, f"config file {path}", name, content) for name, (path, content) in files.items()]
     return out
+
+
+def _section_files(loaded: Any, folder: Path) -> dict[str, tuple[Path, Any]]:
+    """The ``model``/``data`` sections a config names by a file (``model: model.yaml``, relative to the config's
+    folder, as jsonargparse reads it): ``{section: (path, its YAML)}``; one that cannot be read is left out, for
+    jsonargparse to name."""
+    import yaml
+
+    found = {}
+    for name in ("model", "data"):
+        value = loaded.get(name) if isinstance(loaded, dict) else None
+        if not isinstance(value, str) or is_inline_config(value):
+            continue
+        path = folder / value
+        try:
+            found[name] = (path, yaml.safe_load(path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+    return found
 
 
 def _assignments(args: Sequence[str], sources: list[_Config], key: str) -> list[tuple[int, Any]] | None:
@@ -613,6 +637,13 @@ class LilicorrCLI(LightningCLI):
             parsers = getattr(self, "_subcommand_parsers", None)  # fit, validate, ...; none for prepare and perf
             named = next((a for a in args if a in parsers), None) if parsers else None
             refuse_linked_options(args, self._default_of(named) if named or not parsers else None)
+            # A linked option is refused under the key it is copied to, and named by its source, unless a config sets
+            # that key itself (``model: {max_length: abc}`` was refused as data.max_length's value).
+            given = [c.options for c in _config_sources(args)]
+            aliases = {t: s for t, s in ShortUsageParser.parse_aliases.items()
+                       if all(_yaml_at(options, t) is _UNSET for options in given)}
+            for each in [parser, *(parsers or {}).values()]:
+                each.parse_aliases = aliases
             try:
                 self.config = parser.parse_args(args)
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback

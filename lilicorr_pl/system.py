@@ -33,12 +33,14 @@ from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters, 
 
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
+    RECORD_CHECKSUM_KEY,
     CheckpointError,
     UserInputError,
     check_class_paths,
     check_remote_code,
     first_line,
     read_verified,
+    record_checksum,
     state_checksum,
     verified_first,
     verify_checksum,
@@ -756,6 +758,9 @@ class DraftSystem(L.LightningModule):
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
+        # The records too, last (Lightning calls this hook after writing the others): verified when a command reads
+        # the file (a changed byte there changed the layer ids an export wrote for an engine).
+        checkpoint["lilicorr"][RECORD_CHECKSUM_KEY] = record_checksum(checkpoint)
         # The global random streams travel with callbacks.RandomStateCheckpoint (in every shipped fit config).
 
     def target_weights_fingerprint(self, sampled: bool = False) -> str | None:

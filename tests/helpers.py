@@ -231,3 +231,17 @@ def _renamed_head() -> type:
 
 
 RenamedLiLiCorrHead = _renamed_head()
+
+
+def save_edited(state: dict, path) -> None:
+    """Save a checkpoint whose records a test edited as ``lilicorr fit`` would have written those records: its record
+    checksum (when it has one) computed again, so what is tested is the edited setting, not the checksum that would
+    refuse a changed byte."""
+    import torch
+
+    from lilicorr_pl.checkpoint import RECORD_CHECKSUM_KEY, record_checksum
+
+    record = state.get("lilicorr")
+    if isinstance(record, dict) and RECORD_CHECKSUM_KEY in record:
+        record[RECORD_CHECKSUM_KEY] = record_checksum(state)
+    torch.save(state, path)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import save_edited
 from lilicorr_pl.heads import (
     CorrectorHead,
     DominoHead,
@@ -659,7 +660,7 @@ def test_a_domino_checkpoint_of_the_first_form_is_rebuilt_as_it_was_trained(tmp_
     for key in FIRST_FORM:  # what the first version recorded: gru_hidden, rank, gated
         del init_args[key]
     old = tmp_path / "old.ckpt"
-    torch.save(checkpoint, old)
+    save_edited(checkpoint, old)
     assert as_trained({"class_path": "lilicorr_pl.heads.DominoHead", "init_args": {"gru_hidden": 8}})["init_args"] == {
         "gru_hidden": 8, **FIRST_FORM}
     assert as_trained({"class_path": "x.LiLiCorrHead", "init_args": {}}) == {"class_path": "x.LiLiCorrHead",

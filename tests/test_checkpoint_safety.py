@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import user_error
-from helpers import make_tiny_target_dir
+from helpers import make_tiny_target_dir, save_edited
 from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.checkpoint import CheckpointError, UserInputError, read_checkpoint, state_checksum
 from lilicorr_pl.cli import main as cli_main
@@ -145,7 +145,7 @@ def _with_target(tmp_path: Path, good: Path, **changes) -> Path:
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["target"].update(changes)
     path = tmp_path / "remote.ckpt"
-    torch.save(state, path)
+    save_edited(state, path)
     return path
 
 
@@ -166,6 +166,29 @@ def test_trust_remote_code_is_never_taken_from_a_checkpoint(tiny_run, tmp_path, 
     assert DraftSystem.from_checkpoint(good).target_spec.trust_remote_code is False
 
 
+def test_target_load_options_that_fetch_code_are_never_taken_from_a_checkpoint(tiny_run, tmp_path, capsys):
+    """``model.target.load_kwargs`` went from a checkpoint to ``from_pretrained`` unread: an ``attn_implementation``
+    naming a hub repository (with ``allow_all_kernels``) has transformers download and load that repository's compiled
+    kernel, a second way to run a stranger's code beside trust_remote_code, refused the same way."""
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    path = _with_target(tmp_path, good, load_kwargs={"attn_implementation": "attacker-org/evil-kernel",
+                                                     "allow_all_kernels": True})
+    line = ("loads its target with options that fetch and run code from elsewhere (model.target.load_kwargs: "
+            "allow_all_kernels, attn_implementation: attacker-org/evil-kernel); code is never loaded on a checkpoint's "
+            "word: pass --trust-remote-code if you trust it")
+    with pytest.raises(CheckpointError, match=re.escape(line)):
+        DraftSystem.from_checkpoint(path, load_target=False)
+    err = user_error(capsys, ["bench", "--ckpt", str(path), "--num-prompts", "1", "--max-new-tokens", "2"])
+    assert line in err and "not available in the local cache" not in err, err
+    # The user's own flag takes them; the options transformers implements itself are data.
+    assert DraftSystem.from_checkpoint(path, trust_remote_code=True, load_target=False) is not None
+    for options in ({"attn_implementation": "sdpa"}, {"use_kernels": False, "low_cpu_mem_usage": True}):
+        plain = _with_target(tmp_path, good, load_kwargs=options)
+        assert DraftSystem.from_checkpoint(plain, load_target=False).target_spec.load_kwargs == options
+
+
 def test_components_outside_trusted_packages_are_not_imported(tiny_run, tmp_path):
     """Naming a module in class_path makes jsonargparse import it (running its code): refused."""
     from lilicorr_pl.system import DraftSystem
@@ -174,9 +197,75 @@ def test_components_outside_trusted_packages_are_not_imported(tiny_run, tmp_path
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["head"]["class_path"] = "antigravity.Head"
     path = tmp_path / "foreign.ckpt"
-    torch.save(state, path)
+    save_edited(state, path)
     with pytest.raises(CheckpointError, match="outside the trusted packages.*antigravity"):
         DraftSystem.from_checkpoint(path)
+
+
+@pytest.mark.parametrize("edit, named", [
+    # A string under a callable's argument: jsonargparse imports it (the module `this` printed the Zen of Python).
+    (lambda h: h.update(lr_scheduler={"class_path": "torch.optim.lr_scheduler.LambdaLR",
+                                      "init_args": {"lr_lambda": "antigravity.fly"}}), "antigravity.fly"),
+    # A component given as a bare class path, without class_path: imported the same way.
+    (lambda h: h.update(head="antigravity.Head"), "antigravity.Head"),
+])
+def test_every_name_jsonargparse_would_import_is_checked_not_only_class_paths(tiny_run, tmp_path, capsys, edit,
+                                                                              named):
+    """Only ``class_path`` values were checked: a checkpoint naming a module anywhere else had it imported (its code
+    run) by export, bench and ``from_checkpoint``, under a trusted class."""
+    import sys
+
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    edit(state["hyper_parameters"])
+    path = tmp_path / "foreign.ckpt"
+    save_edited(state, path)
+    sys.modules.pop("antigravity", None)
+    with pytest.raises(CheckpointError, match=f"outside the trusted packages: \\['{named}'\\]"):
+        DraftSystem.from_checkpoint(path, load_target=False)
+    err = user_error(capsys, ["export", "--ckpt", str(path), "--output", str(tmp_path / "out")])
+    assert f"outside the trusted packages: ['{named}']" in err, err
+    assert "antigravity" not in sys.modules and not (tmp_path / "out").exists()
+    # Plain data with dots is not a name: the target's folder, a model's hub id.
+    from lilicorr_pl.checkpoint import check_class_paths
+
+    check_class_paths({"target": {"name_or_path": "models.v2"}, "head": {"class_path": "lilicorr_pl.heads.Top1Selector",
+                                                                        "init_args": {"decode": "greedy"}}}, path)
+
+
+def test_a_changed_byte_in_a_checkpoints_records_is_refused_like_one_in_its_weights(tiny_run, tmp_path, capsys):
+    """The checksum covered the weights alone: a byte flipped in the records (the target's layer ids) passed, and the
+    export told an engine to feed the drafter other layers ([1, 3] for the [1, 2] it trained on)."""
+    _, good = tiny_run
+    data = bytearray(good.read_bytes())
+    at = data.find(b"layer_ids")
+    second = data.find(b"K\x02", at)  # pickle's BININT1 2: the second layer id
+    assert at > 0 and 0 < second - at < 30
+    data[second + 1] = 3
+    flipped = tmp_path / "flipped.ckpt"
+    flipped.write_bytes(bytes(data))
+    recorded = torch.load(flipped, map_location="cpu", weights_only=True)["hyper_parameters"]["target"]["layer_ids"]
+    assert recorded == [1, 3]
+    message = "its recorded settings (hyper-parameters, data settings or training record"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        read_checkpoint(flipped)
+    for argv in (["export", "--ckpt", str(flipped), "--output", str(tmp_path / "out")],
+                 ["bench", "--ckpt", str(flipped), "--num-prompts", "1", "--max-new-tokens", "2"]):
+        err = user_error(capsys, argv)
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        _resume(tmp_path, flipped)
+    assert message in capsys.readouterr().err
+    # An edit through torch (the checksum left as it was) is refused the same way; the record as written is read.
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["lilicorr"]["block_size"] = 4
+    torch.save(state, tmp_path / "edited.ckpt")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        read_checkpoint(tmp_path / "edited.ckpt")
+    assert read_checkpoint(good)["lilicorr"]["block_size"] == 8
 
 
 def test_an_instantiator_other_than_lightnings_is_refused_unimported(tiny_run, tmp_path):
@@ -187,7 +276,7 @@ def test_an_instantiator_other_than_lightnings_is_refused_unimported(tiny_run, t
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["_instantiator"] = "antigravity.fly"
     path = tmp_path / "instantiator.ckpt"
-    torch.save(state, path)
+    save_edited(state, path)
     with pytest.raises(CheckpointError, match="unknown instantiator 'antigravity.fly'"):
         DraftSystem.from_checkpoint(path)
 
@@ -199,7 +288,7 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["head"]["class_path"] = "no_such_heads_pkg.Head"
     path = tmp_path / "foreign.ckpt"
-    torch.save(state, path)
+    save_edited(state, path)
     args = ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--ckpt", str(path), "--steps", "1", "--warmup", "0"]
     err = user_error(capsys, args)
     assert "outside the trusted packages" in err and "no_such_heads_pkg" in err and "--allow-module" in err
@@ -246,7 +335,7 @@ def test_validate_and_resume_trust_the_components_their_own_config_names(tiny_ru
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["head"]["class_path"] = "helpers.RenamedLiLiCorrHead"
     path = tmp_path / "custom.ckpt"
-    torch.save(state, path)
+    save_edited(state, path)
     base = ["validate", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--ckpt_path={path}",
             f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
             "--trainer.limit_val_batches=1"]
@@ -266,7 +355,7 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
     here = state["hyper_parameters"]["target"]["name_or_path"]
     state["hyper_parameters"]["target"]["name_or_path"] = str(tmp_path / "elsewhere" / "target")
     moved = tmp_path / "moved.ckpt"
-    torch.save(state, moved)
+    save_edited(state, moved)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
     bench = ["bench", "--ckpt", str(moved), "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "3",
@@ -295,7 +384,7 @@ def test_bench_and_export_take_the_target_from_where_it_is_on_this_machine(tiny_
     assert runs[0]["selectors"]["top1"]["lossless"] is True
     # A checkpoint trained on Windows records a path that is not a hub id either: refused with the same line.
     state["hyper_parameters"]["target"]["name_or_path"] = "C:\\Users\\me\\target"
-    torch.save(state, tmp_path / "windows.ckpt")
+    save_edited(state, tmp_path / "windows.ckpt")
     err = user_error(capsys, [*bench[:2], str(tmp_path / "windows.ckpt"), *bench[3:]])
     assert "C:\\Users\\me\\target" in err and "--target" in err
     out = tmp_path / "exported"
@@ -353,7 +442,7 @@ def test_changed_weights_are_refused_before_the_target_loads_and_good_ones_hashe
     key = next(k for k, v in state["state_dict"].items() if k.startswith("drafter.") and v.is_floating_point())
     state["state_dict"][key] = state["state_dict"][key] + 1.0  # the recorded checksum kept: changed weights
     bad = tmp_path / "changed.ckpt"
-    torch.save(state, bad)
+    save_edited(state, bad)
     loads = []
     real_load = FrozenTarget.from_pretrained.__func__
     monkeypatch.setattr(FrozenTarget, "from_pretrained",
@@ -421,7 +510,7 @@ def test_tensors_its_own_config_does_not_build_are_not_blamed_on_the_target(tiny
     state["state_dict"][key.replace("drafter.", "drafter.renamed_", 1)] = state["state_dict"].pop(key)
     state["lilicorr"]["state_sha256"] = state_checksum(state["state_dict"])  # intact, as written
     odd = tmp_path / "odd.ckpt"
-    torch.save(state, odd)
+    save_edited(state, odd)
     err = user_error(capsys, ["export", "--ckpt", str(odd), "--output", str(tmp_path / "out")])
     assert f"checkpoint {odd} holds tensors that the drafter/head config it records does not build (missing " in err
     assert err.strip().endswith("it was edited, or written by another version of lilicorr_pl: use a checkpoint "
@@ -550,7 +639,7 @@ def test_a_tensor_of_another_shape_is_named_with_both_shapes_not_matched_by_torc
     state["state_dict"][key] = state["state_dict"][key][:-1].clone()  # one row fewer
     state["lilicorr"]["state_sha256"] = state_checksum(state["state_dict"])  # a consistent file, of other shapes
     resized = tmp_path / "resized.ckpt"
-    torch.save(state, resized)
+    save_edited(state, resized)
     with pytest.raises(CheckpointError) as err:
         DraftSystem.from_checkpoint(resized)
     expected = f"{key} is {[original[0] - 1, original[1]]} in the checkpoint and {list(original)} here"
@@ -828,7 +917,7 @@ def test_a_checkpoint_recording_a_count_beside_its_layer_list_still_loads_and_re
     assert target["layer_ids"] == [1, 2]
     target["num_features"] = 4
     old = tmp_path / "old.ckpt"
-    torch.save(checkpoint, old)
+    save_edited(checkpoint, old)
     system = DraftSystem.from_checkpoint(old, map_location="cpu", load_target=False)
     assert system.drafter.target_layer_ids == [1, 2]
     now = {"target": {**target, "num_features": 5}}

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import save_edited
 from lilicorr_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -733,6 +734,10 @@ def test_a_bad_value_is_rejected_when_parsed(argv, line, capsys, tmp_path, monke
 
 @pytest.mark.parametrize("subcommand, text, line", [
     ("fit", "model: {num_anchors: abc}", "model.num_anchors: abc is not an integer"),
+    # A linked pair: each value under the key the file gives it (model.max_length's was named data.max_length, the
+    # key jsonargparse's refusal is renamed to where the link copied the value from data.max_length).
+    ("fit", "model: {max_length: abc}", "model.max_length: abc is not an integer"),
+    ("fit", "data: {max_length: abc}", "data.max_length: abc is not an integer"),
     ("fit", "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
             "      init_args: {logging_interval: hour}",
      "trainer.callbacks.init_args.logging_interval (LearningRateMonitor): hour is not one of step, epoch"),
@@ -1093,7 +1098,7 @@ def test_a_run_resumes_and_is_measured_where_the_cache_folder_is_another(tmp_pat
     relative = tmp_path / "relative.ckpt"
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     saved["hyper_parameters"]["target"]["name_or_path"] = f"relcache/{Path(here).name}"
-    torch.save(saved, relative)
+    save_edited(saved, relative)
     assert DraftSystem.from_checkpoint(relative, load_target=False).target_spec.name_or_path == \
         system.target_spec.name_or_path
     monkeypatch.setenv("LILICORR_CACHE", str(tmp_path / "empty"))
@@ -1394,6 +1399,42 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
     err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {name_or_path: 2024-01-01}}}"])
     assert err.splitlines()[-1].startswith('lilicorr fit: error: data.target.name_or_path "2024-01-01" in the '
                                            'inline'), err
+
+
+def test_a_sections_file_named_inside_a_config_is_read_by_the_link_check(tmp_path, capsys, monkeypatch):
+    """``model: model.yaml`` in a config (jsonargparse reads that file, relative to the config's folder, as the
+    section): its model.max_length was overwritten by the link without a word, as the same key in the config itself is
+    refused; a file that is not there was "model: model.yaml is not a config file or a mapping of its keys"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "model.yaml").write_text("max_length: 5\n")
+    (tmp_path / "cfg" / "run.yaml").write_text("model: model.yaml\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(tmp_path / "cfg" / "run.yaml")])
+    assert err.splitlines()[-1] == (
+        f"lilicorr fit: error: model.max_length 5 in config file {tmp_path / 'cfg' / 'model.yaml'} would be "
+        "overwritten by data.max_length (64), which sets it; drop model.max_length from that config, or set "
+        "data.max_length instead")
+    # The file agreeing with its source passes to the next check; so does data.target in a data section's file.
+    (tmp_path / "cfg" / "model.yaml").write_text("max_length: 64\nnum_anchors: 8\n")
+    (tmp_path / "cfg" / "data.yaml").write_text("max_length: 64\ntarget: {dtype: float16}\n")
+    (tmp_path / "cfg" / "run.yaml").write_text("model: model.yaml\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", "cfg/run.yaml", "--trainer.max_steps=0"])
+    assert "lilicorr fit: error: trainer.max_steps 0 trains nothing" in err, err
+    (tmp_path / "cfg" / "run.yaml").write_text("data: data.yaml\n")
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", "cfg/run.yaml"])
+    assert err.splitlines()[-1].startswith(
+        f"lilicorr fit: error: data.target.dtype float16 in config file {Path('cfg') / 'data.yaml'} would be "
+        "overwritten by model.target.dtype (float32)"), err
+    # Looked for beside the config, not in the working folder (where jsonargparse does not look either).
+    (tmp_path / "model.yaml").write_text("max_length: 64\n")
+    (tmp_path / "cfg" / "run.yaml").write_text("model: other.yaml\n")
+    for command in ("fit", "prepare"):
+        err = user_error(capsys, [command, "-c", TINY, "-c", "cfg/run.yaml"])
+        assert err.splitlines()[-1] == (
+            f"lilicorr {command}: error: model: other.yaml in config file cfg/run.yaml names no file: a section's "
+            f"file is read relative to its config's folder, and {Path('cfg') / 'other.yaml'} is not one; fix the "
+            "name, or write the model options there as a mapping"), err
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("texts, before, after, refused_at", [
@@ -1892,7 +1933,7 @@ def test_a_checkpoint_from_before_whole_file_digests_still_matches_its_target(tm
     del state["lilicorr"]["target_weights_hash"]
     state["lilicorr"]["target_weights"] = sampled
     assert CHECKSUM_KEY in state["lilicorr"]  # the checksum covers the weights, not this record
-    torch.save(state, old)
+    save_edited(state, old)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     bench = ["bench", "--benchmark", str(prompts), "--num_prompts", "1", "--max_new_tokens", "2", "--selectors", "top1",
@@ -1903,7 +1944,7 @@ def test_a_checkpoint_from_before_whole_file_digests_still_matches_its_target(tm
     assert run["target_weights_trained"] == sampled and run["same_target_as_training"] is True
     assert run["target_weights"] == sampled and run["target_weights_hash"] == "sampled"  # both by the rule compared
     state["lilicorr"]["target_weights_hash"] = "content"  # the same record read by the new rule: another target
-    torch.save(state, old)
+    save_edited(state, old)
     with pytest.warns(UserWarning, match="is not the one this checkpoint trained against"):
         (run,) = main([*bench, "--ckpt", str(old)])
     assert run["same_target_as_training"] is False

@@ -576,6 +576,33 @@ def test_an_export_that_overflows_its_dtype_is_refused(tiny_target, tmp_path):
                                               r"the run diverged before this checkpoint; export an earlier checkpoint"):
             export_drafter(drafter, tmp_path / "nan", dtype=dtype)
     assert not (tmp_path / "nan").exists()
+    # Refused before any folder is made (the folders above --output were left behind, empty), and a failure while
+    # writing removes the empty folders the export made, none it did not.
+    with pytest.raises(ExportError, match="hold NaN or inf"):
+        export_drafter(drafter, tmp_path / "a" / "b" / "c")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_failed_export_removes_the_empty_folders_it_made_and_only_those(tiny_target, tmp_path, monkeypatch):
+    import lilicorr_pl.interop as interop
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(interop, "save_file", full_disk)
+    for output in (tmp_path / "mine" / "x" / "y", tmp_path / "new" / "z"):
+        with pytest.raises(OSError, match="No space left"):
+            export_drafter(drafter, output)
+    assert not (tmp_path / "new").exists() and not (tmp_path / "mine" / "x").exists()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    (tmp_path / "empty").mkdir()  # a folder of the user's, empty: not this export's to remove
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(drafter, tmp_path / "empty")
+    assert (tmp_path / "empty").is_dir()
 
 
 def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
@@ -627,6 +654,37 @@ def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"lacks \['hidden_size'\]"):
         served_head(out)
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda c: c.__setitem__("head_dim", 2 * c["head_dim"]), "tensors do not have the shapes its config.json "
+     "describes (layers.0.self_attn."),
+    (lambda c: c["dflash_config"].__setitem__("mask_token_id", None), "dflash_config mask_token_id is null, not an "
+     "integer"),
+    (lambda c: c.__setitem__("dflash_config", [1]), "dflash_config is a JSON list, not an object"),
+    (lambda c: c["dflash_config"].__setitem__("target_layer_ids", 2), "dflash_config target_layer_ids is 2, not a "
+     "non-empty list of integers"),
+    (lambda c: c["dflash_config"].__setitem__("target_layer_ids", []), "dflash_config target_layer_ids is [], not a "
+     "non-empty list of integers"),
+    (lambda c: c.__setitem__("num_target_layers", "4"), 'num_target_layers is "4", not an integer'),
+])
+def test_a_served_config_that_disagrees_with_its_weights_or_is_malformed_is_one_line(tmp_path, edit, line):
+    """bench --ckpt DIR and the warm starts read a served directory's config.json: a size that disagrees with the
+    weights was torch's RuntimeError listing every tensor, and a field of the wrong type a TypeError or AttributeError
+    (``'list' object has no attribute 'get'``), or ``max() arg is an empty sequence``."""
+    from lilicorr_pl.system import DraftSystem
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    out = export_drafter(_system(target_dir, head=False).drafter, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        DraftSystem.from_export(out, target_dir)
+    assert line in str(err.value) and "\n" not in str(err.value), err.value
+    with pytest.raises(ValueError) as again:  # the warm start's loader, the same line
+        load_drafter(out)
+    assert str(again.value) == str(err.value)
 
 
 def test_the_same_export_is_the_same_bytes(tiny_target, tmp_path):
@@ -681,6 +739,30 @@ def test_overwrite_refuses_a_link_or_a_folder_under_an_exported_files_name_befor
     (c / "config.json").mkdir()
     with pytest.raises(ExportError, match=r"exC/config\.json is a directory"):
         export_drafter(drafter, c, overwrite=True)
+
+
+def test_export_says_when_the_heads_decoding_options_do_not_travel(tiny_run, tmp_path, capsys):
+    """A head decoded with Viterbi or a narrower lattice (``serve_top_k``) exported without a word, and the served
+    directory decodes greedily over every candidate (README said it decodes exactly as the checkpoint)."""
+    from helpers import save_edited
+    from lilicorr_pl.cli import main
+    from lilicorr_pl.system import DraftSystem
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["head"]["init_args"].update(decode="viterbi", serve_top_k=2)
+    edited = tmp_path / "viterbi.ckpt"
+    save_edited(state, edited)
+    capsys.readouterr()
+    out = main(["export", "--ckpt", str(edited), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert ("lilicorr export: note: this checkpoint's head decodes with decode: viterbi, serve_top_k: 2, which the "
+            "serving layout does not record; the export is served (and measured by bench --ckpt DIR) with the greedy "
+            "walk over all 4 candidates") in err, err
+    served = DraftSystem.from_export(out, state["hyper_parameters"]["target"]["name_or_path"])
+    assert (served.head.decode, served.head.serve_top_k) == ("greedy", None)
+    main(["export", "--ckpt", str(good), "--output", str(tmp_path / "plain")])
+    assert "decodes with" not in capsys.readouterr().err
 
 
 def test_export_cli_refuses_a_linked_config_in_the_output_before_loading(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny_target, tiny_qwen3_config
+from helpers import save_edited
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from tokenizers import Tokenizer, models
 
@@ -290,7 +291,7 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
     # A checkpoint whose recorded target is a drafter's folder: named as its, with the option that gives another.
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     state["hyper_parameters"]["target"]["name_or_path"] = str(drafter)
-    torch.save(state, tmp_path / "moved.ckpt")
+    save_edited(state, tmp_path / "moved.ckpt")
     err = user_error(capsys, ["bench", "--num_prompts", "1", "--ckpt", str(tmp_path / "moved.ckpt")])
     assert err.strip().endswith(f"checkpoint {tmp_path / 'moved.ckpt'}'s target {drafter} is a drafter "
                                 "(DFlashDraftModel), not a target model: loaded as one its embeddings and LM head "
@@ -314,7 +315,7 @@ def test_a_drafter_a_model_missing_weights_or_no_tokenizer_is_refused_not_loaded
     assert err.strip().endswith("--target 'org/none' is neither a local model directory nor a reachable hub model "
                                 "(OSError); pass the target model's directory or hub name"), err
     state["hyper_parameters"]["target"]["name_or_path"] = "org/none"
-    torch.save(state, tmp_path / "hub.ckpt")
+    save_edited(state, tmp_path / "hub.ckpt")
     err = user_error(capsys, ["bench", "--num_prompts", "1", "--ckpt", str(tmp_path / "hub.ckpt")])
     assert err.strip().endswith(f"checkpoint {tmp_path / 'hub.ckpt'}'s target 'org/none' is neither a local model "
                                 "directory nor a reachable hub model (OSError); pass the target model's directory or "

@@ -53,6 +53,21 @@ def test_empty_stdlib_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
         corpus.stdlib_files("validation")  # type: ignore[arg-type]
 
 
+def test_the_corpus_key_follows_the_files_bytes_not_only_their_sizes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stdlib file edited in place at the same size (a distribution's patch, a one-character fix) is other corpus
+    text: the key that names the target's build and the demo's data must change with it (it hashed names and
+    sizes, so the stale build and data were reused)."""
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "decoder.py").write_text("def loads(s):\n    return s\n")
+    (tmp_path / "heapq.py").write_text("def push(h, x):\n    h.append(x)\n")
+    before = corpus.corpus_fingerprint()
+    assert corpus.corpus_fingerprint() == before  # deterministic
+    (tmp_path / "heapq.py").write_text("def push(h, y):\n    h.append(y)\n")  # the same size
+    assert corpus.corpus_fingerprint() != before
+
+
 def test_loads_with_auto_classes_and_padded_vocab(built: tuple[Path, Path]) -> None:
     _, directory = built
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
