@@ -329,6 +329,34 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _recorded_base(recorded_root: Any, root_now: Any) -> Path | None:
+    """The folder a recorded run's relative paths were relative to (its working folder), where its record names its
+    root relatively and that root is this run's (``run`` recorded, ``/d/run`` now: ``/d``); None where unknown."""
+    if not isinstance(recorded_root, str) or not recorded_root or os.path.isabs(os.path.expanduser(recorded_root)):
+        return None
+    parts = Path(os.path.normpath(recorded_root)).parts
+    here = Path(os.path.realpath(str(root_now)))
+    if ".." in parts or len(parts) >= len(here.parts) or here.parts[-len(parts):] != parts:
+        return None
+    return here.parents[len(parts) - 1]
+
+
+def _same_place(recorded: Any, now: Any, base: Path | None) -> bool:
+    """Whether two settings name the same files or folders: paths (or lists of them) that resolve to the same place,
+    the recorded ones relative to ``base`` (the recorded run's working folder), this run's to the working folder."""
+    if isinstance(recorded, (list, tuple)) and isinstance(now, (list, tuple)):
+        return len(recorded) == len(now) and bool(recorded) and all(
+            a == b or _same_place(a, b, base) for a, b in zip(recorded, now))
+    if not (isinstance(recorded, str) and isinstance(now, str) and recorded and now):
+        return False
+    was = os.path.expanduser(recorded)
+    if not os.path.isabs(was):
+        if base is None:
+            return False
+        was = str(base / was)
+    return os.path.realpath(was) == os.path.realpath(os.path.expanduser(now))
+
+
 def _callback_list(given: Any) -> list[Any]:
     """``trainer.callbacks`` as a list: a config (or ``reporting``) may give none, one callback, or a list of them."""
     if not given:
@@ -563,6 +591,45 @@ def check_linked_options(args: Sequence[str], config: Any, subcommand: str | Non
                     f"{source}{suffix} instead")
 
 
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+MERGED_MAPPINGS = ("model.loss_weights", "model.target.load_kwargs")
+"""The plain mapping options: given by more than one config, they merge (:func:`merged_mapping_args`)."""
+
+
+def merged_mapping_args(args: Sequence[str]) -> list[str]:
+    """``args`` with, after each config that sets a :data:`MERGED_MAPPINGS` option an earlier config set too, the
+    option that sets it to their merge (``--model.loss_weights={...}``): configs overlay a mapping key by key, as the
+    command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's mapping replace an earlier one's
+    whole (``-c margin.yaml -c penalty_heavy.yaml`` trained without the margin variant's weights, under its name);
+    as an option, the merge is what ``--print_config`` prints and the run records. A ``null`` empties it; a mapping
+    holding an interpolation (``${...}``) is left to omegaconf, as it was."""
+    sources = _config_sources(args)
+    after: dict[int, list[str]] = {}
+    for path in MERGED_MAPPINGS:
+        merged: Any = _UNSET
+        for source in sources:
+            value = _yaml_at(source.options, path)
+            if value is _UNSET:
+                continue
+            if isinstance(value, dict) and isinstance(merged, dict):
+                merged = _deep_merge(merged, value)
+                text = json.dumps(merged, separators=(",", ":"), default=str)
+                if merged != value and "${" not in text:
+                    after.setdefault(source.position, []).append(f"--{path}={text}")
+            else:
+                merged = value
+    out: list[str] = []
+    for i, token in enumerate(args):
+        out += [token, *after.get(i, [])]
+    return out
+
+
 def interpolation_refusal(err: Exception, args: Sequence[str]) -> str:
     """omegaconf's refusal of a config's ``${...}``, in one line naming the key, its config and the fix."""
     from omegaconf.errors import InterpolationKeyError
@@ -645,7 +712,7 @@ class LilicorrCLI(LightningCLI):
             for each in [parser, *(parsers or {}).values()]:
                 each.parse_aliases = aliases
             try:
-                self.config = parser.parse_args(args)
+                self.config = parser.parse_args(merged_mapping_args(args))
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
                 raise UserInputError(interpolation_refusal(err, args)) from None
             check_linked_options(args, self.config, self.config.get("subcommand"),
@@ -1194,6 +1261,9 @@ class LilicorrCLI(LightningCLI):
         # is another (another node, another $LILICORR_CACHE) writes the same record.
         differing = sorted(k for k in set(saved) | set(current)
                            if k != "ckpt_path" and portable(saved.get(k)) != portable(current.get(k)))
+        # The same folders and files spelt otherwise (relative here, absolute there): the same command again.
+        base = _recorded_base(saved.get("trainer.default_root_dir"), trainer.default_root_dir)
+        differing = [k for k in differing if not _same_place(saved.get(k), current.get(k), base)]
         if not differing:
             return
         if resuming:

@@ -13,6 +13,7 @@ that round on this machine instead, with random weights at the same shapes: :fun
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -36,12 +37,42 @@ from lilicorr_pl.models.dflash import DFlashDrafter
 from lilicorr_pl.target import CompileModeName, DeviceName
 
 
-def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2) -> dict[str, float]:
+TIMED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+"""The ``trainer.precision`` values a timed step runs as ``fit`` runs them (Lightning's spelling; ``bf16``, ``16`` and
+32 are the same)."""
+
+
+def step_precision(precision: Any) -> str:
+    """``trainer.precision`` in Lightning's spelling, refused (ValueError) where :func:`profile_steps` cannot run a
+    step as ``fit`` would (it timed every step in float32, whatever the config said)."""
+    import warnings
+
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    with warnings.catch_warnings():  # "bf16 is supported for historical reasons": the same setting, no news here
+        warnings.simplefilter("ignore")
+        try:
+            unified = str(_convert_precision_to_unified_args(32 if precision is None else precision))
+        except ValueError:
+            unified = str(precision)
+    if unified not in TIMED_PRECISIONS:
+        raise ValueError(f"trainer.precision {precision} is not one lilicorr perf times a step in (it times "
+                         f"{', '.join(TIMED_PRECISIONS)}); time the step with --trainer.precision=bf16-mixed or "
+                         "32-true")
+    return unified
+
+
+def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 2,
+                  precision: str = "32-true", gradient_clip_val: float | None = None,
+                  gradient_clip_algorithm: str | None = None) -> dict[str, float]:
     """Mean seconds per step for each phase over ``steps`` steps after ``warmup`` untimed ones.
 
     Timed with Lightning's ``SimpleProfiler``, through the same profiler actions the system reports under a
     Trainer (``lilicorr fit --trainer.profiler=simple``): the phases of ``compute_step``, then backward and
-    optimizer.
+    optimizer. The step is the one ``fit`` takes: the system's own optimizer (``model.optimizer``; it was AdamW
+    whatever the config named), the forward under autocast for a ``*-mixed`` ``precision`` (float16's with a gradient
+    scaler), and the gradients clipped as the Trainer clips them (``gradient_clip_val``, by norm unless
+    ``gradient_clip_algorithm`` is ``value``), in the optimizer phase.
 
     With the system's context memo on (``model.context_memo_mb``), the steps run with it as ``fit``'s do, timed in
     its steady state: a fit revisits every example many times (the demo's head stage about 140), so the memo is
@@ -54,13 +85,30 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
 
     system.configure_model()
     system.train()
-    opt = torch.optim.AdamW(system.trainable_parameters(), lr=1e-4)
+    params = system.trainable_parameters()
+    opt = system.optimizer_factory(params)
+    device = next(iter(params)).device
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(step_precision(precision))
+    scaler = torch.amp.GradScaler(device.type) if half is torch.float16 else None
+
+    def autocast() -> Any:
+        return torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext()
+
+    def clip() -> None:
+        if gradient_clip_val:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
     profiler, untimed = SimpleProfiler(), PassThroughProfiler()
     memo, hit_rate = system.context_memo, None
     try:
         if memo is not None:
             memo.clear(counts=True)
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 for batch in batches:
                     system.compute_step(batch, memo=memo)
         for i in range(warmup + steps):
@@ -70,13 +118,18 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
                 before = (memo.hits, memo.misses)
             system.profiler = active
             with active.profile("step_total"):
-                with active.profile("forward"):
+                with active.profile("forward"), autocast():
                     out = system.compute_step(batch, memo=memo)
                 opt.zero_grad(set_to_none=True)
                 with active.profile("backward"):
-                    out["loss"].backward()
+                    (scaler.scale(out["loss"]) if scaler is not None else out["loss"]).backward()
                 with active.profile("optimizer"):
-                    opt.step()
+                    clip()
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
         if memo is not None:
             hits, misses = memo.hits - before[0], memo.misses - before[1]
             hit_rate = hits / (hits + misses)
@@ -913,7 +966,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except (ValueError, OSError) as err:
             raise UserInputError(str(err)) from None
     system, dm = cli.model, cli.datamodule
+    trainer = options.get("trainer") or {}
     try:
+        precision = step_precision(trainer.get("precision"))
         if options.penalty_error:
             if dm.feature_cache:  # exact candidate logits come from the online target, which offline features replace
                 raise UserInputError("--penalty_error compares the logit store with exact logits from the online "
@@ -961,6 +1016,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy(),
                      "device": str(next(system.drafter.parameters()).device),
                      "config": {key: plain_data(options.get(key)) for key in ("model", "data")}}
+    if not options.penalty_error:  # how the step ran: as fit's Trainer runs it
+        measured_with.update(precision=precision, gradient_clip_val=trainer.get("gradient_clip_val"),
+                             gradient_clip_algorithm=trainer.get("gradient_clip_algorithm"))
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
@@ -968,7 +1026,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if options.json:
             write_results_json(Path(options.json), {**result, "measured_with": measured_with}, "perf")
         return result
-    result = profile_steps(system, batches, options.steps, options.warmup)
+    result = profile_steps(system, batches, options.steps, options.warmup, precision=precision,
+                           gradient_clip_val=trainer.get("gradient_clip_val"),
+                           gradient_clip_algorithm=trainer.get("gradient_clip_algorithm"))
     total = result["step_total"]
     print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={options.steps})")
     for k in ("target", "drafter", "head", "losses", "other_forward", "backward", "optimizer", "step_total"):

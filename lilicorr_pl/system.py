@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn.parameter import is_lazy
 
@@ -117,6 +118,13 @@ _RESUME_IGNORED_KEYS = ("_instantiator", "init_drafter_from", "init_head_from", 
                         "context_memo_mb")  # a speed setting: the same numbers either way
 
 
+def _without_kernel(spec: Any) -> Any:
+    """A module's recorded config without its attention kernel (``init_args.attention``)."""
+    if isinstance(spec, dict) and isinstance(spec.get("init_args"), dict) and "attention" in spec["init_args"]:
+        return {**spec, "init_args": {k: v for k, v in spec["init_args"].items() if k != "attention"}}
+    return spec
+
+
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Compare a checkpoint's model settings with this run's: raise on fixed keys, return the applied changes."""
     saved, current = plain_data(dict(saved)), plain_data(dict(current))
@@ -126,7 +134,10 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) 
                        if k not in _RESUME_IGNORED_KEYS and current.get(k) != saved.get(k))
     if "target" in differing and _target_identity(current.get("target")) == _target_identity(saved.get("target")):
         differing.remove("target")  # only how it is loaded changed (e.g. load_kwargs), not which target
-    refused = [k for k in differing if k in RESUME_FIXED_KEYS]
+    # The attention kernel of the drafter or head (auto, sdpa, flex, ...) is how it computes, not what: the same weights
+    # go on training (a run pinned to flex resumes on a machine without it); applied and listed, as validate takes it.
+    refused = [k for k in differing if k in RESUME_FIXED_KEYS
+               and not (k in INJECTED_MODULES and _without_kernel(saved.get(k)) == _without_kernel(current.get(k)))]
     if refused:
         detail = "; ".join(f"model.{path}: checkpoint {_short(was)} vs now {_short(now)}"
                            for k in refused for path, was, now in _differences(saved.get(k), current.get(k), k)[:3])
@@ -519,6 +530,12 @@ class DraftSystem(L.LightningModule):
         self._run_total_steps: int | None = None  # trainer.estimated_stepping_batches of the fit (curricula)
         self.checked_target: dict[str, Any] | None = None  # validate/test/predict: the target compared with the ckpt's
         self._trained_against: list[dict[str, Any]] | None = None  # a resumed fit: the targets its steps trained against
+        # A resumed fit: the training metrics of the checkpoint's epoch so far (restored where the data go on inside
+        # that epoch), and whether the first epoch after the resume has them (else its epoch means are not logged).
+        self._resumed_train_metrics: dict[str, Any] | None | bool = False
+        self._partial_train_epoch = False
+        self._partial_data_epoch: int | None = None
+        self._ended_epoch_record: dict[str, Any] | None = None  # the sums of the epoch that ended last
 
     @staticmethod
     def _apply_loss_flags(
@@ -755,6 +772,9 @@ class DraftSystem(L.LightningModule):
             # against the last alone.
             "target_weights_history": self._target_history(),
             "total_steps": self._run_total_steps,  # the run length curricula anneal over
+            # The running epoch's training metrics so far, for a resume inside the epoch (one process: under several,
+            # each holds its own share, so none is saved and such an epoch's means are not logged).
+            "train_epoch_metrics": self._train_metrics_record(),
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
         }
@@ -864,6 +884,7 @@ class DraftSystem(L.LightningModule):
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
             self.warn_if_other_target(checkpoint, "resuming trains")
             self._record_resumed_target(checkpoint)
+            self._resumed_train_metrics = (checkpoint.get("lilicorr") or {}).get("train_epoch_metrics")
             return
         if self._trainer is not None:  # validate/test/predict measure the drafter against the target read now
             fn = self.trainer.state.fn
@@ -1255,7 +1276,54 @@ class DraftSystem(L.LightningModule):
             self.epoch_means[name] = MeanMetric(nan_strategy="disable").to(self.device)
         return self.epoch_means[name]
 
+    def _train_metrics_record(self) -> dict[str, Any] | None:
+        """The running epoch's training metric sums (plain floats, float64: exact) — or, before the next epoch's first
+        step, those of the epoch that ended last (a stop inside an epoch ends it, and the checkpoint written at the
+        stop is resumed inside it) — or None where there are none, they are one process's share of several, or they
+        cover only the steps since a resume."""
+        metrics = self.train_metrics
+        if self._trainer is None or self.trainer.world_size > 1 or self._partial_train_epoch:
+            return None
+        if not metrics.update_called:
+            return self._ended_epoch_record
+        return {"epoch": int(self.current_epoch), "updates": int(metrics._update_count),
+                "states": {name: value.detach().cpu().tolist() for name, value in metrics.metric_state.items()}}
+
+    def on_train_start(self) -> None:
+        """After a resume inside an epoch (Lightning goes on with that epoch without starting it again), the epoch's
+        metrics start from the checkpoint's sums (its earlier steps'), so ``train/epoch_*`` is the whole epoch's, as an
+        uninterrupted run logs it; they covered only the steps since the resume, under the whole epoch's name. Where
+        the checkpoint has none (several processes, an older checkpoint), the epoch's means are not logged
+        (:meth:`on_train_epoch_end`)."""
+        record, self._resumed_train_metrics = self._resumed_train_metrics, False
+        if record is False:
+            return
+        at = getattr(getattr(self.trainer, "datamodule", None), "resumed_mid_epoch", None)
+        if at is None:  # the data start the epoch at its first batch (a finished epoch, another order)
+            return
+        metrics = self.train_metrics
+        # The data's epoch (Lightning may count the resumed epoch as the next one when the stop came mid-epoch).
+        states = record.get("states") if isinstance(record, dict) and record.get("epoch") == at else None
+        current = metrics.metric_state
+        if not isinstance(states, dict) or set(states) != set(current) or any(
+                torch.tensor(states[k]).shape != current[k].shape for k in current):
+            self._partial_train_epoch = True
+            self._partial_data_epoch = at
+            return
+        for name, value in current.items():
+            setattr(metrics, name, torch.tensor(states[name], dtype=value.dtype, device=value.device))
+        metrics._update_count = int(record.get("updates") or 0)
+
     def on_train_epoch_end(self) -> None:
+        self._ended_epoch_record = self._train_metrics_record()  # read by a save after this end (a stop's)
+        if self._partial_train_epoch:
+            self._partial_train_epoch = False
+            self.train_metrics.reset()
+            rank_zero_warn(f"train/epoch_* of the epoch this fit resumed inside (the data's epoch "
+                           f"{self._partial_data_epoch}) are not logged: the checkpoint holds none of that epoch's "
+                           "earlier metrics (several processes, or an older lilicorr_pl), so they would cover only the "
+                           "steps since the resume")
+            return
         self._log_metrics("train", self.train_metrics)
 
     def on_validation_epoch_end(self) -> None:

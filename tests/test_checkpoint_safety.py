@@ -300,7 +300,8 @@ def test_perf_takes_foreign_component_names_only_when_allowed(tiny_run, tmp_path
     config = measured_with.pop("config")
     assert measured_with == {
         "ckpt": str(path), "state_sha256": state["lilicorr"]["state_sha256"], "steps": 1, "threads": 1, "warmup": 0,
-        "malloc": malloc_policy(), "device": "cpu"}
+        "malloc": malloc_policy(), "device": "cpu", "precision": "32-true", "gradient_clip_val": 1.0,
+        "gradient_clip_algorithm": None}
     # ... and with which settings: two files of other configs could not be told apart.
     assert config["model"]["num_anchors"] == 32 and config["data"]["max_length"] == 64
     assert config["model"]["drafter"]["init_args"]["block_size"] == 8 and config["model"]["target"]["name_or_path"]
@@ -561,6 +562,24 @@ def test_resume_never_silently_takes_the_checkpoints_settings(tiny_run, tmp_path
     cli = _resume(tmp_path, good, "--model.num_anchors=16")
     assert cli.model.num_anchors == 16 and cli.trainer.global_step == 3
     assert "model.num_anchors: 32 -> 16" in capsys.readouterr().out
+    # The drafter's attention kernel is how it computes, not what (validate already took it): applied and listed,
+    # where it was refused as "other drafter settings" (a run pinned to flex could not move to a machine without it).
+    shutil.rmtree(tmp_path / "runs")
+    cli = _resume(tmp_path, good, "--model.drafter.init_args.attention=sdpa")
+    assert cli.model.drafter.attention == "sdpa" and cli.trainer.global_step == 3
+    assert "model.drafter: " in capsys.readouterr().out
+
+
+def test_a_resume_refuses_a_drafter_or_head_of_other_settings_not_another_attention_kernel():
+    from lilicorr_pl.system import check_resume_settings
+
+    drafter = {"class_path": "lilicorr_pl.models.DFlashDrafter", "init_args": {"num_layers": 2, "attention": "auto"}}
+    saved = {"drafter": drafter, "num_anchors": 32}
+    other_kernel = {"drafter": {**drafter, "init_args": {"num_layers": 2, "attention": "flex"}}, "num_anchors": 32}
+    changes = check_resume_settings(saved, other_kernel)  # applied, and listed
+    assert len(changes) == 1 and changes[0].startswith("model.drafter: ") and "flex" in changes[0], changes
+    with pytest.raises(CheckpointError, match="model.drafter.init_args.num_layers: checkpoint 2 vs now 3"):
+        check_resume_settings(saved, {"drafter": {**drafter, "init_args": {"num_layers": 3, "attention": "flex"}}})
 
 
 @pytest.mark.parametrize("case, message", [

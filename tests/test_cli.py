@@ -244,6 +244,33 @@ def test_a_new_fit_is_refused_over_another_runs_record_and_the_same_run_again_is
     assert Path(cli.trainer.ckpt_path).resolve() == (root / "checkpoints" / "last-v1.ckpt").resolve()
 
 
+def test_the_same_run_with_its_folder_spelt_otherwise_is_the_same_run(tmp_path, capsys, monkeypatch):
+    """A retry of the same command with the root given relative where the first was absolute (or the reverse) was
+    refused as "another run (its data.cache_dir: '/…/run/cache', this run's: 'run/cache')": the same folders."""
+    import warnings
+
+    from lilicorr_pl.lightning_cli import _recorded_base, _same_place
+
+    monkeypatch.chdir(tmp_path)
+    fit = ["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+           "--trainer.enable_progress_bar=false"]
+    main([*fit, "--trainer.default_root_dir=run"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "last-v1.ckpt beside last.ckpt": the same run again, as any retry
+        cli = main([*fit, f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert cli.trainer.global_step == 1
+    # Another setting is still another run, whatever the spelling.
+    err = user_error(capsys, [*fit, "--trainer.default_root_dir=./run", "--model.num_anchors=8"])
+    assert "records another run (its model.num_anchors: 32, this run's: 8)" in err, err
+    # The rule: recorded paths resolve against the folder the recorded root was relative to.
+    assert _recorded_base("run", tmp_path / "run") == Path(os.path.realpath(tmp_path))
+    assert _recorded_base("a/run", tmp_path / "run") is None and _recorded_base(str(tmp_path), tmp_path) is None
+    assert _same_place("run/cache", str(tmp_path / "run" / "cache"), tmp_path)
+    assert _same_place(["d.jsonl"], [str(tmp_path / "d.jsonl")], tmp_path)
+    assert not _same_place("run/cache", str(tmp_path / "other"), tmp_path)
+    assert not _same_place("run/cache", str(tmp_path / "run" / "cache"), None)  # relative to an unknown folder
+
+
 def test_resume_with_nothing_to_resume_is_a_new_run_and_guarded_like_one(tmp_path, capsys):
     """--ckpt_path=last where no checkpoint is (a batch script's first submission) starts a new run, as Lightning does;
     it skipped the guard and replaced the config.yaml another run (or the user) had left in the folder."""
@@ -1399,6 +1426,47 @@ def test_a_config_files_value_for_an_option_a_link_sets_is_refused_unless_it_agr
     err = user_error(capsys, ["fit", "-c", TINY, "-c", "{data: {target: {name_or_path: 2024-01-01}}}"])
     assert err.splitlines()[-1].startswith('lilicorr fit: error: data.target.name_or_path "2024-01-01" in the '
                                            'inline'), err
+
+
+def test_a_mapping_two_configs_set_is_their_merge_as_the_command_line_merges(tmp_path, capsys, monkeypatch):
+    """``-c margin.yaml -c penalty_heavy.yaml`` (README: penalty_heavy applies after a LiLiCorr overlay): the later
+    file's ``loss_weights`` replaced the earlier one's whole, so the run trained the base weights under the margin
+    variant's name, while the same weight on the command line was merged in. Configs now overlay a mapping key by key;
+    what --print_config prints is what the run records and trains."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    ablations = ROOT / "configs" / "ablations"
+
+    def printed(*argv: str) -> dict:
+        with pytest.raises(SystemExit):
+            main(["fit", "-c", TINY, *argv, "--print_config"])
+        return yaml.safe_load(capsys.readouterr().out)
+
+    both = [f"-c={ablations / 'margin.yaml'}", "-c", str(ablations / "penalty_heavy.yaml")]
+    assert printed(*both)["model"]["loss_weights"] == {"oracle_prefix_ce": 0.125, "margin_hinge": 0.125,
+                                                       "distractor_penalty": 1.0}
+    assert printed(*both, "--model.loss_weights.margin_hinge=0.5")["model"]["loss_weights"] == {
+        "oracle_prefix_ce": 0.125, "margin_hinge": 0.5, "distractor_penalty": 1.0}
+    (tmp_path / "reset.yaml").write_text("model:\n  loss_weights: null\n")
+    assert printed(both[0], "-c", "reset.yaml", *both[1:])["model"]["loss_weights"] == {"distractor_penalty": 1.0}
+    # The target's load options too (a recipe's attn_implementation was dropped by an overlay's revision), in the
+    # data module's linked copy as well: the data are tokenized and their logits computed by the same load.
+    (tmp_path / "a.yaml").write_text("model:\n  target:\n    load_kwargs: {attn_implementation: sdpa}\n")
+    (tmp_path / "b.yaml").write_text("model:\n  target:\n    load_kwargs: {low_cpu_mem_usage: true}\n")
+    config = printed("-c", "a.yaml", "-c", "b.yaml")
+    assert config["model"]["target"]["load_kwargs"] == {"attn_implementation": "sdpa", "low_cpu_mem_usage": True}
+    from lilicorr_pl.lightning_cli import LilicorrCLI, merged_mapping_args
+
+    args = merged_mapping_args(["fit", "-c", TINY, "-c", "a.yaml", "-c", "b.yaml"])
+    assert args[-1] == '--model.target.load_kwargs={"attn_implementation":"sdpa","low_cpu_mem_usage":true}'
+    from lilicorr_pl.system import DraftSystem
+    from lilicorr_pl.data import DraftDataModule
+
+    cli = LilicorrCLI(DraftSystem, DraftDataModule, run=False, args=["-c", TINY, "-c", "a.yaml", "-c", "b.yaml"],
+                      save_config_callback=None)
+    assert cli.datamodule.target.load_kwargs == cli.model.target_spec.load_kwargs == {
+        "attn_implementation": "sdpa", "low_cpu_mem_usage": True}
 
 
 def test_a_sections_file_named_inside_a_config_is_read_by_the_link_check(tmp_path, capsys, monkeypatch):

@@ -521,7 +521,7 @@ def test_demo_compile_on_a_machine_that_cannot_is_refused_before_any_work(tmp_pa
     assert not (tmp_path / "demo").exists()
 
 
-def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(tmp_path):
+def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(tmp_path, monkeypatch):
     """--jobs 2: a stage that fails in its background process raises one line naming the stage, the exit code,
     the last line of its output and where the whole output is; no stage is left training."""
     from conftest import save_tiny_target
@@ -537,8 +537,8 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     frozen = FrozenTarget.from_pretrained(target, load_tokenizer=False, num_features=3)
     broken = export_drafter(DFlashDrafter(num_layers=2, block_size=16).build(frozen.config, frozen.layer_ids),
                             tmp_path / "broken-drafter")
-    # A crash, not a user's setting (a file that is no safetensors is now one line naming it): a tensor of another
-    # shape under a drafter's name, which torch's load_state_dict refuses with a RuntimeError.
+    # A user's mistake in a stage's start (a tensor of another shape under a drafter's name: torch's RuntimeError once,
+    # one line now) is the user's one-line error, with the stage named and where its output is.
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -547,15 +547,28 @@ def test_a_stage_failing_in_its_background_process_stops_the_demo_with_its_log(t
     tensors = load_file(str(broken / "model.safetensors"))
     tensors["fc.weight"] = torch.zeros(3, 5)
     save_file(tensors, str(broken / "model.safetensors"), metadata=metadata)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(run.UserInputError) as refused:
         run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, broken, "k", steps=2, head_steps=2,
+                       seed=0, jobs=2)
+    assert "(fc.weight: [3, 5] in the file, [32, 96] from the config)" in str(refused.value)
+    assert " stage; its output is in " in str(refused.value)
+    # A crash, not a user's setting: every stage's process dies as it starts (its interpreter's site module failing).
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("raise SystemExit('a crash in a background stage')\n")
+    monkeypatch.syspath_prepend(str(hook))  # a stage's process is started with this process's path
+    good = export_drafter(DFlashDrafter(num_layers=2, block_size=16).build(frozen.config, frozen.layer_ids),
+                          tmp_path / "good-drafter")
+    with pytest.raises(RuntimeError) as err:
+        run.train_arms(["dflash", "domino"], tmp_path / "demo", target, data, good, "k", steps=2, head_steps=2,
                        seed=0, jobs=2)
     message = str(err.value)
     assert "background process (exit code 1)" in message and "--jobs 1 runs every stage in this process" in message
     stage = "dflash" if message.startswith("the dflash stage") else "domino"
-    start = f"k-{run.file_digest(broken / 'model.safetensors')}"  # the start stage's key and its drafter's checksum
+    start = f"k-{run.file_digest(good / 'model.safetensors')}"  # the start stage's key and its drafter's checksum
     log_file = tmp_path / "demo" / "runs" / f"{stage}-{run.arm_key(stage, start, 2, 0)}" / "train.log"
-    assert f"its output is in {log_file}" in message and "size mismatch for fc.weight" in log_file.read_text()
+    assert f"its output is in {log_file}" in message and "a crash in a background stage" in log_file.read_text()
+    assert message.split(": ", 1)[1].startswith("SystemExit: a crash in a background stage; its output is in"), message
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     if children.exists():  # Linux: the other stage's process was stopped, not left training
         def cmdline(pid: str) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -362,3 +363,52 @@ def test_a_resume_that_changes_which_parameters_train_is_refused_up_front():
                                                   rf"checkpoint {saved} vs now {now}\)"):
             check_resume_settings({"freeze_drafter": saved}, {"freeze_drafter": now})
     assert check_resume_settings({"freeze_drafter": True}, {"freeze_drafter": True}) == []
+
+
+def _epoch_rows(root: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, train/epoch_* values) of every epoch row the CSV logger wrote under ``root``, in order."""
+    import csv
+
+    rows = []
+    for path in sorted(root.glob("csv/version_*/metrics.csv")):
+        for row in csv.DictReader(path.open()):
+            values = {k: float(v) for k, v in row.items() if k.startswith("train/epoch_") and v}
+            if values:
+                rows.append((int(row["step"]), values))
+    return rows
+
+
+def test_a_resume_inside_an_epoch_logs_that_epochs_metrics_over_all_of_it(tmp_path, monkeypatch):
+    """The training metrics' epoch means were not checkpointed: a fit stopped inside an epoch and resumed logged that
+    epoch's train/epoch_* over the steps since the resume alone, under the whole epoch's name (top1_prefix 0.065 for an
+    uninterrupted run's 0.034). They now go on from the checkpoint's sums, to the same numbers; a checkpoint without
+    them (several processes, an older one) leaves that epoch's means unlogged, with a warning."""
+    from lilicorr_pl.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+
+    def fit(name: str, steps: int, *extra: str) -> None:
+        cli_main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={name}",
+                  "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={name}",
+                  "--trainer.logger.init_args.name=csv", "--trainer.log_every_n_steps=1", "--model.lr_scheduler=null",
+                  "--trainer.enable_progress_bar=false", f"--trainer.max_steps={steps}", *extra])
+
+    fit("whole", 16)  # an epoch is 15 steps: its means at step 14, then one step of the next
+    fit("resumed", 8)
+    shutil.copy(tmp_path / "resumed" / "checkpoints" / "last.ckpt", tmp_path / "first.ckpt")
+    fit("resumed", 16, "--ckpt_path=last")
+    whole, resumed = _epoch_rows(tmp_path / "whole"), _epoch_rows(tmp_path / "resumed")
+    assert [step for step, _ in whole] == [14, 15]
+    # The stop at max_steps ends its run's epoch there (as it ends the whole run's at 15); the resumed run logs the
+    # epoch it went on with over all of it: the same numbers as the whole run's, bit for bit.
+    assert [step for step, _ in resumed] == [7, 14, 15] and resumed[1] == whole[0]
+    # A checkpoint without the epoch's sums: that epoch is not logged under its name.
+    from helpers import save_edited
+
+    state = torch.load(tmp_path / "first.ckpt", map_location="cpu", weights_only=True)
+    state["lilicorr"]["train_epoch_metrics"] = None
+    save_edited(state, tmp_path / "older.ckpt")
+    with pytest.warns(UserWarning, match=r"train/epoch_\* of the epoch this fit resumed inside \(the data's epoch 0\) "
+                                         r"are not logged"):
+        fit("older", 16, f"--ckpt_path={tmp_path / 'older.ckpt'}")
+    assert [step for step, _ in _epoch_rows(tmp_path / "older")] == [15]

@@ -64,6 +64,46 @@ def test_perf_times_the_head_stage_with_its_context_memo_served_as_in_a_fit(caps
     assert "context_memo_hit_rate" not in plain and plain["drafter"] > 0
 
 
+def test_perf_times_the_step_fit_takes_its_optimizer_precision_and_clipping(tmp_path, capsys, monkeypatch):
+    """perf timed AdamW in float32 whatever the config named (``model.optimizer: SGD``, ``trainer.precision:
+    bf16-mixed``), and its JSON recorded the optimizer it had not run; the Trainer's gradient clipping was left out."""
+    import json
+
+    import torch
+
+    from conftest import user_error
+
+    seen: dict = {}
+    real_autocast, real_clip = torch.autocast, torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: seen.setdefault("sgd", True) and None)
+
+    def autocast(device_type, dtype=None, **kwargs):
+        seen.setdefault("autocast", dtype)
+        return real_autocast(device_type, dtype=dtype, **kwargs)
+
+    def clip(params, max_norm, *args, **kwargs):
+        seen["clip"] = max_norm
+        return real_clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    out = tmp_path / "perf.json"
+    main(["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path / 'run'}",
+          "--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--trainer.precision=bf16",
+          "--trainer.gradient_clip_val=0.5", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert seen == {"sgd": True, "autocast": torch.bfloat16, "clip": 0.5}
+    measured_with = json.loads(out.read_text())["measured_with"]
+    assert (measured_with["precision"], measured_with["gradient_clip_val"]) == ("bf16-mixed", 0.5)
+    assert measured_with["config"]["model"]["optimizer"]["class_path"] == "torch.optim.SGD"
+    # A precision perf does not run a step in: one line, before the data are built.
+    err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--trainer.precision=bf16-true",
+                              f"--trainer.default_root_dir={tmp_path / 'other'}", "--steps", "1"])
+    assert err.strip().endswith("error: trainer.precision bf16-true is not one lilicorr perf times a step in (it times "
+                                "32-true, bf16-mixed, 16-mixed); time the step with --trainer.precision=bf16-mixed or "
+                                "32-true"), err
+    assert not (tmp_path / "other" / "cache").exists()
+
+
 def test_perf_penalty_error_refuses_offline_features_before_any_work(capsys):
     """Exact logits need the online target: with the feature store on, the check stops in one line, up front."""
     from conftest import user_error

@@ -527,6 +527,12 @@ class DraftDataModule(L.LightningDataModule):
         kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
+    @property
+    def resumed_mid_epoch(self) -> int | None:
+        """The epoch the training loader went on with from a checkpoint's position inside it (None: it starts its
+        epoch at the first batch)."""
+        return self._train_loader.resumed_at_epoch if self._train_loader is not None else None
+
     def train_dataloader(self) -> ResumableLoader:
         if self.train_dataset is None:
             raise RuntimeError("call setup('fit') before train_dataloader()")

@@ -67,6 +67,9 @@ class ResumableLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated", category=UserWarning)
             super().__init__(*args, **kwargs)
         self.order = dict(order)
+        # The epoch a loaded state went on with from where it stopped (None: this loader starts its epoch at its first
+        # batch): the training metrics of that epoch's earlier steps are the checkpoint's, not this run's.
+        self.resumed_at_epoch: int | None = None
         # Whether the running epoch has had its last batch, as the training loop counts it (limit_train_batches
         # included; the loader's own count is not in its state with workers); None where no loop runs.
         self.epoch_finished: Callable[[], bool | None] | None = None
@@ -98,3 +101,4 @@ class ResumableLoader(StatefulDataLoader):
         # Before any iterator exists: the fast-forward below replays this epoch's order, not epoch 0's.
         self.sampler.set_epoch(epoch)
         super().load_state_dict(state_dict["loader"])
+        self.resumed_at_epoch = epoch
