@@ -378,7 +378,7 @@ def _epoch_rows(root: Path) -> list[tuple[int, dict[str, float]]]:
     return rows
 
 
-def test_a_resume_inside_an_epoch_logs_that_epochs_metrics_over_all_of_it(tmp_path, monkeypatch):
+def test_a_fit_extended_from_a_stop_inside_an_epoch_logs_and_trains_as_an_uninterrupted_one(tmp_path, monkeypatch):
     """The training metrics' epoch means were not checkpointed: a fit stopped inside an epoch and resumed logged that
     epoch's train/epoch_* over the steps since the resume alone, under the whole epoch's name (top1_prefix 0.065 for an
     uninterrupted run's 0.034). They now go on from the checkpoint's sums, to the same numbers; a checkpoint without
@@ -401,7 +401,12 @@ def test_a_resume_inside_an_epoch_logs_that_epochs_metrics_over_all_of_it(tmp_pa
     assert [step for step, _ in whole] == [14, 15]
     # The stop at max_steps ends its run's epoch there (as it ends the whole run's at 15); the resumed run logs the
     # epoch it went on with over all of it: the same numbers as the whole run's, bit for bit.
-    assert [step for step, _ in resumed] == [7, 14, 15] and resumed[1] == whole[0]
+    assert [step for step, _ in resumed] == [7, 14, 15] and resumed[1:] == whole
+    # ... and trains the next epoch on the same data (Lightning counted the stopped epoch as done, and the resumed run
+    # read every later epoch in the order of the one after it): the same weights as the whole run's.
+    ends = [torch.load(tmp_path / run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+            for run in ("whole", "resumed")]
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     # A checkpoint without the epoch's sums: that epoch is not logged under its name.
     from helpers import save_edited
 

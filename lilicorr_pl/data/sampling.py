@@ -22,10 +22,29 @@ from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
-def train_sampler(num_samples: int, seed: int, num_replicas: int = 1, rank: int = 0) -> DistributedSampler:
+class TrainSampler(DistributedSampler):
+    """``DistributedSampler`` whose epoch is the data's: Lightning sets a sampler's epoch from its own count at each
+    epoch's start, and after a resume that count can run ahead of the data. A fit stopped by ``max_steps`` inside an
+    epoch counts that epoch as done, so the fit resumed with more steps went on with the epoch's data under the next
+    number, and every later epoch got the order of the one after it (not the uninterrupted run's data). The first
+    epoch Lightning sets after a resume (:attr:`resumed_epoch`, the epoch the loaded state goes on with) fixes the
+    difference, which applies to every later one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resumed_epoch: int | None = None
+        self.offset = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.resumed_epoch is not None:
+            self.offset, self.resumed_epoch = int(epoch) - self.resumed_epoch, None
+        super().set_epoch(int(epoch) - self.offset)
+
+
+def train_sampler(num_samples: int, seed: int, num_replicas: int = 1, rank: int = 0) -> TrainSampler:
     """The seeded per-epoch shuffle, strided over ranks (explicit replicas/rank: no process group needed,
     and Lightning keeps a ``DistributedSampler`` instead of wrapping it in one)."""
-    return DistributedSampler(range(int(num_samples)), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    return TrainSampler(range(int(num_samples)), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -96,9 +115,15 @@ class ResumableLoader(StatefulDataLoader):
             # with the next epoch from its first batch. Loaded, this state would fast-forward that epoch past the
             # batches it had (all of them: an empty epoch, then the next one's data), and Lightning makes the
             # resumed run's first iterator before it sets the epoch, so the order is set here.
-            self.sampler.set_epoch(epoch + 1)
+            self._resume_at(epoch + 1)
             return
         # Before any iterator exists: the fast-forward below replays this epoch's order, not epoch 0's.
-        self.sampler.set_epoch(epoch)
+        self._resume_at(epoch)
         super().load_state_dict(state_dict["loader"])
         self.resumed_at_epoch = epoch
+
+    def _resume_at(self, epoch: int) -> None:
+        """The data go on with ``epoch``, whatever number Lightning gives it next (:class:`TrainSampler`)."""
+        self.sampler.set_epoch(epoch)
+        if isinstance(self.sampler, TrainSampler):
+            self.sampler.resumed_epoch = epoch
