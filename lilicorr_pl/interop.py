@@ -86,6 +86,14 @@ def _rope_theta(config: Any) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+def _rope_scaling(config: Any) -> dict[str, Any] | None:
+    """A config's RoPE scaling (YaRN, linear, llama3, ...), None for plain RoPE."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in params.items() if k != "rope_theta"}
+
+
 def head_geometry(head: LiLiCorrHead) -> dict[str, Any]:
     """The init args that define a built LiLiCorr head's function (what the export records)."""
     return {
@@ -628,5 +636,15 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
         problems.append(f"target_layer_ids {drafter.target_layer_ids} vs {target_config.num_hidden_layers} target layers")
     if drafter.mask_token_id >= target_config.vocab_size:
         problems.append(f"mask_token_id {drafter.mask_token_id} vs {target_config.vocab_size} vocabulary rows")
+    # What the directory says of its target, which an engine builds the drafter with (its RoPE, from its config.json)
+    # and which the drafter here takes from the target: another value was measured or trained on without a word.
+    served = getattr(drafter, "target_config", None)
+    if served is not None:
+        for name, mine, theirs in (("vocab_size", served.vocab_size, target_config.vocab_size),
+                                   ("num_target_layers", served.num_hidden_layers, target_config.num_hidden_layers),
+                                   ("rope_theta", _rope_theta(served), _rope_theta(target_config)),
+                                   ("rope_scaling", _rope_scaling(served), _rope_scaling(target_config))):
+            if mine != theirs:
+                problems.append(f"its config.json's {name} {mine} vs the target's {theirs}")
     if problems:
         raise ValueError("the imported drafter does not match the target: " + "; ".join(problems))

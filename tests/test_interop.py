@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -739,6 +740,28 @@ def test_overwrite_refuses_a_link_or_a_folder_under_an_exported_files_name_befor
     (c / "config.json").mkdir()
     with pytest.raises(ExportError, match=r"exC/config\.json is a directory"):
         export_drafter(drafter, c, overwrite=True)
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("rope_theta", 10.0, "its config.json's rope_theta 10.0 vs the target's 10000.0"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "its config.json's rope_scaling {'rope_type': 'linear', "
+     "'factor': 2.0} vs the target's None"),
+    ("vocab_size", 600, "its config.json's vocab_size 600 vs the target's"),
+    ("num_target_layers", 3, "its config.json's num_target_layers 3 vs the target's 6"),
+])
+def test_a_served_directory_made_for_another_target_is_refused_against_this_one(tmp_path, key, value, line):
+    """An engine builds the drafter with its config.json's RoPE, vocabulary and target depth; bench --ckpt DIR and the
+    warm start built it with the target's and measured (or trained) another drafter than the one served, silently."""
+    from lilicorr_pl.system import DraftSystem
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    out = export_drafter(_system(target_dir, head=False).drafter, tmp_path / "out")
+    assert DraftSystem.from_export(out, target_dir) is not None  # as exported: its own target
+    config = json.loads((out / "config.json").read_text())
+    config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(f"the imported drafter does not match the target: {line}")):
+        DraftSystem.from_export(out, target_dir)
 
 
 def test_export_says_when_the_heads_decoding_options_do_not_travel(tiny_run, tmp_path, capsys):
