@@ -73,6 +73,11 @@ def export(
     if head is None and any(True for _ in system.head.parameters()):
         print(f"lilicorr export: note: {type(system.head).__name__} has no serving layout here; "
               "exporting the DFlash drafter alone", file=sys.stderr)
+    from lilicorr_pl.target import last_layer_serving_note
+
+    last = last_layer_serving_note(system.drafter.target_layer_ids, system.drafter.target_config.num_hidden_layers)
+    if last:
+        print(f"lilicorr export: note: {last}", file=sys.stderr)
     if head is not None and (head.decode != "greedy" or head.serve_top_k is not None):
         # The layout has no field for them: the engines, and bench --ckpt DIR, walk greedily over every candidate.
         chosen = ", ".join(f"{k}: {v}" for k, v in (("decode", head.decode), ("serve_top_k", head.serve_top_k))

@@ -279,6 +279,19 @@ def check_layer_ids(layer_ids: Sequence[int], n_layers: int, num_features: int |
     return ids
 
 
+def last_layer_serving_note(layer_ids: Sequence[int], n_layers: int) -> str | None:
+    """Why a drafter reading the target's last layer does not serve as it trains (None where it reads none): it reads
+    that layer's raw output (DESIGN §2: never the final norm's), while the reference DFlash code reads
+    ``hidden_states[L]``, which transformers gives after the final norm, and SGLang and vLLM capture states before a
+    layer only, none after the last one."""
+    if n_layers - 1 not in [int(i) for i in layer_ids]:
+        return None
+    return (f"target layer {n_layers - 1} is the target's last: the drafter reads its raw output, before the final "
+            f"norm, while the reference DFlash code reads hidden_states[{n_layers}], which transformers gives after "
+            "the final norm, and SGLang and vLLM capture no state after the last layer; engines do not feed such a "
+            f"drafter what it trained on, so for one to serve choose target layer ids below {n_layers - 1}")
+
+
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "LiLiCorrDraftModel")
 """``config.json`` architectures of drafters (``lilicorr export``, z-lab's, Model-Optimizer's): their ``model_type`` is
 ``qwen3``, so ``AutoModelForCausalLM`` would load one as a Qwen3 model with random embeddings and LM head."""

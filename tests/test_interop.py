@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from lilicorr_pl.decoding import speculative_generate
 from lilicorr_pl.heads import LiLiCorrHead
 from lilicorr_pl.interop import export_drafter, load_drafter, load_head
 from lilicorr_pl.models.dflash import DFlashDrafter
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def expected_layout(layers: int, h: int, ffn: int, q_heads: int, kv_heads: int, d: int, n_feat: int) -> dict:
@@ -762,6 +766,32 @@ def test_a_served_directory_made_for_another_target_is_refused_against_this_one(
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(f"the imported drafter does not match the target: {line}")):
         DraftSystem.from_export(out, target_dir)
+
+
+def test_a_drafter_reading_the_targets_last_layer_is_said_not_to_serve_as_it_trains(tmp_path, capsys):
+    """The drafter reads a layer's raw output (DESIGN §2); for the target's last layer the reference DFlash code reads
+    hidden_states[L], after the final norm, and SGLang and vLLM capture nothing after the last layer. fit warns, and
+    export says so in a note (the demo's drafters read layer 15 of 16: nothing said it)."""
+    import warnings
+
+    from lilicorr_pl.cli import main
+    from lilicorr_pl.target import last_layer_serving_note
+
+    assert last_layer_serving_note([1, 2], 4) is None
+    note = last_layer_serving_note([1, 3], 4)
+    assert note.startswith("target layer 3 is the target's last: the drafter reads its raw output, before the final "
+                           "norm, while the reference DFlash code reads hidden_states[4]")
+    assert note.endswith("so for one to serve choose target layer ids below 3")
+    root = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        main(["fit", "-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+              "--model.target.layer_ids=[1, 3]", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+              "--trainer.enable_progress_bar=false"])
+    assert any(str(w.message) == note for w in seen), [str(w.message) for w in seen]
+    capsys.readouterr()
+    main(["export", "--ckpt", str(root / "checkpoints" / "last.ckpt"), "--output", str(tmp_path / "out")])
+    assert f"lilicorr export: note: {note}" in capsys.readouterr().err
 
 
 def test_export_says_when_the_heads_decoding_options_do_not_travel(tiny_run, tmp_path, capsys):
