@@ -255,7 +255,8 @@ def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = Non
 _IMPORTABLE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 # The system's options that hold plain data, never a name jsonargparse imports: the target (a model's name or folder,
 # its dtype, layer ids), the warm starts' folders and the instantiator (checked on its own).
-_PLAIN_DATA_KEYS = frozenset({"target", "init_drafter_from", "init_head_from", "_instantiator", "target_logits"})
+_PLAIN_DATA_KEYS = frozenset({"target", "init_drafter_from", "init_head_from", "_instantiator", "target_logits",
+                              "disabled_losses"})  # loss names: text (``ce.v2``)
 
 
 def _class_paths(value: Any, top: bool = True) -> Iterable[str]:
@@ -265,7 +266,7 @@ def _class_paths(value: Any, top: bool = True) -> Iterable[str]:
     too). The system's plain-data options (:data:`_PLAIN_DATA_KEYS`) are not read."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if top and key in _PLAIN_DATA_KEYS:
+            if (top and key in _PLAIN_DATA_KEYS) or key == "name":  # a component's log name is text too
                 continue
             if key in ("class_path", "_class_path") and isinstance(item, str):
                 yield item

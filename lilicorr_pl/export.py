@@ -78,10 +78,11 @@ def export(
     last = last_layer_serving_note(system.drafter.target_layer_ids, system.drafter.target_config.num_hidden_layers)
     if last:
         print(f"lilicorr export: note: {last}", file=sys.stderr)
-    if head is not None and (head.decode != "greedy" or head.serve_top_k is not None):
+    narrower = head is not None and head.serve_top_k not in (None, head.top_k)
+    if head is not None and (head.decode != "greedy" or narrower):
         # The layout has no field for them: the engines, and bench --ckpt DIR, walk greedily over every candidate.
         chosen = ", ".join(f"{k}: {v}" for k, v in (("decode", head.decode), ("serve_top_k", head.serve_top_k))
-                           if (k == "decode" and v != "greedy") or (k == "serve_top_k" and v is not None))
+                           if (k == "decode" and v != "greedy") or (k == "serve_top_k" and narrower))
         print(f"lilicorr export: note: this checkpoint's head decodes with {chosen}, which the serving layout does not "
               f"record; the export is served (and measured by bench --ckpt DIR) with the greedy walk over all "
               f"{head.top_k} candidates", file=sys.stderr)

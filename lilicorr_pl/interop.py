@@ -89,9 +89,10 @@ def _rope_theta(config: Any) -> float:
 def _rope_scaling(config: Any) -> dict[str, Any] | None:
     """A config's RoPE scaling (YaRN, linear, llama3, ...), None for plain RoPE."""
     params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") == "default":
+    if params.get("rope_type", params.get("type", "default")) == "default":
         return None
-    return {k: v for k, v in params.items() if k != "rope_theta"}
+    # "type": the older spelling transformers keeps beside rope_type when a config gives it.
+    return {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
 
 
 def head_geometry(head: LiLiCorrHead) -> dict[str, Any]:
@@ -360,18 +361,18 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
     created = [folder for folder in (output, *output.parents) if not folder.exists()]  # the deepest first
     output.mkdir(parents=True, exist_ok=True)
-    try:
-        # One export at a time into a folder: two at once would each publish their two files, and the folder could
-        # end with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
-        with _held_alone(output):
+    # One export at a time into a folder: two at once would each publish their two files, and the folder could end
+    # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
+    with _held_alone(output):  # refused: the folder is another export's now, and stays
+        try:
             _check_contents(output, overwrite)  # again, held: another export may have finished into it since
             _export_into(cfg, state, output, extra)
-    except BaseException:
-        for folder in created:  # the folders this call made, while empty: nothing else
-            if not folder.is_dir() or any(folder.iterdir()):
-                break
-            folder.rmdir()
-        raise
+        except BaseException:
+            for folder in created:  # the folders this call made, while empty: nothing else
+                if not folder.is_dir() or any(folder.iterdir()):
+                    break
+                folder.rmdir()
+            raise
     return output
 
 
@@ -529,11 +530,16 @@ def load_drafter(directory: str | Path, attention: str = "auto",
     if cfg.get("num_target_layers") is not None and not _is_int(cfg["num_target_layers"]):
         raise ValueError(f"{cfg_path}: num_target_layers is {json.dumps(cfg['num_target_layers'])}, not an integer; "
                          "is it a damaged export? re-export it")
+    # RoPE as the config states it: transformers 5 writes rope_parameters (theta and scaling in one), 4 rope_theta and
+    # rope_scaling (rope_parameters was not read: such a drafter was built with theta 10000).
+    stated = cfg.get("rope_parameters")
+    rope: dict[str, Any] = ({"rope_parameters": dict(stated)} if isinstance(stated, dict)
+                            else {"rope_theta": cfg.get("rope_theta", 10000.0),
+                                  **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
     target_like = Qwen3Config(
         **{k: cfg[k] for k in QWEN3_FIELDS if k in cfg},
         num_hidden_layers=int(cfg.get("num_target_layers", max(layer_ids) + 1)),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {}),
+        **rope,
     )
     drafter = DFlashDrafter(
         num_layers=int(cfg["num_hidden_layers"]),
@@ -555,7 +561,11 @@ def load_drafter(directory: str | Path, attention: str = "auto",
     if missing or unexpected:
         raise ValueError(f"{weights_path}: keys do not match a DFlash drafter: missing {missing[:6]}, unexpected {unexpected[:6]}")
     dtype = next(iter(state.values())).dtype
-    return drafter.to(dtype)
+    drafter = drafter.to(dtype)
+    # What the config states of its target (compared with the target by check_compatible; defaults filled in here
+    # are not the directory's word).
+    drafter.served_config_keys = frozenset(cfg)
+    return drafter
 
 
 def _served_name(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -638,13 +648,16 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
         problems.append(f"mask_token_id {drafter.mask_token_id} vs {target_config.vocab_size} vocabulary rows")
     # What the directory says of its target, which an engine builds the drafter with (its RoPE, from its config.json)
     # and which the drafter here takes from the target: another value was measured or trained on without a word.
-    served = getattr(drafter, "target_config", None)
+    served, stated = getattr(drafter, "target_config", None), getattr(drafter, "served_config_keys", frozenset())
     if served is not None:
-        for name, mine, theirs in (("vocab_size", served.vocab_size, target_config.vocab_size),
-                                   ("num_target_layers", served.num_hidden_layers, target_config.num_hidden_layers),
-                                   ("rope_theta", _rope_theta(served), _rope_theta(target_config)),
-                                   ("rope_scaling", _rope_scaling(served), _rope_scaling(target_config))):
-            if mine != theirs:
+        rope = bool(stated & {"rope_theta", "rope_parameters", "rope_scaling"})
+        for name, said, mine, theirs in (
+                ("vocab_size", "vocab_size" in stated, served.vocab_size, target_config.vocab_size),
+                ("num_target_layers", "num_target_layers" in stated, served.num_hidden_layers,
+                 target_config.num_hidden_layers),
+                ("rope_theta", rope, _rope_theta(served), _rope_theta(target_config)),
+                ("rope_scaling", rope, _rope_scaling(served), _rope_scaling(target_config))):
+            if said and mine != theirs:
                 problems.append(f"its config.json's {name} {mine} vs the target's {theirs}")
     if problems:
         raise ValueError("the imported drafter does not match the target: " + "; ".join(problems))

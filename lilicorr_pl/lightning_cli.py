@@ -603,25 +603,42 @@ MERGED_MAPPINGS = ("model.loss_weights", "model.target.load_kwargs")
 
 
 def merged_mapping_args(args: Sequence[str]) -> list[str]:
-    """``args`` with, after each config that sets a :data:`MERGED_MAPPINGS` option an earlier config set too, the
-    option that sets it to their merge (``--model.loss_weights={...}``): configs overlay a mapping key by key, as the
-    command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's mapping replace an earlier one's
-    whole (``-c margin.yaml -c penalty_heavy.yaml`` trained without the margin variant's weights, under its name);
-    as an option, the merge is what ``--print_config`` prints and the run records. A ``null`` empties it; a mapping
-    holding an interpolation (``${...}``) is left to omegaconf, as it was."""
+    """``args`` with, after each config (or whole-mapping option) that sets a :data:`MERGED_MAPPINGS` option something
+    earlier set too, the option that sets it to their merge (``--model.loss_weights={...}``): every setting overlays
+    the mapping key by key, as the command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's
+    mapping replace an earlier one's whole (``-c margin.yaml -c penalty_heavy.yaml`` trained without the margin
+    variant's weights, under its name), with any key the command line had set before it; as an option, the merge is
+    what ``--print_config`` prints and the run records. A ``null`` empties it; a mapping holding an interpolation
+    (``${...}``) is left to omegaconf, as it was."""
+    import yaml
+
     sources = _config_sources(args)
     after: dict[int, list[str]] = {}
     for path in MERGED_MAPPINGS:
-        merged: Any = _UNSET
-        for source in sources:
-            value = _yaml_at(source.options, path)
-            if value is _UNSET:
+        settings = [(c.position, True, _yaml_at(c.options, path)) for c in sources]
+        settings = [s for s in settings if s[2] is not _UNSET]
+        for i, token in enumerate(args):
+            name = _option_name(token)
+            if name != path and not name.startswith(path + "."):
                 continue
+            at, text = (i, token.partition("=")[2]) if "=" in token else (i + 1, args[i + 1] if i + 1 < len(args)
+                                                                         else None)
+            try:
+                value = yaml.safe_load(text) if text is not None else _UNSET
+            except yaml.YAMLError:
+                continue
+            for key in reversed(name[len(path) + 1:].split(".") if name != path else []):
+                value = {key: value}  # a key set on the command line: a mapping of one key
+            if value is not _UNSET:
+                settings.append((at, name == path, value))
+        merged: Any = _UNSET
+        for at, whole, value in sorted(settings, key=lambda s: s[0]):  # stable: one position's configs in order
             if isinstance(value, dict) and isinstance(merged, dict):
-                merged = _deep_merge(merged, value)
-                text = json.dumps(merged, separators=(",", ":"), default=str)
-                if merged != value and "${" not in text:
-                    after.setdefault(source.position, []).append(f"--{path}={text}")
+                combined = _deep_merge(merged, value)
+                text = json.dumps(combined, separators=(",", ":"), default=str)
+                if whole and combined != value and "${" not in text:  # jsonargparse would replace: set the merge
+                    after.setdefault(at, []).append(f"--{path}={text}")
+                merged = combined
             else:
                 merged = value
     out: list[str] = []

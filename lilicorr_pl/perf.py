@@ -37,9 +37,9 @@ from lilicorr_pl.models.dflash import DFlashDrafter
 from lilicorr_pl.target import CompileModeName, DeviceName
 
 
-TIMED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-"""The ``trainer.precision`` values a timed step runs as ``fit`` runs them (Lightning's spelling; ``bf16``, ``16`` and
-32 are the same)."""
+TIMED_PRECISIONS = ("32-true", "bf16-mixed")
+"""The ``trainer.precision`` values a timed step runs as ``fit`` runs them (Lightning's spelling; ``bf16`` and 32 are
+the same). The step is timed on the CPU, where Lightning refuses ``16-mixed`` too."""
 
 
 def step_precision(precision: Any) -> str:
@@ -57,8 +57,8 @@ def step_precision(precision: Any) -> str:
             unified = str(precision)
     if unified not in TIMED_PRECISIONS:
         raise ValueError(f"trainer.precision {precision} is not one lilicorr perf times a step in (it times "
-                         f"{', '.join(TIMED_PRECISIONS)}); time the step with --trainer.precision=bf16-mixed or "
-                         "32-true")
+                         f"{' and '.join(TIMED_PRECISIONS)}, on the CPU); time the step with "
+                         "--trainer.precision=bf16-mixed or 32-true")
     return unified
 
 
@@ -70,9 +70,9 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     Timed with Lightning's ``SimpleProfiler``, through the same profiler actions the system reports under a
     Trainer (``lilicorr fit --trainer.profiler=simple``): the phases of ``compute_step``, then backward and
     optimizer. The step is the one ``fit`` takes: the system's own optimizer (``model.optimizer``; it was AdamW
-    whatever the config named), the forward under autocast for a ``*-mixed`` ``precision`` (float16's with a gradient
-    scaler), and the gradients clipped as the Trainer clips them (``gradient_clip_val``, by norm unless
-    ``gradient_clip_algorithm`` is ``value``), in the optimizer phase.
+    whatever the config named), the forward under bfloat16 autocast for ``precision`` ``bf16-mixed``, and the
+    gradients clipped as the Trainer clips them (``gradient_clip_val``, by norm unless ``gradient_clip_algorithm`` is
+    ``value``), in the optimizer phase.
 
     With the system's context memo on (``model.context_memo_mb``), the steps run with it as ``fit``'s do, timed in
     its steady state: a fit revisits every example many times (the demo's head stage about 140), so the memo is
@@ -88,16 +88,13 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
     params = system.trainable_parameters()
     opt = system.optimizer_factory(params)
     device = next(iter(params)).device
-    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(step_precision(precision))
-    scaler = torch.amp.GradScaler(device.type) if half is torch.float16 else None
+    half = torch.bfloat16 if step_precision(precision) == "bf16-mixed" else None
 
     def autocast() -> Any:
         return torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext()
 
     def clip() -> None:
         if gradient_clip_val:
-            if scaler is not None:
-                scaler.unscale_(opt)
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             else:
@@ -122,14 +119,10 @@ def profile_steps(system: Any, batches: list[dict[str, torch.Tensor]], steps: in
                     out = system.compute_step(batch, memo=memo)
                 opt.zero_grad(set_to_none=True)
                 with active.profile("backward"):
-                    (scaler.scale(out["loss"]) if scaler is not None else out["loss"]).backward()
+                    out["loss"].backward()
                 with active.profile("optimizer"):
                     clip()
-                    if scaler is not None:
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        opt.step()
+                    opt.step()
         if memo is not None:
             hits, misses = memo.hits - before[0], memo.misses - before[1]
             hit_rate = hits / (hits + misses)
@@ -968,7 +961,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     system, dm = cli.model, cli.datamodule
     trainer = options.get("trainer") or {}
     try:
-        precision = step_precision(trainer.get("precision"))
+        # The step's precision, where a step is timed (--penalty_error times none).
+        precision = None if options.penalty_error else step_precision(trainer.get("precision"))
         if options.penalty_error:
             if dm.feature_cache:  # exact candidate logits come from the online target, which offline features replace
                 raise UserInputError("--penalty_error compares the logit store with exact logits from the online "

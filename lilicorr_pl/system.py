@@ -1286,7 +1286,10 @@ class DraftSystem(L.LightningModule):
             return None
         if not metrics.update_called:
             return self._ended_epoch_record
-        return {"epoch": int(self.current_epoch), "updates": int(metrics._update_count),
+        # The data's epoch, as the loader's state records it (Lightning's count runs ahead of it after a stop by
+        # max_steps inside an epoch, and a resumed run's loader goes on with the data's).
+        epoch = getattr(getattr(self.trainer, "datamodule", None), "data_epoch", None)
+        return {"epoch": int(self.current_epoch if epoch is None else epoch), "updates": int(metrics._update_count),
                 "states": {name: value.detach().cpu().tolist() for name, value in metrics.metric_state.items()}}
 
     def on_train_start(self) -> None:

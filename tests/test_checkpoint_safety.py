@@ -233,6 +233,9 @@ def test_every_name_jsonargparse_would_import_is_checked_not_only_class_paths(ti
 
     check_class_paths({"target": {"name_or_path": "models.v2"}, "head": {"class_path": "lilicorr_pl.heads.Top1Selector",
                                                                         "init_args": {"decode": "greedy"}}}, path)
+    # ... nor is a loss's log name, free text (``ce.v2``), named there or in disabled_losses.
+    check_class_paths({"losses": [{"class_path": "lilicorr_pl.losses.DFlashCE", "init_args": {"name": "ce.v2"}}],
+                       "disabled_losses": ["ce.v2"]}, path)
 
 
 def test_a_changed_byte_in_a_checkpoints_records_is_refused_like_one_in_its_weights(tiny_run, tmp_path, capsys):

@@ -1448,6 +1448,9 @@ def test_a_mapping_two_configs_set_is_their_merge_as_the_command_line_merges(tmp
                                                        "distractor_penalty": 1.0}
     assert printed(*both, "--model.loss_weights.margin_hinge=0.5")["model"]["loss_weights"] == {
         "oracle_prefix_ce": 0.125, "margin_hinge": 0.5, "distractor_penalty": 1.0}
+    # A key the command line sets between two configs stays (jsonargparse dropped it with the earlier mapping).
+    assert printed(both[0], "--model.loss_weights.margin_hinge=0.5", *both[1:])["model"]["loss_weights"] == {
+        "oracle_prefix_ce": 0.125, "margin_hinge": 0.5, "distractor_penalty": 1.0}
     (tmp_path / "reset.yaml").write_text("model:\n  loss_weights: null\n")
     assert printed(both[0], "-c", "reset.yaml", *both[1:])["model"]["loss_weights"] == {"distractor_penalty": 1.0}
     # The target's load options too (a recipe's attn_implementation was dropped by an overlay's revision), in the

@@ -533,6 +533,17 @@ def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_pat
     with pytest.warns(UserWarning, match="does not match"):
         loader = changed.train_dataloader()
     assert len([i for batch in loader for i in batch["index"].tolist()]) == 16
+    # The data's epoch numbering, fixed at a resume (Lightning's count can run ahead of the data), goes on in a loader
+    # made again (reload_dataloaders_every_n_epochs): a fresh sampler numbered epochs by Lightning's count again.
+    third = fresh()
+    third.load_state_dict(state)
+    resumed = third.train_dataloader()
+    assert third.resumed_mid_epoch == 0 and third.data_epoch == 0
+    resumed.sampler.set_epoch(1)  # Lightning's number for the epoch the data go on with
+    assert (resumed.sampler.epoch, resumed.sampler.offset) == (0, 1)
+    again = third.train_dataloader()
+    again.sampler.set_epoch(2)
+    assert again.sampler.epoch == 1 and list(again.sampler) == list(epoch_order(16, 0, 1))
     # Workers get paths, not copies of the memory-mapped caches.
     blob = pickle.dumps(dm.train_dataset)
     assert len(blob) < 4096

@@ -768,6 +768,66 @@ def test_a_served_directory_made_for_another_target_is_refused_against_this_one(
         DraftSystem.from_export(out, target_dir)
 
 
+def test_a_served_config_is_compared_with_the_target_on_what_it_states_in_either_spelling(tmp_path):
+    """Only what config.json states is the directory's word: a config without num_target_layers, or with RoPE as
+    transformers 5 writes it (rope_parameters; it was read as theta 10000 and the drafter built with it), or a target
+    whose scaling keeps the older "type" key, is the same target."""
+    from transformers import Qwen3Config
+
+    from lilicorr_pl.interop import check_compatible
+    from lilicorr_pl.system import DraftSystem
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    out = export_drafter(_system(target_dir, head=False).drafter, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    theta = config.pop("rope_theta")
+    del config["num_target_layers"]
+    config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    (out / "config.json").write_text(json.dumps(config))
+    served = DraftSystem.from_export(out, target_dir)
+    assert load_drafter(out).target_config.rope_parameters["rope_theta"] == theta  # read, not defaulted
+    assert served.drafter.target_layer_ids == config["dflash_config"]["target_layer_ids"]
+    config["rope_parameters"]["rope_theta"] = theta / 2  # stated otherwise in the new spelling: refused
+    (out / "config.json").write_text(json.dumps(config))
+    line = f"its config.json's rope_theta {theta / 2} vs the target's {theta}"
+    with pytest.raises(ValueError, match=re.escape(line)):
+        DraftSystem.from_export(out, target_dir)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768}
+    kwargs = dict(rope_theta=1e6, max_position_embeddings=131072)
+    drafter = DFlashDrafter(num_layers=1, block_size=4, mask_token_id=1).build(
+        Qwen3Config(rope_scaling={"rope_type": "yarn", **yarn}, **kwargs), [1])
+    drafter.served_config_keys = frozenset({"rope_theta", "rope_scaling"})
+    check_compatible(drafter, Qwen3Config(rope_scaling={"type": "yarn", **yarn}, **kwargs))
+
+
+def test_an_export_refused_by_another_export_holding_the_new_folder_leaves_that_folder(tiny_target, tmp_path,
+                                                                                        monkeypatch):
+    """Two exports into one new folder: the one that made and holds it writes; the other, refused, removed the folder
+    as one it had made itself (both saw it missing), under the first one's feet."""
+    import fcntl
+    from pathlib import Path as _Path
+
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out, real_mkdir, held = tmp_path / "out", _Path.mkdir, {}
+
+    def another_export_first(self, *args, **kwargs):
+        if self == out and "fd" not in held:  # the other export makes the folder and holds it, just before this mkdir
+            real_mkdir(self)
+            held["fd"] = os.open(self, os.O_RDONLY)
+            fcntl.flock(held["fd"], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "mkdir", another_export_first)
+    try:
+        with pytest.raises(ExportError, match="another lilicorr export is writing into it"):
+            export_drafter(drafter, out)
+        assert out.is_dir()
+    finally:
+        os.close(held["fd"])
+
+
 def test_a_drafter_reading_the_targets_last_layer_is_said_not_to_serve_as_it_trains(tmp_path, capsys):
     """The drafter reads a layer's raw output (DESIGN §2); for the target's last layer the reference DFlash code reads
     hidden_states[L], after the final norm, and SGLang and vLLM capture nothing after the last layer. fit warns, and

@@ -528,6 +528,12 @@ class DraftDataModule(L.LightningDataModule):
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     @property
+    def data_epoch(self) -> int | None:
+        """The epoch of the training data being read (the loader's sampler's, as its state records it), None before a
+        training loader exists."""
+        return int(self._train_loader.sampler.epoch) if self._train_loader is not None else None
+
+    @property
     def resumed_mid_epoch(self) -> int | None:
         """The epoch the training loader went on with from a checkpoint's position inside it (None: it starts its
         epoch at the first batch)."""
@@ -538,6 +544,7 @@ class DraftDataModule(L.LightningDataModule):
             raise RuntimeError("call setup('fit') before train_dataloader()")
         replicas, rank = self._replicas()
         n = len(self.train_dataset)
+        previous = self._train_loader
         self._train_loader = ResumableLoader(
             self.train_dataset,
             order={"seed": self.seed, "examples": n, "replicas": replicas, "batch_size": self.batch_size},
@@ -551,6 +558,8 @@ class DraftDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
         self._train_loader.epoch_finished = self._epoch_finished
+        if previous is not None:  # a reload (reload_dataloaders_every_n_epochs): the data's epoch numbering goes on
+            self._train_loader.sampler.offset = getattr(previous.sampler, "offset", 0)
         if self._pending_state is not None:
             self._train_loader.load_state_dict(self._pending_state)
             self._pending_state = None
