@@ -266,7 +266,7 @@ def _class_paths(value: Any, top: bool = True) -> Iterable[str]:
     too). The system's plain-data options (:data:`_PLAIN_DATA_KEYS`) are not read."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if (top and key in _PLAIN_DATA_KEYS) or key == "name":  # a component's log name is text too
+            if (top and key in _PLAIN_DATA_KEYS) or (key == "name" and isinstance(item, str)):  # a log name: text
                 continue
             if key in ("class_path", "_class_path") and isinstance(item, str):
                 yield item

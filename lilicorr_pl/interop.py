@@ -531,11 +531,10 @@ def load_drafter(directory: str | Path, attention: str = "auto",
         raise ValueError(f"{cfg_path}: num_target_layers is {json.dumps(cfg['num_target_layers'])}, not an integer; "
                          "is it a damaged export? re-export it")
     # RoPE as the config states it: transformers 5 writes rope_parameters (theta and scaling in one), 4 rope_theta and
-    # rope_scaling (rope_parameters was not read: such a drafter was built with theta 10000).
-    stated = cfg.get("rope_parameters")
-    rope: dict[str, Any] = ({"rope_parameters": dict(stated)} if isinstance(stated, dict)
-                            else {"rope_theta": cfg.get("rope_theta", 10000.0),
-                                  **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
+    # rope_scaling (rope_parameters was not read: such a drafter was built with theta 10000); given every key stated,
+    # transformers resolves them as it does reading the config.
+    rope = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if cfg.get(k) is not None}
+    rope = rope or {"rope_theta": 10000.0}  # transformers resolves the keys a config states, as it reads one
     target_like = Qwen3Config(
         **{k: cfg[k] for k in QWEN3_FIELDS if k in cfg},
         num_hidden_layers=int(cfg.get("num_target_layers", max(layer_ids) + 1)),

@@ -603,18 +603,24 @@ MERGED_MAPPINGS = ("model.loss_weights", "model.target.load_kwargs")
 
 
 def merged_mapping_args(args: Sequence[str]) -> list[str]:
-    """``args`` with, after each config (or whole-mapping option) that sets a :data:`MERGED_MAPPINGS` option something
-    earlier set too, the option that sets it to their merge (``--model.loss_weights={...}``): every setting overlays
-    the mapping key by key, as the command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's
-    mapping replace an earlier one's whole (``-c margin.yaml -c penalty_heavy.yaml`` trained without the margin
-    variant's weights, under its name), with any key the command line had set before it; as an option, the merge is
-    what ``--print_config`` prints and the run records. A ``null`` empties it; a mapping holding an interpolation
-    (``${...}``) is left to omegaconf, as it was."""
+    """``args`` with, after each config that sets a :data:`MERGED_MAPPINGS` option something earlier set too, the
+    option that sets it to their merge (``--model.loss_weights={...}``): a config overlays the mapping key by key, as
+    the command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's mapping replace an earlier
+    one's whole (``-c margin.yaml -c penalty_heavy.yaml`` trained without the margin variant's weights, under its
+    name), with any key the command line had set before it; as an option, the merge is what ``--print_config`` prints
+    and the run records. A whole mapping given on the command line (``--model.loss_weights={...}``) replaces, and a
+    ``null`` empties it, as before; a mapping holding an interpolation (``${...}``), or one under a mapping set by a
+    file's name or an option, is left to jsonargparse, as it was."""
     import yaml
 
     sources = _config_sources(args)
     after: dict[int, list[str]] = {}
     for path in MERGED_MAPPINGS:
+        # Set in a way not followed here (a file's name for a mapping on the way, ``model.target: t.yaml``, or an
+        # option for one, ``--model.target={...}``): left to jsonargparse, as it was.
+        if any(_yaml_at(c.options, path, files=True) is _FILE for c in sources) or any(
+                path.startswith(_option_name(t).removesuffix("+") + ".") for t in args if _option_name(t)):
+            continue
         settings = [(c.position, True, _yaml_at(c.options, path)) for c in sources]
         settings = [s for s in settings if s[2] is not _UNSET]
         for i, token in enumerate(args):
@@ -630,16 +636,16 @@ def merged_mapping_args(args: Sequence[str]) -> list[str]:
             for key in reversed(name[len(path) + 1:].split(".") if name != path else []):
                 value = {key: value}  # a key set on the command line: a mapping of one key
             if value is not _UNSET:
-                settings.append((at, name == path, value))
+                settings.append((at, "option" if name == path else "key", value))
         merged: Any = _UNSET
-        for at, whole, value in sorted(settings, key=lambda s: s[0]):  # stable: one position's configs in order
-            if isinstance(value, dict) and isinstance(merged, dict):
+        for at, kind, value in sorted(settings, key=lambda s: s[0]):  # stable: one position's configs in order
+            if isinstance(value, dict) and isinstance(merged, dict) and kind != "option":
                 combined = _deep_merge(merged, value)
                 text = json.dumps(combined, separators=(",", ":"), default=str)
-                if whole and combined != value and "${" not in text:  # jsonargparse would replace: set the merge
+                if kind is True and combined != value and "${" not in text:  # a config's: jsonargparse would replace
                     after.setdefault(at, []).append(f"--{path}={text}")
                 merged = combined
-            else:
+            else:  # a whole mapping given on the command line replaces, as it always did; null empties
                 merged = value
     out: list[str] = []
     for i, token in enumerate(args):

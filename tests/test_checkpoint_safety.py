@@ -236,6 +236,8 @@ def test_every_name_jsonargparse_would_import_is_checked_not_only_class_paths(ti
     # ... nor is a loss's log name, free text (``ce.v2``), named there or in disabled_losses.
     check_class_paths({"losses": [{"class_path": "lilicorr_pl.losses.DFlashCE", "init_args": {"name": "ce.v2"}}],
                        "disabled_losses": ["ce.v2"]}, path)
+    with pytest.raises(CheckpointError, match="antigravity"):  # a component under a key called name is still one
+        check_class_paths({"head": {"init_args": {"name": {"class_path": "antigravity.Fly"}}}}, path)
 
 
 def test_a_changed_byte_in_a_checkpoints_records_is_refused_like_one_in_its_weights(tiny_run, tmp_path, capsys):

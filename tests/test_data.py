@@ -544,6 +544,11 @@ def test_datamodule_state_dict_resumes_by_hand_and_dataset_pickles_small(tmp_pat
     again = third.train_dataloader()
     again.sampler.set_epoch(2)
     assert again.sampler.epoch == 1 and list(again.sampler) == list(epoch_order(16, 0, 1))
+    # ... within one fit: the same data module set up for another fit starts its numbering afresh.
+    third.setup("fit")
+    afresh = third.train_dataloader()
+    afresh.sampler.set_epoch(0)
+    assert afresh.sampler.epoch == 0 and afresh.sampler.offset == 0
     # Workers get paths, not copies of the memory-mapped caches.
     blob = pickle.dumps(dm.train_dataset)
     assert len(blob) < 4096

@@ -787,6 +787,12 @@ def test_a_served_config_is_compared_with_the_target_on_what_it_states_in_either
     served = DraftSystem.from_export(out, target_dir)
     assert load_drafter(out).target_config.rope_parameters["rope_theta"] == theta  # read, not defaulted
     assert served.drafter.target_layer_ids == config["dflash_config"]["target_layer_ids"]
+    # Both spellings at once, theta beside a rope_parameters without it: transformers reads the theta beside it.
+    config["rope_theta"], config["rope_parameters"] = theta, {"rope_type": "default"}
+    (out / "config.json").write_text(json.dumps(config))
+    assert load_drafter(out).target_config.rope_parameters["rope_theta"] == theta
+    config.pop("rope_theta")
+    config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
     config["rope_parameters"]["rope_theta"] = theta / 2  # stated otherwise in the new spelling: refused
     (out / "config.json").write_text(json.dumps(config))
     line = f"its config.json's rope_theta {theta / 2} vs the target's {theta}"

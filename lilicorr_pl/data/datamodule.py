@@ -441,6 +441,8 @@ class DraftDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the stores built by ``prepare_data`` (validated, memory-mapped) and split train/val."""
         self._check_inputs()
+        if stage in ("fit", None):  # a fit's training loader is its own: no epoch numbering carried from another fit
+            self._train_loader = None
         datasets = {}
         for split in self._splits():
             paths = self.cache_paths(split)
@@ -558,7 +560,7 @@ class DraftDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
         self._train_loader.epoch_finished = self._epoch_finished
-        if previous is not None:  # a reload (reload_dataloaders_every_n_epochs): the data's epoch numbering goes on
+        if previous is not None:  # a reload in this fit (reload_dataloaders_every_n_epochs): the numbering goes on
             self._train_loader.sampler.offset = getattr(previous.sampler, "offset", 0)
         if self._pending_state is not None:
             self._train_loader.load_state_dict(self._pending_state)
