@@ -78,14 +78,17 @@ def export(
     last = last_layer_serving_note(system.drafter.target_layer_ids, system.drafter.target_config.num_hidden_layers)
     if last:
         print(f"lilicorr export: note: {last}", file=sys.stderr)
-    narrower = head is not None and head.serve_top_k not in (None, head.top_k)
-    if head is not None and (head.decode != "greedy" or narrower):
-        # The layout has no field for them: the engines, and bench --ckpt DIR, walk greedily over every candidate.
-        chosen = ", ".join(f"{k}: {v}" for k, v in (("decode", head.decode), ("serve_top_k", head.serve_top_k))
-                           if (k == "decode" and v != "greedy") or (k == "serve_top_k" and narrower))
-        print(f"lilicorr export: note: this checkpoint's head decodes with {chosen}, which the serving layout does not "
-              f"record; the export is served (and measured by bench --ckpt DIR) with the greedy walk over all "
-              f"{head.top_k} candidates", file=sys.stderr)
+    # Decoding options the layout has no field for: the engines, and bench --ckpt DIR, walk greedily over every
+    # candidate.
+    chosen = []
+    if head is not None and head.decode != "greedy":
+        chosen.append(f"decode: {head.decode}")
+    if head is not None and head.serve_top_k not in (None, head.top_k):
+        chosen.append(f"serve_top_k: {head.serve_top_k}")
+    if chosen:
+        print(f"lilicorr export: note: this checkpoint's head decodes with {', '.join(chosen)}, which the serving "
+              f"layout does not record; the export is served (and measured by bench --ckpt DIR) with the greedy walk "
+              f"over all {head.top_k} candidates", file=sys.stderr)
     from lilicorr_pl.target import resolve_dtype
 
     weights_dtype = resolve_dtype(system.target_spec.dtype if dtype == "auto" else dtype)

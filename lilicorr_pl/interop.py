@@ -463,9 +463,8 @@ def _dflash_config_problem(dflash: Any) -> str | None:
         return f"target_layer_ids is {json.dumps(layer_ids)}, not a non-empty list of integers"
     if "mask_token_id" in dflash and not _is_int(dflash["mask_token_id"]):
         return f"mask_token_id is {json.dumps(dflash['mask_token_id'])}, not an integer"
-    for key in ("block_size",):
-        if dflash.get(key) is not None and not _is_int(dflash[key]):
-            return f"{key} is {json.dumps(dflash[key])}, not an integer"
+    if dflash.get("block_size") is not None and not _is_int(dflash["block_size"]):
+        return f"block_size is {json.dumps(dflash['block_size'])}, not an integer"
     return None
 
 
@@ -534,7 +533,7 @@ def load_drafter(directory: str | Path, attention: str = "auto",
     # rope_scaling (rope_parameters was not read: such a drafter was built with theta 10000); given every key stated,
     # transformers resolves them as it does reading the config.
     rope = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if cfg.get(k) is not None}
-    rope = rope or {"rope_theta": 10000.0}  # transformers resolves the keys a config states, as it reads one
+    rope = rope or {"rope_theta": 10000.0}
     target_like = Qwen3Config(
         **{k: cfg[k] for k in QWEN3_FIELDS if k in cfg},
         num_hidden_layers=int(cfg.get("num_target_layers", max(layer_ids) + 1)),

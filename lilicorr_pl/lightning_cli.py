@@ -591,10 +591,11 @@ def check_linked_options(args: Sequence[str], config: Any, subcommand: str | Non
                     f"{source}{suffix} instead")
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base`` key by key, mappings inside merged the same way (as configs overlay each other)."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -602,7 +603,7 @@ MERGED_MAPPINGS = ("model.loss_weights", "model.target.load_kwargs")
 """The plain mapping options: given by more than one config, they merge (:func:`merged_mapping_args`)."""
 
 
-def merged_mapping_args(args: Sequence[str]) -> list[str]:
+def merged_mapping_args(args: Sequence[str], sources: list[_Config] | None = None) -> list[str]:
     """``args`` with, after each config that sets a :data:`MERGED_MAPPINGS` option something earlier set too, the
     option that sets it to their merge (``--model.loss_weights={...}``): a config overlays the mapping key by key, as
     the command line's ``--model.loss_weights.k=v`` does. jsonargparse let a later file's mapping replace an earlier
@@ -610,10 +611,10 @@ def merged_mapping_args(args: Sequence[str]) -> list[str]:
     name), with any key the command line had set before it; as an option, the merge is what ``--print_config`` prints
     and the run records. A whole mapping given on the command line (``--model.loss_weights={...}``) replaces, and a
     ``null`` empties it, as before; a mapping holding an interpolation (``${...}``), or one under a mapping set by a
-    file's name or an option, is left to jsonargparse, as it was."""
+    file's name or an option, is left to jsonargparse, as it was. ``sources``: ``args``' configs, already read."""
     import yaml
 
-    sources = _config_sources(args)
+    sources = _config_sources(args) if sources is None else sources
     after: dict[int, list[str]] = {}
     for path in MERGED_MAPPINGS:
         # Set in a way not followed here (a file's name for a mapping on the way, ``model.target: t.yaml``, or an
@@ -621,7 +622,7 @@ def merged_mapping_args(args: Sequence[str]) -> list[str]:
         if any(_yaml_at(c.options, path, files=True) is _FILE for c in sources) or any(
                 path.startswith(_option_name(t).removesuffix("+") + ".") for t in args if _option_name(t)):
             continue
-        settings = [(c.position, True, _yaml_at(c.options, path)) for c in sources]
+        settings = [(c.position, "config", _yaml_at(c.options, path)) for c in sources]
         settings = [s for s in settings if s[2] is not _UNSET]
         for i, token in enumerate(args):
             name = _option_name(token)
@@ -640,9 +641,9 @@ def merged_mapping_args(args: Sequence[str]) -> list[str]:
         merged: Any = _UNSET
         for at, kind, value in sorted(settings, key=lambda s: s[0]):  # stable: one position's configs in order
             if isinstance(value, dict) and isinstance(merged, dict) and kind != "option":
-                combined = _deep_merge(merged, value)
+                combined = deep_merge(merged, value)
                 text = json.dumps(combined, separators=(",", ":"), default=str)
-                if kind is True and combined != value and "${" not in text:  # a config's: jsonargparse would replace
+                if kind == "config" and combined != value and "${" not in text:  # jsonargparse would replace
                     after.setdefault(at, []).append(f"--{path}={text}")
                 merged = combined
             else:  # a whole mapping given on the command line replaces, as it always did; null empties
@@ -729,13 +730,13 @@ class LilicorrCLI(LightningCLI):
             refuse_linked_options(args, self._default_of(named) if named or not parsers else None)
             # A linked option is refused under the key it is copied to, and named by its source, unless a config sets
             # that key itself (``model: {max_length: abc}`` was refused as data.max_length's value).
-            given = [c.options for c in _config_sources(args)]
+            sources = _config_sources(args)  # each config read once here, for the aliases and the merge
             aliases = {t: s for t, s in ShortUsageParser.parse_aliases.items()
-                       if all(_yaml_at(options, t) is _UNSET for options in given)}
+                       if all(_yaml_at(c.options, t) is _UNSET for c in sources)}
             for each in [parser, *(parsers or {}).values()]:
                 each.parse_aliases = aliases
             try:
-                self.config = parser.parse_args(merged_mapping_args(args))
+                self.config = parser.parse_args(merged_mapping_args(args, sources))
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
                 raise UserInputError(interpolation_refusal(err, args)) from None
             check_linked_options(args, self.config, self.config.get("subcommand"),

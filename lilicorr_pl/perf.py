@@ -32,7 +32,8 @@ from lilicorr_pl.command import argparse_spellings, type_hints
 from lilicorr_pl.decoding.evaluate import plain_step_ms
 from lilicorr_pl.files import write_results_json
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
-from lilicorr_pl.lightning_cli import LilicorrCLI, add_saved_fit_arguments, run_lightning, wire_logit_cache
+from lilicorr_pl.lightning_cli import (LilicorrCLI, add_saved_fit_arguments, deep_merge, run_lightning,
+                                       wire_logit_cache)
 from lilicorr_pl.models.dflash import DFlashDrafter
 from lilicorr_pl.target import CompileModeName, DeviceName
 
@@ -441,16 +442,10 @@ def round_cost(
 def _merged_yaml(paths: Sequence[str]) -> dict[str, Any]:
     import yaml
 
-    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-        out = dict(base)
-        for key, value in over.items():
-            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        return out
-
     merged: dict[str, Any] = {}
     for path in paths:
         with open(path) as fh:
-            merged = merge(merged, yaml.safe_load(fh) or {})
+            merged = deep_merge(merged, yaml.safe_load(fh) or {})
     return merged
 
 
@@ -961,8 +956,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     system, dm = cli.model, cli.datamodule
     trainer = options.get("trainer") or {}
     try:
-        # The step's precision, where a step is timed (--penalty_error times none).
-        precision = None if options.penalty_error else step_precision(trainer.get("precision"))
+        # How a step runs, as fit's Trainer runs it, where a step is timed (--penalty_error times none).
+        step = {} if options.penalty_error else {
+            "precision": step_precision(trainer.get("precision")),
+            "gradient_clip_val": trainer.get("gradient_clip_val"),
+            "gradient_clip_algorithm": trainer.get("gradient_clip_algorithm")}
         if options.penalty_error:
             if dm.feature_cache:  # exact candidate logits come from the online target, which offline features replace
                 raise UserInputError("--penalty_error compares the logit store with exact logits from the online "
@@ -1010,9 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy(),
                      "device": str(next(system.drafter.parameters()).device),
                      "config": {key: plain_data(options.get(key)) for key in ("model", "data")}}
-    if not options.penalty_error:  # how the step ran: as fit's Trainer runs it
-        measured_with.update(precision=precision, gradient_clip_val=trainer.get("gradient_clip_val"),
-                             gradient_clip_algorithm=trainer.get("gradient_clip_algorithm"))
+    measured_with.update(step)
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
@@ -1020,9 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if options.json:
             write_results_json(Path(options.json), {**result, "measured_with": measured_with}, "perf")
         return result
-    result = profile_steps(system, batches, options.steps, options.warmup, precision=precision,
-                           gradient_clip_val=trainer.get("gradient_clip_val"),
-                           gradient_clip_algorithm=trainer.get("gradient_clip_algorithm"))
+    result = profile_steps(system, batches, options.steps, options.warmup, **step)
     total = result["step_total"]
     print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={options.steps})")
     for k in ("target", "drafter", "head", "losses", "other_forward", "backward", "optimizer", "step_total"):

@@ -533,8 +533,7 @@ class DraftSystem(L.LightningModule):
         # A resumed fit: the training metrics of the checkpoint's epoch so far (restored where the data go on inside
         # that epoch), and whether the first epoch after the resume has them (else its epoch means are not logged).
         self._resumed_train_metrics: dict[str, Any] | None | bool = False
-        self._partial_train_epoch = False
-        self._partial_data_epoch: int | None = None
+        self._partial_data_epoch: int | None = None  # the data's epoch that resumed without its earlier sums
         self._ended_epoch_record: dict[str, Any] | None = None  # the sums of the epoch that ended last
 
     @staticmethod
@@ -1282,7 +1281,7 @@ class DraftSystem(L.LightningModule):
         stop is resumed inside it) — or None where there are none, they are one process's share of several, or they
         cover only the steps since a resume."""
         metrics = self.train_metrics
-        if self._trainer is None or self.trainer.world_size > 1 or self._partial_train_epoch:
+        if self._trainer is None or self.trainer.world_size > 1 or self._partial_data_epoch is not None:
             return None
         if not metrics.update_called:
             return self._ended_epoch_record
@@ -1310,7 +1309,6 @@ class DraftSystem(L.LightningModule):
         current = metrics.metric_state
         if not isinstance(states, dict) or set(states) != set(current) or any(
                 torch.tensor(states[k]).shape != current[k].shape for k in current):
-            self._partial_train_epoch = True
             self._partial_data_epoch = at
             return
         for name, value in current.items():
@@ -1319,13 +1317,12 @@ class DraftSystem(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self._ended_epoch_record = self._train_metrics_record()  # read by a save after this end (a stop's)
-        if self._partial_train_epoch:
-            self._partial_train_epoch = False
+        if self._partial_data_epoch is not None:
+            epoch, self._partial_data_epoch = self._partial_data_epoch, None
             self.train_metrics.reset()
-            rank_zero_warn(f"train/epoch_* of the epoch this fit resumed inside (the data's epoch "
-                           f"{self._partial_data_epoch}) are not logged: the checkpoint holds none of that epoch's "
-                           "earlier metrics (several processes, or an older lilicorr_pl), so they would cover only the "
-                           "steps since the resume")
+            rank_zero_warn(f"train/epoch_* of the epoch this fit resumed inside (the data's epoch {epoch}) are not "
+                           "logged: the checkpoint holds none of that epoch's earlier metrics (several processes, or "
+                           "an older lilicorr_pl), so they would cover only the steps since the resume")
             return
         self._log_metrics("train", self.train_metrics)
 
