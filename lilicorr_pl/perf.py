@@ -1014,6 +1014,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
         if options.json:
+            # It compares batches (at most --steps, at most an epoch's): the record names what was read, no steps.
+            measured_with = {**{k: v for k, v in measured_with.items() if k != "steps"},
+                             "max_batches": options.steps, "batches": result["batches"]}
             write_results_json(Path(options.json), {**result, "measured_with": measured_with}, "perf")
         return result
     result = profile_steps(system, batches, options.steps, options.warmup, **step)

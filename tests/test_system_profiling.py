@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,21 @@ def test_perf_penalty_error_refuses_offline_features_before_any_work(capsys):
     err = user_error(capsys, ["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--penalty_error", "true",
                               "--data.feature_cache=true", "--steps", "1"])
     assert "data.feature_cache: true" in err and "--data.feature_cache=false" in err
+
+
+def test_perf_penalty_error_records_the_batches_it_compared_not_steps(tmp_path):
+    """--penalty_error compares at most an epoch's batches: asked for more, its JSON records the batches it read and
+    the limit asked for, never a step count it did not run."""
+    out = tmp_path / "penalty.json"
+    result = main(["perf", "-c", str(ROOT / "configs" / "tiny.yaml"), "--penalty_error", "true",
+                   "--data.feature_cache=false", "--steps", "500", "--json", str(out),
+                   f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    record = json.loads(out.read_text())
+    assert 0 < result["batches"] < 500
+    assert record["batches"] == result["batches"]
+    assert record["measured_with"]["batches"] == result["batches"]
+    assert record["measured_with"]["max_batches"] == 500
+    assert "steps" not in record["measured_with"]
 
 
 def test_perf_builds_the_data_as_fit_does_and_penalty_error_needs_a_penalty(capsys):
