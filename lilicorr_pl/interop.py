@@ -654,7 +654,10 @@ def check_compatible(drafter: DFlashDrafter, target_config: Any) -> None:
                 ("num_target_layers", "num_target_layers" in stated, served.num_hidden_layers,
                  target_config.num_hidden_layers),
                 ("rope_theta", rope, _rope_theta(served), _rope_theta(target_config)),
-                ("rope_scaling", rope, _rope_scaling(served), _rope_scaling(target_config))):
+                ("rope_scaling", rope, _rope_scaling(served), _rope_scaling(target_config)),
+                # An engine builds the drafter's and the head's norms with it; here the drafter takes the target's.
+                ("rms_norm_eps", "rms_norm_eps" in stated, served.rms_norm_eps,
+                 getattr(target_config, "rms_norm_eps", 1e-6))):
             if said and mine != theirs:
                 problems.append(f"its config.json's {name} {mine} vs the target's {theirs}")
     if problems:

@@ -1026,6 +1026,9 @@ class DraftSystem(L.LightningModule):
             stored = str(next(served.parameters()).dtype).removeprefix("torch.")
             dtype = stored if stored in ("bfloat16", "float16", "float32") else "float32"
         dims = served.dims  # its own widths and heads, which need not be the target's
+        head = served_head(directory)
+        if head is not None:  # built with the drafter's epsilon; the directory's is checked against the target's below
+            head.rms_norm_eps = None
         system = cls(
             target={"name_or_path": str(target_path), "dtype": dtype, "layer_ids": list(served.target_layer_ids),
                     "trust_remote_code": trust_remote_code},
@@ -1033,7 +1036,7 @@ class DraftSystem(L.LightningModule):
                                   mask_token_id=served.mask_token_id, intermediate_size=dims.intermediate_size,
                                   num_attention_heads=dims.num_attention_heads,
                                   num_key_value_heads=dims.num_key_value_heads, head_dim=dims.head_dim),
-            head=served_head(directory), lr_scheduler=None,
+            head=head, lr_scheduler=None,
         )
         system._warm_start(str(directory), system.drafter.target_config, loaded=served)  # checked against the target
         if trained is not None:

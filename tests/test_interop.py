@@ -752,6 +752,7 @@ def test_overwrite_refuses_a_link_or_a_folder_under_an_exported_files_name_befor
      "'factor': 2.0} vs the target's None"),
     ("vocab_size", 600, "its config.json's vocab_size 600 vs the target's"),
     ("num_target_layers", 3, "its config.json's num_target_layers 3 vs the target's 6"),
+    ("rms_norm_eps", 1e-5, "its config.json's rms_norm_eps 1e-05 vs the target's 1e-06"),
 ])
 def test_a_served_directory_made_for_another_target_is_refused_against_this_one(tmp_path, key, value, line):
     """An engine builds the drafter with its config.json's RoPE, vocabulary and target depth; bench --ckpt DIR and the
@@ -765,6 +766,26 @@ def test_a_served_directory_made_for_another_target_is_refused_against_this_one(
     config[key] = value
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(f"the imported drafter does not match the target: {line}")):
+        DraftSystem.from_export(out, target_dir)
+
+
+def test_a_served_lilicorr_directory_with_another_norm_epsilon_is_refused_in_the_served_wording(tmp_path):
+    """An engine builds the drafter's and the head's norms with config.json's rms_norm_eps. A LiLiCorr directory stating
+    another than the target's was refused by the head's training-side check ("leave it unset", which no user of a
+    served directory can do); it is the directory's target that differs, and the line says so. As exported it loads,
+    the head's norms at the drafter's epsilon."""
+    from lilicorr_pl.system import DraftSystem
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    trained = _system(target_dir)
+    out = export_drafter(trained.drafter, tmp_path / "out", head=trained.head)
+    system = DraftSystem.from_export(out, target_dir)
+    assert system.head.rms_norm_eps == system.drafter.dims.rms_norm_eps == 1e-6
+    config = json.loads((out / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape("the imported drafter does not match the target: its config.json's "
+                                                   "rms_norm_eps 1e-05 vs the target's 1e-06")):
         DraftSystem.from_export(out, target_dir)
 
 
