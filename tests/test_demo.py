@@ -1218,3 +1218,18 @@ def test_a_sigterm_during_regeneration_says_how_to_go_on(tmp_path, capsys, monke
     assert capsys.readouterr().err.strip().endswith(
         "lilicorr demo: stopped by SIGTERM; rerun the same command: every finished stage is reused (exit status 143)")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler it found, back
+
+
+@pytest.mark.parametrize("layers, ids", [(4, [1, 2]), (6, [1, 3, 4]), (8, [1, 4, 6]), (3, [0, 1]), (16, None)])
+def test_the_demo_reads_no_small_targets_last_layer(tmp_path, layers, ids):
+    """--quick (6 layers) and the test preset (4) read the target's last layer, as the full demo did until 31413d2,
+    which no engine feeds a drafter as it trains here: their feature layers stop below it; the full target keeps the
+    config's."""
+    from transformers import Qwen3Config
+
+    from lilicorr_pl.demo.run import target_overrides
+
+    Qwen3Config(num_hidden_layers=layers, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, vocab_size=64, max_position_embeddings=512).save_pretrained(tmp_path)
+    said = [o for o in target_overrides(str(tmp_path)) if o.startswith("--model.target.layer_ids=")]
+    assert said == ([f"--model.target.layer_ids=[{', '.join(map(str, ids))}]"] if ids else [])

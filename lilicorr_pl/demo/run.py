@@ -280,14 +280,15 @@ def write_prompts(tokenizer: Any, path: Path, num: int, prefix_tokens: int, seed
 
 def target_overrides(target_dir: str) -> list[str]:
     """Config overrides for targets smaller than the demo config assumes (the seconds-long test preset):
-    feature layers within its depth, and a max_length within its RoPE range."""
+    feature layers within its depth and below its last (which no serving engine feeds a drafter as it trains here,
+    as with the full target's [1, 8, 14]), and a max_length within its RoPE range."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target_dir)
     out = []
     n = config.num_hidden_layers
     if n < 16:
-        ids = sorted({1, n // 2, n - 1}) if n >= 3 else list(range(n))
+        ids = sorted({1, n // 2, n - 2}) if n >= 4 else list(range(max(n - 1, 1)))
         out.append(f"--model.target.layer_ids=[{', '.join(str(i) for i in ids)}]")
     if config.max_position_embeddings < 256:
         out.append(f"--data.max_length={config.max_position_embeddings}")
