@@ -858,7 +858,7 @@ def test_an_export_refused_by_another_export_holding_the_new_folder_leaves_that_
 def test_a_drafter_reading_the_targets_last_layer_is_said_not_to_serve_as_it_trains(tmp_path, capsys):
     """The drafter reads a layer's raw output (DESIGN §2); for the target's last layer the reference DFlash code reads
     hidden_states[L], after the final norm, and SGLang and vLLM capture nothing after the last layer. fit warns, and
-    export says so in a note (the demo's drafters read layer 15 of 16: nothing said it)."""
+    export says so in a note (the demo's drafters read layer 15 of 16 until 31413d2: nothing said it)."""
     import warnings
 
     from lilicorr_pl.cli import main
