@@ -1005,20 +1005,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     measured_with = {"ckpt": os.path.abspath(options.ckpt) if options.ckpt else None,
                      "state_sha256": (cli.checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY) if cli.checkpoint else None,
-                     "steps": options.steps, "threads": torch.get_num_threads(), "malloc": malloc_policy(),
+                     "threads": torch.get_num_threads(), "malloc": malloc_policy(),
                      "device": str(next(system.drafter.parameters()).device),
                      "config": {key: plain_data(options.get(key)) for key in ("model", "data")}}
-    measured_with.update(step)
     if options.penalty_error:
         result = penalty_cache_error(system, batches[: options.steps])
         for k, v in result.items():
             print(f"{k:<16} {v:.6g}")
         if options.json:
             # It compares batches (at most --steps, at most an epoch's): the record names what was read, no steps.
-            measured_with = {**{k: v for k, v in measured_with.items() if k != "steps"},
-                             "max_batches": options.steps, "batches": result["batches"]}
+            measured_with.update(max_batches=options.steps, batches=result["batches"])
             write_results_json(Path(options.json), {**result, "measured_with": measured_with}, "perf")
         return result
+    measured_with.update(steps=options.steps, **step)
     result = profile_steps(system, batches, options.steps, options.warmup, **step)
     total = result["step_total"]
     print(f"{'phase':<16} {'ms/step':>10} {'share':>7}   (threads={torch.get_num_threads()}, steps={options.steps})")
