@@ -12,6 +12,7 @@ and a setting that a constructor or the Trainer rejects becomes one line (``User
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import math
@@ -784,6 +785,8 @@ class LilicorrCLI(LightningCLI):
                 self._refuse_replacing_a_record(subcommand, dry)
         except (ValueError, FileNotFoundError) as err:
             raise UserInputError(str(err)) from None
+        if subcommand is not None:  # not prepare's: it logs nothing
+            refuse_online_wandb_without_credentials(config.get("trainer"))
 
     @staticmethod
     def _place_outputs_under_the_root(config: Any) -> None:
@@ -1225,7 +1228,7 @@ class LilicorrCLI(LightningCLI):
         """An online W&B run is started once every check has passed, before the data are prepared (Lightning starts it
         after: a machine without credentials failed with wandb's traceback once the target's logits were computed,
         which can take hours). The run's clock then includes that preparation."""
-        if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        if os.environ.get("WANDB_MODE", "").lower() in WANDB_OFFLINE_MODES:
             return
         for logger in self.trainer.loggers:
             if isinstance(logger, WandbLogger) and not getattr(logger, "_offline", False):
@@ -1235,10 +1238,7 @@ class LilicorrCLI(LightningCLI):
                     if not type(err).__module__.startswith("wandb"):
                         raise
                     first = first_line(err)
-                    raise UserInputError(
-                        f"W&B could not start an online run ({first}); run `wandb login` or set WANDB_API_KEY, or "
-                        "log offline (trainer.logger.init_args.offline: true, or WANDB_MODE=offline) and `wandb sync` "
-                        "later") from None
+                    raise UserInputError(f"W&B could not start an online run ({first}); {WANDB_LOGIN_FIX}") from None
 
     def _check_callbacks(self) -> None:
         """A callback's checks that need the built system (``check_run``: the in-loop acceptance evaluation's budget
@@ -1667,6 +1667,72 @@ def built_trainer_settings(trainer: Any, trainer_class: type[Trainer] = Trainer)
     except (ValueError, TypeError, ImportError, MisconfigurationException) as err:  # a constructor's, maybe wrapped
         raise UserInputError(constructor_reason(str(err)) if str(err).strip() else repr(err)) from None
     return {k: built[k] for k in built.keys() if "." not in k and not k.startswith("__")}
+
+
+WANDB_OFFLINE_MODES = ("offline", "disabled", "dryrun")
+WANDB_LOGIN_FIX = ("run `wandb login` or set WANDB_API_KEY, or log offline (trainer.logger.init_args.offline: true, "
+                   "or WANDB_MODE=offline) and `wandb sync` later")
+
+
+def online_wandb_loggers(trainer: Any) -> list[str]:
+    """The class paths of ``trainer.logger``'s W&B loggers that would log online (a parsed config's; neither
+    ``offline`` nor an offline ``mode`` set, and no offline ``WANDB_MODE`` in the environment)."""
+    if trainer is None or os.environ.get("WANDB_MODE", "").lower() in WANDB_OFFLINE_MODES:
+        return []
+    loggers = trainer.get("logger")
+    online = []
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if isinstance(logger, WandbLogger):  # an instance, given by a caller of the CLI
+            if not getattr(logger, "_offline", False):
+                online.append(type(logger).__name__)
+            continue
+        if not isinstance(logger, (Namespace, Mapping)) or not logger.get("class_path"):
+            continue
+        module, _, name = str(logger["class_path"]).rpartition(".")
+        try:  # imported now as the Trainer's instantiation would import it
+            cls = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError, ValueError):
+            continue  # not ours to judge: its instantiation says what is wrong
+        if not (isinstance(cls, type) and issubclass(cls, WandbLogger)):
+            continue
+        init = plain_data(logger.get("init_args") or {})
+        extra = plain_data(logger.get("dict_kwargs") or {})
+        mode = str(extra.get("mode", init.get("mode", "")) or "").lower()
+        if not init.get("offline", False) and mode not in WANDB_OFFLINE_MODES:
+            online.append(str(logger["class_path"]))
+    return online
+
+
+def refuse_online_wandb_without_credentials(trainer: Any) -> None:
+    """An online W&B logger on a machine with no W&B credentials and no terminal to ask for them: one line before
+    anything is built. Found only when the run started, it came after a ``builtin:`` target's build or a hub target's
+    download and load (minutes to an hour), where wandb then failed. In a terminal wandb asks for a key when the run
+    starts, as it always has; rank zero checks, the one process that starts the run."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    online = online_wandb_loggers(trainer)
+    if not online or getattr(rank_zero_only, "rank", 0) != 0 or _wandb_can_ask():
+        return
+    import wandb
+
+    if wandb.run is not None:  # a run of this process's own (a caller's): the logger joins it, no login needed
+        return
+    # wandb's own lookup (WANDB_API_KEY, an identity token file, its settings files, .netrc); prompt=False: it asks
+    # nothing and changes nothing when none is found. verify=False: the key is checked by the server at the run's start
+    if not wandb.login(prompt=False, verify=False):
+        raise UserInputError(f"W&B has no credentials for the online run of {online[0]} (no API key configured and no "
+                             f"terminal to ask for one); {WANDB_LOGIN_FIX}")
+
+
+def _wandb_can_ask() -> bool:
+    """Whether wandb would ask for a key when a run starts (its own test where it has one: a terminal on stdin and
+    stderr, or Jupyter)."""
+    try:
+        from wandb.errors import term
+
+        return bool(term.can_use_terminput())
+    except (ImportError, AttributeError):
+        return is_terminal(sys.stdin) and is_terminal(sys.stderr)
 
 
 def dry_trainer(settings: dict[str, Any], trainer: Any, trainer_class: type[Trainer] = Trainer,

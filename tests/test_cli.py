@@ -2145,22 +2145,54 @@ def test_wandb_disabled_in_the_environment_wins_over_a_configs_offline_logger(ti
     assert not (ckpt.parents[1] / "wandb").exists()
 
 
-def test_online_wandb_without_credentials_is_one_line_before_the_data_are_prepared(tmp_path):
-    """It was wandb's traceback once the target's logits had been computed (hours, on a real target)."""
+def test_online_wandb_without_credentials_is_one_line_before_the_target_is_built(tmp_path):
+    """It was wandb's traceback once the target's logits had been computed (hours, on a real target); then one line
+    once the target was built or loaded (a ``builtin:`` target's build, a hub target's download: minutes to an hour).
+    Now one line before either: here a cache without the built-in target stays without it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    from lilicorr_pl.files import cache_root
-
-    # A home without W&B settings or .netrc; the project's cache as the other tests use it (its built target).
-    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), HF_HUB_OFFLINE="1", LILICORR_CACHE=str(cache_root()))
+    cache = tmp_path / "cache"
+    # A home without W&B settings or .netrc, no terminal, and a cache where the built-in target is not built yet.
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), HF_HUB_OFFLINE="1", LILICORR_CACHE=str(cache))
     root = tmp_path / "runs" / "tiny"
     done = subprocess.run(
         [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
          f"--trainer.default_root_dir={root}", "--trainer.max_steps=1", "--trainer.logger.init_args.offline=false"],
         env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "lilicorr fit: error: W&B could not start an online run (No API key configured" in done.stderr
-    assert "run `wandb login` or set WANDB_API_KEY, or log offline" in done.stderr
+    assert ("lilicorr fit: error: W&B has no credentials for the online run of lightning.pytorch.loggers.WandbLogger "
+            "(no API key configured and no terminal to ask for one); run `wandb login` or set WANDB_API_KEY, or log "
+            "offline") in done.stderr
     assert "Traceback" not in done.stderr and not (root / "cache").exists()
+    assert not list(cache.glob("tiny-target-*")), "the target was built before the refusal"
+    # Offline by the environment: no check (the run itself is not started here: a config error stops it first).
+    env["WANDB_MODE"] = "offline"
+    done = subprocess.run(
+        [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
+         f"--trainer.default_root_dir={root}", "--trainer.max_steps=0", "--trainer.logger.init_args.offline=false"],
+        env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert "W&B has no credentials" not in done.stderr, done.stderr[-2000:]
+
+
+def test_online_wandb_loggers_reads_the_parsed_logger_settings(monkeypatch):
+    from jsonargparse import Namespace
+
+    from lilicorr_pl.lightning_cli import online_wandb_loggers
+
+    wandb_path = "lightning.pytorch.loggers.WandbLogger"
+    online = Namespace(class_path=wandb_path, init_args=Namespace(project="p", offline=False))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert online_wandb_loggers(Namespace(logger=online)) == [wandb_path]
+    assert online_wandb_loggers(Namespace(logger=[Namespace(class_path="lightning.pytorch.loggers.CSVLogger"),
+                                                  online])) == [wandb_path]
+    assert online_wandb_loggers(Namespace(logger=Namespace(class_path=wandb_path,
+                                                           init_args=Namespace(offline=True)))) == []
+    assert online_wandb_loggers(Namespace(logger=Namespace(class_path=wandb_path, init_args=Namespace(),
+                                                           dict_kwargs={"mode": "disabled"}))) == []
+    assert online_wandb_loggers(Namespace(logger=True)) == []  # Lightning's default logger
+    assert online_wandb_loggers(Namespace(logger=None)) == []
+    assert online_wandb_loggers(None) == []
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert online_wandb_loggers(Namespace(logger=online)) == []
 
 
 @pytest.mark.parametrize("flag, message", [
