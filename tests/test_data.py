@@ -16,7 +16,8 @@ from helpers import make_tiny_target_dir
 from transformers import AutoTokenizer
 
 from lilicorr_pl.data import CacheError, cached_candidate_logits, formats
-from lilicorr_pl.data.datamodule import DraftDataModule
+from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.data.datamodule import DraftDataModule, copy_groups
 from lilicorr_pl.data.precompute import precompute_throughput
 from lilicorr_pl.data.sampling import epoch_order, train_sampler
 from lilicorr_pl.data.formats import DataFormatError, load_examples, pack_examples, tokenize_chat
@@ -356,6 +357,45 @@ def make_dm(train_file, target_dir, cache_dir, **kw) -> DraftDataModule:
     )
     args.update(kw)
     return DraftDataModule([train_file], **args)
+
+
+def _example_tokens(dataset) -> list[tuple[int, ...]]:
+    return [tuple(dataset[k]["input_ids"].tolist()) for k in range(len(dataset))]
+
+
+def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, train_file, target_dir):
+    """A dataset with exact repeats (chat datasets have many) put copies on both sides of val_fraction's split, so
+    val/* scored examples the drafter trained on. Each set of copies now sits on one side, with a warning; data
+    without repeats split exactly as before (the seeded permutation's cut)."""
+    dm = make_dm(train_file, target_dir, tmp_path / "plain", logit_cache=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    perm = np.random.default_rng(dm.seed).permutation(20)
+    assert dm.val_dataset.indices.tolist() == sorted(perm[:4].tolist())  # unchanged where nothing repeats
+    assert dm.train_dataset.indices.tolist() == sorted(perm[4:].tolist())
+
+    records = [json.loads(line) for line in Path(train_file).read_text().splitlines()]
+    repeated = write_jsonl(tmp_path / "repeated.jsonl", records + records[:6] + records[:6])  # 6 records 3 times
+    dm = make_dm(repeated, target_dir, tmp_path / "repeated", logit_cache=False, val_fraction=0.25)
+    dm.prepare_data()
+    with pytest.warns(UserWarning, match=r"data: 12 of the 32 training examples repeat another's tokens; each set of "
+                                         r"copies is kept on one side of the validation split \("):
+        dm.setup("fit")
+    train, val = _example_tokens(dm.train_dataset), _example_tokens(dm.val_dataset)
+    assert len(train) + len(val) == 32 and val
+    assert not set(train) & set(val)
+    # the plain cut of this permutation puts copies on both sides, so the test reads the case it is for
+    plain = set(np.random.default_rng(dm.seed).permutation(32)[:8].tolist())
+    groups = copy_groups(dm.train_dataset.stores["tokens"])
+    assert {int(groups[i]) for i in plain} & {int(groups[i]) for i in range(32) if i not in plain}
+
+    # Every example one copy: nothing left to train on, said in one line before the target's pass over the data
+    same = write_jsonl(tmp_path / "same.jsonl", [records[1]] * 5)
+    dm = make_dm(same, target_dir, tmp_path / "same", logit_cache=False)
+    with pytest.raises(UserInputError, match="every one of the 5 training examples is a copy of one the validation "
+                                             "split holds"):
+        dm.prepare_data()
+        dm.setup("fit")
 
 
 def test_datamodule_batches_keys_shapes_and_logit_alignment(tmp_path, train_file, target_dir):

@@ -10,6 +10,7 @@ depends on changed; a store that fails validation is refused, never silently use
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from array import array
@@ -79,6 +80,20 @@ def _warn_overlapping_files(train_files: list[str], val_files: list[str]) -> Non
 
 #: How a store that fails its checks is rebuilt, in every message that asks for it.
 _REBUILD = "rerun prepare_data (`lilicorr fit` or `lilicorr prepare`) to rebuild it"
+
+
+def copy_groups(tokens: Store) -> np.ndarray:
+    """For each example of a token store, the index of the first example with the same token ids (its own where none
+    comes before it): exact repeats, such as a chat dataset's duplicated conversations."""
+    group = np.empty(tokens.num_examples, dtype=np.int64)
+    first: dict[bytes, int] = {}
+    for shard, (start, stop) in enumerate(tokens.shard_examples):
+        ids = tokens.get(shard, "input_ids").numpy()
+        offsets = tokens.get(shard, "offsets").numpy()
+        for j in range(stop - start):
+            key = hashlib.blake2b(ids[offsets[j]:offsets[j + 1]].tobytes(), digest_size=16).digest()
+            group[start + j] = first.setdefault(key, start + j)
+    return group
 
 
 class DraftDataModule(L.LightningDataModule):
@@ -348,8 +363,9 @@ class DraftDataModule(L.LightningDataModule):
         # every rank, later).
         if (trainer is not None and trainer.state.fn == "fit" and trainer.world_size == 1
                 and "val" not in self._splits() and self.val_fraction > 0):
-            n_train = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size").num_examples
-            self._refuse_an_empty_training_split(n_train, n_train - self._validation_count(n_train))  # setup hashes it
+            tokens = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup hashes it
+            _, left, _ = self._validation_split(tokens)
+            self._refuse_an_empty_training_split(tokens.num_examples, len(left), copies_kept_together=True)
         job = self.precompute_job()
         if job is not None:
             run_in_process(job, self.load_target(), progress=self.progress, written_by="prepare_data")
@@ -457,19 +473,21 @@ class DraftDataModule(L.LightningDataModule):
             self._check_alignment(opened)
             self.pad_id = int(opened["tokens"].meta.get("pad_id", 0))
             datasets[split] = (paths, opened["tokens"].num_examples)
+            if split == "train":
+                train_tokens = opened["tokens"]
 
         train_paths, n_train = datasets["train"]
         indices = np.arange(n_train)
         val_indices = None
         if "val" not in datasets and self.val_fraction > 0:
-            k = self._validation_count(n_train)
-            perm = np.random.default_rng(self.seed).permutation(n_train)
-            val_indices, indices = np.sort(perm[:k]), np.sort(perm[k:])
-            if k == 0:
+            val_indices, indices, copies = self._validation_split(train_tokens)
+            if len(val_indices) == 0:
                 warnings.warn("only one training example: no validation split", stacklevel=2)
                 val_indices = None
+            elif copies:
+                warnings.warn(copies, stacklevel=2)
         if stage in (None, "fit"):
-            self._refuse_an_empty_training_split(n_train, len(indices))
+            self._refuse_an_empty_training_split(n_train, len(indices), copies_kept_together=val_indices is not None)
         self.train_dataset = self._dataset(train_paths, indices)
         if "val" in datasets:
             val_paths, n_val = datasets["val"]
@@ -483,10 +501,42 @@ class DraftDataModule(L.LightningDataModule):
         """How many of ``n_train`` training examples ``val_fraction`` sets aside (none of a single one)."""
         return int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0
 
-    def _refuse_an_empty_training_split(self, n_train: int, left: int) -> None:
+    def _validation_split(self, tokens: Store) -> tuple[np.ndarray, np.ndarray, str]:
+        """``val_fraction`` of the training examples set aside (sorted validation and training indices), and a warning
+        where some examples repeat another's tokens ("" where none does).
+
+        A seeded permutation of the examples, its first ``ceil(n * val_fraction)`` for validation, with each set of
+        copies (the same token ids) on the side of its copy that comes first in the permutation: a copy on each side
+        would have ``val/*`` score examples the drafter trained on. Where no example repeats another, this is the
+        permutation's plain cut."""
+        n = tokens.num_examples
+        k = self._validation_count(n)
+        perm = np.random.default_rng(self.seed).permutation(n)
+        group = copy_groups(tokens)
+        place = np.empty(n, dtype=np.int64)
+        place[perm] = np.arange(n)
+        first = np.full(n, n, dtype=np.int64)
+        np.minimum.at(first, group, place)  # each set's place in the permutation: its earliest copy's
+        in_val = first[group] < k
+        repeats = int(n - np.unique(group).size)
+        message = ""
+        if repeats:
+            crossed = int((in_val != (place < k)).sum())
+            message = (f"data: {repeats} of the {n} training examples repeat another's tokens; each set of copies is "
+                       f"kept on one side of the validation split ({crossed} moved from the plain cut; validation holds "
+                       f"{int(in_val.sum())} examples where the cut held {k}), so val/* scores none the drafter "
+                       "trained on; drop the repeats from the data to train on each once")
+        return np.flatnonzero(in_val), np.flatnonzero(~in_val), message
+
+    def _refuse_an_empty_training_split(self, n_train: int, left: int, copies_kept_together: bool = False) -> None:
         """A validation share that leaves none (``left``) of ``n_train`` training examples: Lightning would stop at once
-        and exit 0 with no checkpoint."""
+        and exit 0 with no checkpoint. ``copies_kept_together``: the split kept copies together, which can leave fewer
+        than the share's count."""
         if left == 0:
+            if copies_kept_together and n_train - self._validation_count(n_train) > 0:
+                raise UserInputError(f"data: every one of the {n_train} training examples is a copy of one the "
+                                     "validation split holds (copies are kept on one side); drop the repeats from the "
+                                     "data, or give data.val_files")
             raise UserInputError(f"data.val_fraction {self.val_fraction} leaves none of the {n_train} training examples "
                                  "to train on; lower it, or give data.val_files")
 
