@@ -1684,7 +1684,7 @@ def online_wandb_loggers(trainer: Any) -> list[str]:
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if isinstance(logger, WandbLogger):  # an instance, given by a caller of the CLI
             if not getattr(logger, "_offline", False):
-                online.append(type(logger).__name__)
+                online.append(f"{type(logger).__module__}.{type(logger).__name__}")
             continue
         if not isinstance(logger, (Namespace, Mapping)) or not logger.get("class_path"):
             continue
@@ -1707,19 +1707,37 @@ def refuse_online_wandb_without_credentials(trainer: Any) -> None:
     """An online W&B logger on a machine with no W&B credentials and no terminal to ask for them: one line before
     anything is built. Found only when the run started, it came after a ``builtin:`` target's build or a hub target's
     download and load (minutes to an hour), where wandb then failed. In a terminal wandb asks for a key when the run
-    starts, as it always has; rank zero checks, the one process that starts the run."""
+    starts, as it always has; the process that starts the run checks (rank zero of node zero). wandb's settings that
+    log offline or not at all (``wandb offline``) are wandb's to apply: nothing to check."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     online = online_wandb_loggers(trainer)
-    if not online or getattr(rank_zero_only, "rank", 0) != 0 or _wandb_can_ask():
+    node = os.environ.get("NODE_RANK", "0")
+    if (not online or getattr(rank_zero_only, "rank", 0) != 0 or (node.isdigit() and int(node) != 0)
+            or _wandb_can_ask()):
         return
     import wandb
 
     if wandb.run is not None:  # a run of this process's own (a caller's): the logger joins it, no login needed
         return
-    # wandb's own lookup (WANDB_API_KEY, an identity token file, its settings files, .netrc); prompt=False: it asks
-    # nothing and changes nothing when none is found. verify=False: the key is checked by the server at the run's start
-    if not wandb.login(prompt=False, verify=False):
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        settings = wandb_setup.singleton().settings  # the environment's and the settings files' (no service started)
+        if settings._noop or settings._offline:
+            return
+        # wandb's own lookup (WANDB_API_KEY, an identity token file, its settings files, .netrc), as a run's start
+        # makes it: nothing asked (prompt=False), nothing sent to the server, the session left as it was.
+        found = wbauth.authenticate_session(host=wbauth.HostUrl(settings.base_url, app_url=settings.app_url),
+                                            source="lilicorr", prompt=False, update_session=False)
+    except (ImportError, AttributeError, TypeError):  # another wandb's internals: the run's start checks, as before
+        return
+    except Exception as err:  # noqa: BLE001 - wandb's own: a key of the wrong form, a token file it cannot read
+        if not type(err).__module__.startswith("wandb"):
+            raise
+        raise UserInputError(f"W&B could not start an online run ({first_line(err)}); {WANDB_LOGIN_FIX}") from None
+    if found is None:
         raise UserInputError(f"W&B has no credentials for the online run of {online[0]} (no API key configured and no "
                              f"terminal to ask for one); {WANDB_LOGIN_FIX}")
 

@@ -2164,13 +2164,56 @@ def test_online_wandb_without_credentials_is_one_line_before_the_target_is_built
             "offline") in done.stderr
     assert "Traceback" not in done.stderr and not (root / "cache").exists()
     assert not list(cache.glob("tiny-target-*")), "the target was built before the refusal"
-    # Offline by the environment: no check (the run itself is not started here: a config error stops it first).
-    env["WANDB_MODE"] = "offline"
-    done = subprocess.run(
-        [sys.executable, "-m", "lilicorr_pl", "fit", "-c", str(ROOT / "configs" / "tiny.yaml"),
-         f"--trainer.default_root_dir={root}", "--trainer.max_steps=0", "--trainer.logger.init_args.offline=false"],
-        env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert "W&B has no credentials" not in done.stderr, done.stderr[-2000:]
+
+
+_CREDENTIALS_CHECK = """
+from jsonargparse import Namespace
+from lilicorr_pl.checkpoint import UserInputError
+from lilicorr_pl.lightning_cli import refuse_online_wandb_without_credentials
+try:
+    refuse_online_wandb_without_credentials(Namespace(logger=Namespace(
+        class_path="lightning.pytorch.loggers.WandbLogger", init_args=Namespace(offline=False))))
+    print("PASSED")
+except UserInputError as err:
+    print("REFUSED", err)
+"""
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("none", "REFUSED W&B has no credentials for the online run of lightning.pytorch.loggers.WandbLogger"),
+    ("environment offline", "PASSED"),
+    ("settings file offline", "PASSED"),  # `wandb offline`: the run logs offline without credentials
+    ("key in the environment", "PASSED"),
+    ("key in .netrc", "PASSED"),
+    ("malformed key", "REFUSED W&B could not start an online run (WANDB_API_KEY invalid: "),  # was a traceback
+])
+def test_the_wandb_credentials_check_reads_what_wandb_reads(case, expected, tmp_path):
+    """Each case in a process of its own (wandb's settings are read once per process), with no terminal, a home of its
+    own, and nothing written there or sent: the check asks, changes and sends nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    config = tmp_path / "wandb-config"
+    config.mkdir()
+    (tmp_path / "matplotlib").mkdir()  # its font cache, written at import
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(config),
+               NETRC=str(tmp_path / ".netrc"), MPLCONFIGDIR=str(tmp_path / "matplotlib"))
+    if case == "environment offline":
+        env["WANDB_MODE"] = "offline"
+    elif case == "settings file offline":
+        (config / "settings").write_text("[default]\nmode = offline\n")
+    elif case == "key in the environment":
+        env["WANDB_API_KEY"] = "a" * 40
+    elif case == "key in .netrc":
+        (tmp_path / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {'b' * 40}\n")
+        (tmp_path / ".netrc").chmod(0o600)
+    elif case == "malformed key":
+        env["WANDB_API_KEY"] = "not a key"
+    before = sorted(p for p in tmp_path.rglob("*"))
+    done = subprocess.run([sys.executable, "-c", _CREDENTIALS_CHECK], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(expected), done.stdout + done.stderr[-2000:]
+    written = [p for p in tmp_path.rglob("*") if p not in before and "matplotlib" not in p.parts]
+    assert not written, written  # no wandb logs, settings or .netrc
 
 
 def test_online_wandb_loggers_reads_the_parsed_logger_settings(monkeypatch):

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -378,8 +379,8 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
     repeated = write_jsonl(tmp_path / "repeated.jsonl", records + records[:6] + records[:6])  # 6 records 3 times
     dm = make_dm(repeated, target_dir, tmp_path / "repeated", logit_cache=False, val_fraction=0.25)
     dm.prepare_data()
-    with pytest.warns(UserWarning, match=r"data: 12 of the 32 training examples repeat another's tokens; each set of "
-                                         r"copies is kept on one side of the validation split \("):
+    with pytest.warns(UserWarning, match=r"data: 12 of the 32 training examples repeat another's tokens exactly; each "
+                                         r"set of copies is kept on one side of the validation split \("):
         dm.setup("fit")
     train, val = _example_tokens(dm.train_dataset), _example_tokens(dm.val_dataset)
     assert len(train) + len(val) == 32 and val
@@ -389,13 +390,73 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
     groups = copy_groups(dm.train_dataset.stores["tokens"])
     assert {int(groups[i]) for i in plain} & {int(groups[i]) for i in range(32) if i not in plain}
 
-    # Every example one copy: nothing left to train on, said in one line before the target's pass over the data
+    # Every example one copy: its set trains, or validates (nothing left to train on: refused in one line)
     same = write_jsonl(tmp_path / "same.jsonl", [records[1]] * 5)
-    dm = make_dm(same, target_dir, tmp_path / "same", logit_cache=False)
+    seeds = [s for s in range(50) if np.random.default_rng(s).permutation(5)[0] == 0]
+    dm = make_dm(same, target_dir, tmp_path / "same", logit_cache=False, seed=seeds[0])
+    dm.prepare_data()
     with pytest.raises(UserInputError, match="every one of the 5 training examples is a copy of one the validation "
                                              "split holds"):
-        dm.prepare_data()
         dm.setup("fit")
+    dm = make_dm(same, target_dir, tmp_path / "same", logit_cache=False, seed=seeds[0] + 1)
+    with pytest.warns(UserWarning, match="data: no validation split: each of the 1 examples val_fraction draws is a "
+                                         "copy of an earlier example, which trains"):
+        dm.setup("fit")
+    assert dm.val_dataset is None and len(dm.train_dataset) == 5
+
+
+class _TokenStore:
+    """A token store's reading side over in-memory examples (shards of ``per_shard``)."""
+
+    def __init__(self, examples: list[list[int]], per_shard: int = 7) -> None:
+        self.examples, self.path = examples, f"memory-{id(self)}"
+        self.fingerprint, self.num_examples = "f", len(examples)
+        self.shard_examples = [(a, min(a + per_shard, len(examples))) for a in range(0, len(examples), per_shard)]
+
+    def get(self, shard: int, name: str) -> torch.Tensor:
+        a, b = self.shard_examples[shard]
+        part = self.examples[a:b]
+        if name == "offsets":
+            return torch.tensor([0, *np.cumsum([len(e) for e in part]).tolist()])
+        return torch.tensor([t for e in part for t in e], dtype=torch.int32)
+
+
+def test_copy_groups_finds_exact_repeats_across_shards_and_nothing_else():
+    rng = np.random.default_rng(0)
+    distinct = [rng.integers(0, 4000, size=int(rng.integers(1, 30))).tolist() for _ in range(40)]
+    examples = [*distinct, distinct[3], [], distinct[3][:-1], distinct[39], [], distinct[3] + [7]]
+    groups = copy_groups(_TokenStore(examples))
+    assert groups.tolist() == [*range(40), 3, 41, 42, 39, 41, 45]  # a prefix or an extension is not a copy
+
+
+def test_a_large_set_of_copies_is_no_likelier_to_validate_than_one_example(tmp_path, train_file, target_dir):
+    """Placed by its earliest copy in the permutation, a set of m copies validated with chance 1 - (1 - f)^m (30 copies
+    at val_fraction 0.1: 96 %), draining the repeats out of training; placed by its first example, with chance f."""
+    examples = [[i, i + 1, i + 2] for i in range(70)] + [[9, 9, 9]] * 30
+    store = _TokenStore(examples)
+    dm = make_dm(train_file, target_dir, tmp_path / "cache", val_fraction=0.1)
+    validated = 0
+    for seed in range(60):
+        dm.seed = seed
+        val, train, message = dm._validation_split(store)
+        assert not set(val) & set(train) and len(val) + len(train) == 100 and "29 of the 100" in message
+        in_val = 70 in set(val.tolist())
+        assert all((i in set(val.tolist())) == in_val for i in range(70, 100))  # the set on one side
+        validated += in_val
+    assert validated <= 15, validated  # about 6 of 60 expected; the earliest-copy rule gave about 58
+
+
+def test_prepare_data_refuses_a_training_split_left_empty_by_copies_before_the_targets_pass(
+        tmp_path, train_file, target_dir, monkeypatch):
+    records = [json.loads(line) for line in Path(train_file).read_text().splitlines()]
+    same = write_jsonl(tmp_path / "same.jsonl", [records[1]] * 5)
+    seed = next(s for s in range(50) if np.random.default_rng(s).permutation(5)[0] == 0)
+    dm = make_dm(same, target_dir, tmp_path / "cache", seed=seed)  # with the logit store: a pass of the target
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), world_size=1)  # a one-process fit's
+    forward = CountingForward(monkeypatch)
+    with pytest.raises(UserInputError, match="every one of the 5 training examples is a copy"):
+        dm.prepare_data()
+    assert forward.calls == 0
 
 
 def test_datamodule_batches_keys_shapes_and_logit_alignment(tmp_path, train_file, target_dir):

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lilicorr_pl.data.dataset import CachedDraftDataset, collate_draft_batch, default_buckets
@@ -82,17 +83,36 @@ def _warn_overlapping_files(train_files: list[str], val_files: list[str]) -> Non
 _REBUILD = "rerun prepare_data (`lilicorr fit` or `lilicorr prepare`) to rebuild it"
 
 
+_COPY_GROUPS: dict[tuple[str, str], np.ndarray] = {}  # a store's groups, by its path and fingerprint: read once
+
+
 def copy_groups(tokens: Store) -> np.ndarray:
     """For each example of a token store, the index of the first example with the same token ids (its own where none
-    comes before it): exact repeats, such as a chat dataset's duplicated conversations."""
-    group = np.empty(tokens.num_examples, dtype=np.int64)
-    first: dict[bytes, int] = {}
+    comes before it): exact repeats of a whole example, such as a chat dataset's duplicated conversations (with
+    ``data.pack``, whole packs). Vectorised: an example's key is its length and two independent position-weighted sums
+    of its ids modulo 2^64 (random odd weights), so two different examples are taken for copies only where both sums
+    collide."""
+    cached = _COPY_GROUPS.get((str(tokens.path), tokens.fingerprint))
+    if cached is not None:
+        return cached
+    offsets = [tokens.get(shard, "offsets").numpy().astype(np.int64) for shard in range(len(tokens.shard_examples))]
+    longest = max((int(np.diff(o).max()) for o in offsets if o.size > 1), default=0)
+    # Odd weights, one per position, in two independent rows: the same for every shard
+    weights = np.random.default_rng(0x11C0).integers(0, 2**62, size=(2, longest), dtype=np.uint64) * np.uint64(2) + 1
+    keys = np.zeros((tokens.num_examples, 3), dtype=np.uint64)
     for shard, (start, stop) in enumerate(tokens.shard_examples):
-        ids = tokens.get(shard, "input_ids").numpy()
-        offsets = tokens.get(shard, "offsets").numpy()
-        for j in range(stop - start):
-            key = hashlib.blake2b(ids[offsets[j]:offsets[j + 1]].tobytes(), digest_size=16).digest()
-            group[start + j] = first.setdefault(key, start + j)
+        ids = tokens.get(shard, "input_ids").numpy().astype(np.uint64) + np.uint64(1)
+        lengths = np.diff(offsets[shard])
+        position = np.arange(ids.size, dtype=np.int64) - np.repeat(offsets[shard][:-1], lengths)
+        filled = lengths > 0  # reduceat reads an empty span as its next element: such spans keep 0
+        with np.errstate(over="ignore"):  # sums modulo 2^64
+            for row in range(2):
+                sums = np.add.reduceat(ids * weights[row][position], offsets[shard][:-1][filled]) if ids.size else ids
+                keys[start:stop, row][filled] = sums
+        keys[start:stop, 2] = lengths.astype(np.uint64)
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    group = first[inverse.reshape(-1)].astype(np.int64)
+    _COPY_GROUPS[(str(tokens.path), tokens.fingerprint)] = group
     return group
 
 
@@ -363,7 +383,7 @@ class DraftDataModule(L.LightningDataModule):
         # every rank, later).
         if (trainer is not None and trainer.state.fn == "fit" and trainer.world_size == 1
                 and "val" not in self._splits() and self.val_fraction > 0):
-            tokens = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup hashes it
+            tokens = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup: sha256
             _, left, _ = self._validation_split(tokens)
             self._refuse_an_empty_training_split(tokens.num_examples, len(left), copies_kept_together=True)
         job = self.precompute_job()
@@ -481,11 +501,14 @@ class DraftDataModule(L.LightningDataModule):
         val_indices = None
         if "val" not in datasets and self.val_fraction > 0:
             val_indices, indices, copies = self._validation_split(train_tokens)
+            if copies:
+                rank_zero_warn(copies)
             if len(val_indices) == 0:
-                warnings.warn("only one training example: no validation split", stacklevel=2)
+                rank_zero_warn("only one training example: no validation split" if n_train == 1 else
+                               f"data: no validation split: each of the {self._validation_count(n_train)} examples "
+                               "val_fraction draws is a copy of an earlier example, which trains (exact repeats are "
+                               "kept on one side); drop the repeats, raise val_fraction, or give data.val_files")
                 val_indices = None
-            elif copies:
-                warnings.warn(copies, stacklevel=2)
         if stage in (None, "fit"):
             self._refuse_an_empty_training_split(n_train, len(indices), copies_kept_together=val_indices is not None)
         self.train_dataset = self._dataset(train_paths, indices)
@@ -506,26 +529,25 @@ class DraftDataModule(L.LightningDataModule):
         where some examples repeat another's tokens ("" where none does).
 
         A seeded permutation of the examples, its first ``ceil(n * val_fraction)`` for validation, with each set of
-        copies (the same token ids) on the side of its copy that comes first in the permutation: a copy on each side
-        would have ``val/*`` score examples the drafter trained on. Where no example repeats another, this is the
-        permutation's plain cut."""
+        exact copies (:func:`copy_groups`) on the side of its first example in the data: a copy on each side would
+        have ``val/*`` score examples the drafter trained on. Every set goes to validation with the same chance, however
+        many copies it holds. Where no example repeats another, this is the permutation's plain cut; a smaller
+        ``val_fraction`` keeps a part of the same split."""
         n = tokens.num_examples
         k = self._validation_count(n)
         perm = np.random.default_rng(self.seed).permutation(n)
-        group = copy_groups(tokens)
         place = np.empty(n, dtype=np.int64)
         place[perm] = np.arange(n)
-        first = np.full(n, n, dtype=np.int64)
-        np.minimum.at(first, group, place)  # each set's place in the permutation: its earliest copy's
-        in_val = first[group] < k
-        repeats = int(n - np.unique(group).size)
+        group = copy_groups(tokens)
+        in_val = place[group] < k
+        repeats = int((group != np.arange(n)).sum())
         message = ""
         if repeats:
             crossed = int((in_val != (place < k)).sum())
-            message = (f"data: {repeats} of the {n} training examples repeat another's tokens; each set of copies is "
-                       f"kept on one side of the validation split ({crossed} moved from the plain cut; validation holds "
-                       f"{int(in_val.sum())} examples where the cut held {k}), so val/* scores none the drafter "
-                       "trained on; drop the repeats from the data to train on each once")
+            message = (f"data: {repeats} of the {n} training examples repeat another's tokens exactly; each set of "
+                       f"copies is kept on one side of the validation split ({crossed} moved from the plain cut; "
+                       f"validation holds {int(in_val.sum())} examples where the cut held {k}), so no example "
+                       "validates beside a copy of itself that trains; drop the repeats to train on each once")
         return np.flatnonzero(in_val), np.flatnonzero(~in_val), message
 
     def _refuse_an_empty_training_split(self, n_train: int, left: int, copies_kept_together: bool = False) -> None:
