@@ -1698,6 +1698,8 @@ def online_wandb_loggers(trainer: Any) -> list[str]:
         init = plain_data(logger.get("init_args") or {})
         extra = plain_data(logger.get("dict_kwargs") or {})
         mode = str(extra.get("mode", init.get("mode", "")) or "").lower()
+        if init.get("settings") or extra.get("settings"):
+            continue  # wandb.Settings of its own (a key, a host, a mode): the run's start reads them, not this check
         if not init.get("offline", False) and mode not in WANDB_OFFLINE_MODES:
             online.append(str(logger["class_path"]))
     return online
@@ -1731,9 +1733,12 @@ def refuse_online_wandb_without_credentials(trainer: Any) -> None:
         # makes it: nothing asked (prompt=False), nothing sent to the server, the session left as it was.
         found = wbauth.authenticate_session(host=wbauth.HostUrl(settings.base_url, app_url=settings.app_url),
                                             source="lilicorr", prompt=False, update_session=False)
-    except (ImportError, AttributeError, TypeError):  # another wandb's internals: the run's start checks, as before
+    except (ImportError, AttributeError, TypeError):  # a wandb without these (older): the run's start checks
         return
     except Exception as err:  # noqa: BLE001 - wandb's own: a key of the wrong form, a token file it cannot read
+        if type(err).__module__.startswith("pydantic"):  # a setting of the wrong form (WANDB_MODE=bogus)
+            raise UserInputError(f"W&B's settings are not valid ({' '.join(str(err).split())[:300]}); fix the "
+                                 "WANDB_* variable or wandb settings file it names") from None
         if not type(err).__module__.startswith("wandb"):
             raise
         raise UserInputError(f"W&B could not start an online run ({first_line(err)}); {WANDB_LOGIN_FIX}") from None

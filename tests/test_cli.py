@@ -2186,6 +2186,7 @@ except UserInputError as err:
     ("key in the environment", "PASSED"),
     ("key in .netrc", "PASSED"),
     ("malformed key", "REFUSED W&B could not start an online run (WANDB_API_KEY invalid: "),  # was a traceback
+    ("mode of the wrong form", "REFUSED W&B's settings are not valid (1 validation error for Settings mode "),
 ])
 def test_the_wandb_credentials_check_reads_what_wandb_reads(case, expected, tmp_path):
     """Each case in a process of its own (wandb's settings are read once per process), with no terminal, a home of its
@@ -2207,6 +2208,8 @@ def test_the_wandb_credentials_check_reads_what_wandb_reads(case, expected, tmp_
         (tmp_path / ".netrc").chmod(0o600)
     elif case == "malformed key":
         env["WANDB_API_KEY"] = "not a key"
+    elif case == "mode of the wrong form":
+        env["WANDB_MODE"] = "bogus"
     before = sorted(p for p in tmp_path.rglob("*"))
     done = subprocess.run([sys.executable, "-c", _CREDENTIALS_CHECK], env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -2231,6 +2234,8 @@ def test_online_wandb_loggers_reads_the_parsed_logger_settings(monkeypatch):
                                                            init_args=Namespace(offline=True)))) == []
     assert online_wandb_loggers(Namespace(logger=Namespace(class_path=wandb_path, init_args=Namespace(),
                                                            dict_kwargs={"mode": "disabled"}))) == []
+    assert online_wandb_loggers(Namespace(logger=Namespace(class_path=wandb_path, init_args=Namespace(),
+                                                           dict_kwargs={"settings": {"api_key": "c" * 40}}))) == []
     assert online_wandb_loggers(Namespace(logger=True)) == []  # Lightning's default logger
     assert online_wandb_loggers(Namespace(logger=None)) == []
     assert online_wandb_loggers(None) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -405,11 +406,14 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
     assert dm.val_dataset is None and len(dm.train_dataset) == 5
 
 
+_STORE_NUMBERS = itertools.count()  # copy_groups memoises by path: one per store
+
+
 class _TokenStore:
     """A token store's reading side over in-memory examples (shards of ``per_shard``)."""
 
     def __init__(self, examples: list[list[int]], per_shard: int = 7) -> None:
-        self.examples, self.path = examples, f"memory-{id(self)}"
+        self.examples, self.path = examples, f"memory-{next(_STORE_NUMBERS)}"
         self.fingerprint, self.num_examples = "f", len(examples)
         self.shard_examples = [(a, min(a + per_shard, len(examples))) for a in range(0, len(examples), per_shard)]
 
@@ -427,6 +431,9 @@ def test_copy_groups_finds_exact_repeats_across_shards_and_nothing_else():
     examples = [*distinct, distinct[3], [], distinct[3][:-1], distinct[39], [], distinct[3] + [7]]
     groups = copy_groups(_TokenStore(examples))
     assert groups.tolist() == [*range(40), 3, 41, 42, 39, 41, 45]  # a prefix or an extension is not a copy
+    # empty examples opening a shard, a shard of nothing but them (shards of 7)
+    examples = [*distinct[:7], [], [], [], [], [], [], [], [], *distinct[:3]]
+    assert copy_groups(_TokenStore(examples)).tolist() == [*range(7), *[7] * 8, 0, 1, 2]
 
 
 def test_a_large_set_of_copies_is_no_likelier_to_validate_than_one_example(tmp_path, train_file, target_dir):

@@ -10,7 +10,6 @@ depends on changed; a store that fails validation is refused, never silently use
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from array import array
@@ -112,6 +111,7 @@ def copy_groups(tokens: Store) -> np.ndarray:
         keys[start:stop, 2] = lengths.astype(np.uint64)
     _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
     group = first[inverse.reshape(-1)].astype(np.int64)
+    group.flags.writeable = False  # shared by every reader of the store in this process
     _COPY_GROUPS[(str(tokens.path), tokens.fingerprint)] = group
     return group
 
@@ -501,7 +501,7 @@ class DraftDataModule(L.LightningDataModule):
         val_indices = None
         if "val" not in datasets and self.val_fraction > 0:
             val_indices, indices, copies = self._validation_split(train_tokens)
-            if copies:
+            if copies and len(val_indices):
                 rank_zero_warn(copies)
             if len(val_indices) == 0:
                 rank_zero_warn("only one training example: no validation split" if n_train == 1 else
