@@ -375,6 +375,7 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
     perm = np.random.default_rng(dm.seed).permutation(20)
     assert dm.val_dataset.indices.tolist() == sorted(perm[:4].tolist())  # unchanged where nothing repeats
     assert dm.train_dataset.indices.tolist() == sorted(perm[4:].tolist())
+    assert "copies_kept_together" not in dm.train_dataloader().order  # earlier checkpoints resume exactly
 
     records = [json.loads(line) for line in Path(train_file).read_text().splitlines()]
     repeated = write_jsonl(tmp_path / "repeated.jsonl", records + records[:6] + records[:6])  # 6 records 3 times
@@ -390,6 +391,15 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
     plain = set(np.random.default_rng(dm.seed).permutation(32)[:8].tolist())
     groups = copy_groups(dm.train_dataset.stores["tokens"])
     assert {int(groups[i]) for i in plain} & {int(groups[i]) for i in range(32) if i not in plain}
+    # A checkpoint of the earlier rule (its loader state records no moved copies): said, and its position not taken
+    loader = dm.train_dataloader()
+    assert loader.order["copies_kept_together"] > 0
+    earlier = {**loader.state_dict(), "order": {k: v for k, v in loader.order.items() if k != "copies_kept_together"}}
+    earlier["loader"]["_num_yielded"] = 2
+    with pytest.warns(UserWarning, match="the checkpoint's run split its validation examples off the training files "
+                                         "before copies were kept on one side: this run's split moves"):
+        dm.load_state_dict(earlier)
+    assert loader.resumed_at_epoch is None
 
     # Every example one copy: its set trains, or validates (nothing left to train on: refused in one line)
     same = write_jsonl(tmp_path / "same.jsonl", [records[1]] * 5)
@@ -445,7 +455,7 @@ def test_a_large_set_of_copies_is_no_likelier_to_validate_than_one_example(tmp_p
     validated = 0
     for seed in range(60):
         dm.seed = seed
-        val, train, message = dm._validation_split(store)
+        val, train, message, _ = dm._validation_split(store)
         assert not set(val) & set(train) and len(val) + len(train) == 100 and "29 of the 100" in message
         in_val = 70 in set(val.tolist())
         assert all((i in set(val.tolist())) == in_val for i in range(70, 100))  # the set on one side

@@ -258,6 +258,9 @@ class DraftDataModule(L.LightningDataModule):
         self.pad_id = 0
         self._train_loader: ResumableLoader | None = None
         self._pending_state: dict[str, Any] | None = None
+        # Examples the validation split moved off the permutation's plain cut to keep copies on one side (setup; None
+        # before it): a checkpoint whose loader state does not record them was split by the earlier rule.
+        self._copies_moved: int | None = None
 
     # ------------------------------------------------------------------ configuration
     def require_logit_cache(self, flag: bool, reason: str = "the training system reads the target-logit store") -> None:
@@ -384,7 +387,7 @@ class DraftDataModule(L.LightningDataModule):
         if (trainer is not None and trainer.state.fn == "fit" and trainer.world_size == 1
                 and "val" not in self._splits() and self.val_fraction > 0):
             tokens = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup: sha256
-            _, left, _ = self._validation_split(tokens)
+            _, left, _, _ = self._validation_split(tokens)
             self._refuse_an_empty_training_split(tokens.num_examples, len(left), copies_kept_together=True)
         job = self.precompute_job()
         if job is not None:
@@ -499,8 +502,9 @@ class DraftDataModule(L.LightningDataModule):
         train_paths, n_train = datasets["train"]
         indices = np.arange(n_train)
         val_indices = None
+        self._copies_moved = 0
         if "val" not in datasets and self.val_fraction > 0:
-            val_indices, indices, copies = self._validation_split(train_tokens)
+            val_indices, indices, copies, self._copies_moved = self._validation_split(train_tokens)
             if copies and len(val_indices):
                 rank_zero_warn(copies)
             if len(val_indices) == 0:
@@ -524,9 +528,10 @@ class DraftDataModule(L.LightningDataModule):
         """How many of ``n_train`` training examples ``val_fraction`` sets aside (none of a single one)."""
         return int(math.ceil(n_train * self.val_fraction)) if n_train > 1 else 0
 
-    def _validation_split(self, tokens: Store) -> tuple[np.ndarray, np.ndarray, str]:
-        """``val_fraction`` of the training examples set aside (sorted validation and training indices), and a warning
-        where some examples repeat another's tokens ("" where none does).
+    def _validation_split(self, tokens: Store) -> tuple[np.ndarray, np.ndarray, str, int]:
+        """``val_fraction`` of the training examples set aside (sorted validation and training indices), a warning
+        where some examples repeat another's tokens ("" where none does), and how many examples that moved off the
+        permutation's plain cut.
 
         A seeded permutation of the examples, its first ``ceil(n * val_fraction)`` for validation, with each set of
         exact copies (:func:`copy_groups`) on the side of its first example in the data: a copy on each side would
@@ -541,14 +546,13 @@ class DraftDataModule(L.LightningDataModule):
         group = copy_groups(tokens)
         in_val = place[group] < k
         repeats = int((group != np.arange(n)).sum())
-        message = ""
+        message, crossed = "", int((in_val != (place < k)).sum())
         if repeats:
-            crossed = int((in_val != (place < k)).sum())
             message = (f"data: {repeats} of the {n} training examples repeat another's tokens exactly; each set of "
                        f"copies is kept on one side of the validation split ({crossed} moved from the plain cut; "
                        f"validation holds {int(in_val.sum())} examples where the cut held {k}), so no example "
                        "validates beside a copy of itself that trains; drop the repeats to train on each once")
-        return np.flatnonzero(in_val), np.flatnonzero(~in_val), message
+        return np.flatnonzero(in_val), np.flatnonzero(~in_val), message, crossed
 
     def _refuse_an_empty_training_split(self, n_train: int, left: int, copies_kept_together: bool = False) -> None:
         """A validation share that leaves none (``left``) of ``n_train`` training examples: Lightning would stop at once
@@ -619,9 +623,12 @@ class DraftDataModule(L.LightningDataModule):
         replicas, rank = self._replicas()
         n = len(self.train_dataset)
         previous = self._train_loader
+        order = {"seed": self.seed, "examples": n, "replicas": replicas, "batch_size": self.batch_size}
+        if self._copies_moved:  # recorded only where the rule moved any: other checkpoints resume as they did
+            order["copies_kept_together"] = self._copies_moved
         self._train_loader = ResumableLoader(
             self.train_dataset,
-            order={"seed": self.seed, "examples": n, "replicas": replicas, "batch_size": self.batch_size},
+            order=order,
             batch_size=self.batch_size,
             sampler=train_sampler(n, self.seed, replicas, rank),
             collate_fn=self._collate(),
@@ -635,7 +642,8 @@ class DraftDataModule(L.LightningDataModule):
         if previous is not None:  # a reload in this fit (reload_dataloaders_every_n_epochs): the numbering goes on
             self._train_loader.sampler.offset = getattr(previous.sampler, "offset", 0)
         if self._pending_state is not None:
-            self._train_loader.load_state_dict(self._pending_state)
+            if not self._split_by_the_earlier_rule(self._pending_state):
+                self._train_loader.load_state_dict(self._pending_state)
             self._pending_state = None
         return self._train_loader
 
@@ -692,5 +700,18 @@ class DraftDataModule(L.LightningDataModule):
             return
         if self._train_loader is None:
             self._pending_state = dict(state_dict)
-        else:
+        elif not self._split_by_the_earlier_rule(state_dict):
             self._train_loader.load_state_dict(state_dict)
+
+    def _split_by_the_earlier_rule(self, state_dict: dict[str, Any]) -> bool:
+        """Whether a checkpoint's loader state is of a run whose validation split left copies on both sides (before
+        copies were kept together, which moved examples here): said once, and its position is not taken (the epoch
+        starts from its first batch, as for another data order)."""
+        order = state_dict.get("order")
+        if not self._copies_moved or not isinstance(order, dict) or "copies_kept_together" in order:
+            return False
+        rank_zero_warn(f"the checkpoint's run split its validation examples off the training files before copies were "
+                       f"kept on one side: this run's split moves {self._copies_moved} examples, so val/* from here "
+                       "on reads another split than the steps before (none of its examples beside a training copy of "
+                       "itself) and this epoch starts from its first batch")
+        return True
