@@ -277,6 +277,8 @@ def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
 
 
 def format_table(run: dict[str, Any]) -> str:
+    from lilicorr_pl.decoding.stats import few_prompts_note, interval_text
+
     rule = run.get("draft_sampling")
     lines = [
         f"benchmark={run['benchmark']} T={run['temperature']} max_new_tokens={run['max_new_tokens']} "
@@ -304,17 +306,21 @@ def format_table(run: dict[str, Any]) -> str:
     for name, r in run["selectors"].items():  # the paired bootstrap intervals (95 %, over prompts)
         parts = []
         if "speedup_ci_low" in r:
-            parts.append(f"speedup {r['speedup_vs_target']:.2f}x [{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}]")
+            parts.append(f"speedup {r['speedup_vs_target']:.2f}x "
+                         + interval_text(r["speedup_ci_low"], r["speedup_ci_high"], ".2f"))
         if "ratio_to_reference" in r:
-            parts.append(f"tau / {ref} {r['ratio_to_reference']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+            parts.append(f"tau / {ref} {r['ratio_to_reference']:.3f} " + interval_text(r["ci_low"], r["ci_high"], ".3f"))
         if "tokens_per_s_ratio_to_reference" in r:
             parts.append(f"tok/s / {ref} {r['tokens_per_s_ratio_to_reference']:.3f} "
-                         f"[{r['tps_ci_low']:.3f}, {r['tps_ci_high']:.3f}]")
+                         + interval_text(r["tps_ci_low"], r["tps_ci_high"], ".3f"))
         if "tokens_per_s_ratio_to_reference_robust" in r:
             parts.append(f"by the median round {r['tokens_per_s_ratio_to_reference_robust']:.3f} "
-                         f"[{r['tps_robust_ci_low']:.3f}, {r['tps_robust_ci_high']:.3f}]")
+                         + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         if parts:
             lines.append(f"{name:<10} " + ", ".join(parts))
+    note = few_prompts_note(int(run["num_prompts"]))
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 

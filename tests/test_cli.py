@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -1968,6 +1969,12 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
     # The results say it too: the weights measured, and the ones the drafter trained against.
     assert run["target_weights_trained"] == recorded and run["target_weights"] not in (None, recorded)
     assert run["same_target_as_training"] is False
+    # One prompt: no interval (it was a zero-width one), said so in the printed table
+    from lilicorr_pl.bench import format_table
+
+    assert math.isnan(run["selectors"]["top1"]["speedup_ci_low"])
+    assert "speedup" in format_table(run) and "[no interval: one prompt]" in format_table(run)
+    assert "one prompt: no interval" in format_table(run)
     with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
                                          r"drafter against another model"):
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)

@@ -130,3 +130,22 @@ def test_paired_intervals_names_the_reference_and_leaves_out_what_the_data_canno
     no_rounds = dict(arm, per_prompt_tau=[math.nan, math.nan], per_prompt_rounds=[0, 0])
     assert "ratio_to_reference" not in paired_intervals(no_rounds, ref, "reference")
     assert "tokens_per_s_ratio_to_reference_robust" not in paired_intervals(no_rounds, ref, "reference")
+
+
+def test_one_prompt_gives_no_interval_rather_than_a_zero_width_one():
+    """Over one prompt every resample is that prompt: the interval was [r, r], which read as certainty."""
+    from lilicorr_pl.decoding.stats import few_prompts_note, interval_text
+
+    ratio, low, high = bootstrap_ratio([3.0], [4], [2.0], [4])
+    assert ratio == pytest.approx(1.5) and math.isnan(low) and math.isnan(high)
+    ratio, low, high = bootstrap_ratio_of_sums([6], [1.0], [3], [1.0])
+    assert ratio == pytest.approx(2.0) and math.isnan(low) and math.isnan(high)
+    ratio, median, low, high = bootstrap_tau_over_median_round_time([3.0], [4], [2.0], [2.0], [4], [1.0])
+    assert ratio == pytest.approx(0.75) and median == pytest.approx(2.0) and math.isnan(low) and math.isnan(high)
+    low, high = bootstrap_ratio([3.0, 2.0], [4, 4], [2.0, 2.0], [4, 4])[1:]  # two prompts: an interval
+    assert low == pytest.approx(1.0) and high == pytest.approx(1.5)
+    assert interval_text(math.nan, math.nan, ".3f") == interval_text(None, None, ".3f") == "[no interval: one prompt]"
+    assert interval_text(0.91, 1.2, ".2f") == "[0.91, 1.20]"
+    assert few_prompts_note(1).startswith("one prompt: no interval")
+    assert few_prompts_note(4).startswith("intervals over 4 prompts: a bootstrap over so few reads narrower")
+    assert few_prompts_note(10) == ""

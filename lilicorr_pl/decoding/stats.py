@@ -8,10 +8,33 @@ resample (paired): prompt difficulty, shared by both arms, cancels in the ratio.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+
+# Fewer prompts than this: a percentile bootstrap over them reads narrower than the truth (few distinct resamples), and
+# over one prompt it has none: every resample is that prompt, a zero-width interval that looked certain.
+FEW_PROMPTS = 10
+
+
+def interval_text(low: float | None, high: float | None, spec: str) -> str:
+    """``[low, high]`` in ``spec``, or what stands in for an interval one prompt cannot give (NaN; null in a JSON)."""
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return "[no interval: one prompt]"
+    return f"[{low:{spec}}, {high:{spec}}]"
+
+
+def few_prompts_note(num_prompts: int) -> str:
+    """A line under results whose intervals are over few prompts ("" from :data:`FEW_PROMPTS` on)."""
+    if num_prompts >= FEW_PROMPTS:
+        return ""
+    if num_prompts < 2:
+        return "one prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more for intervals"
+    return (f"intervals over {num_prompts} prompts: a bootstrap over so few reads narrower than the truth; decode 20 "
+            "or more for intervals to lean on")
 
 
 def _committed(per_prompt_tau: Sequence[float], per_prompt_rounds: Sequence[int]) -> torch.Tensor:
@@ -66,6 +89,8 @@ def bootstrap_ratio_of_sums(
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     na, da, nb, db = (torch.as_tensor(x, dtype=torch.float64) for x in (num_a, den_a, num_b, den_b))
     ratio = (na.sum() / da.sum()) / (nb.sum() / db.sum())
+    if len(na) < 2:  # every resample is the one prompt: no interval (NaN; null in the JSON)
+        return float(ratio), math.nan, math.nan
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(na), (num_resamples, len(na)), generator=g)  # [R, n] prompt indices
     samples = (na[idx].sum(1) / da[idx].sum(1)) / (nb[idx].sum(1) / db[idx].sum(1))  # [R]
@@ -114,6 +139,8 @@ def bootstrap_tau_over_median_round_time(
     half = torch.tensor(0.5, dtype=torch.float64)
     median = torch.nanquantile(per_prompt, half)
     ratio = (ca.sum() / ra.sum()) / (cb.sum() / rb.sum()) / median
+    if n < 2:  # every resample is the one prompt: no interval (NaN; null in the JSON)
+        return float(ratio), float(median), math.nan, math.nan
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (num_resamples, n), generator=g)  # [R, n] prompt indices
     tau_ratio = (ca[idx].sum(1) / ra[idx].sum(1)) / (cb[idx].sum(1) / rb[idx].sum(1))  # [R]

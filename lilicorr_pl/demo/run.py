@@ -891,6 +891,8 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    from lilicorr_pl.decoding.stats import interval_text
+
     lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
              f"{'tok/s vs dflash [95% CI]':>24} {'by median round [95% CI]':>24} {'speedup':>8} {'round/step':>10} "
              f"{'head%':>6}"]
@@ -900,13 +902,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         hf = "-" if r.get("head_time_fraction") is None else f"{100 * r['head_time_fraction']:.1f}"
         rc = "-" if r.get("round_cost_ratio") is None else f"{r['round_cost_ratio']:.2f}"
         ci = "-" if r.get("ratio_to_dflash") is None else (
-            f"{r['ratio_to_dflash']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+            f"{r['ratio_to_dflash']:.3f} " + interval_text(r["ci_low"], r["ci_high"], ".3f"))
         tci = "-" if r.get("tokens_per_s_ratio_to_dflash") is None else (
-            f"{r['tokens_per_s_ratio_to_dflash']:.3f} [{r['tps_ci_low']:.3f}, {r['tps_ci_high']:.3f}]")
+            f"{r['tokens_per_s_ratio_to_dflash']:.3f} " + interval_text(r["tps_ci_low"], r["tps_ci_high"], ".3f"))
         # The same ratio with the median per-prompt round time: a few prompts the machine ran slow on do not move it.
         rci = "-" if r.get("tokens_per_s_ratio_to_dflash_robust") is None else (
-            f"{r['tokens_per_s_ratio_to_dflash_robust']:.3f} [{r['tps_robust_ci_low']:.3f}, "
-            f"{r['tps_robust_ci_high']:.3f}]")
+            f"{r['tokens_per_s_ratio_to_dflash_robust']:.3f} "
+            + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {ci:>22} {tps:>8} "
                      f"{tci:>24} {rci:>24} {sp:>8} {rc:>10} {hf:>6}")
     return "\n".join(lines)
