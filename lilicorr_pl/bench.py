@@ -38,19 +38,21 @@ def parse_selectors(spec: str | Sequence[str]) -> list[str]:
     names = [n if "." in n else n.lower() for n in names]
     if not names:
         raise ValueError(f"--selectors is empty; choose from {', '.join(SELECTOR_NAMES)}")
-    unknown = []
+    unknown, classes = [], {}
     for name in names:
         try:
-            selector_class(name)
+            cls = selector_class(name)
         except ValueError:
             unknown.append(name)
+            continue
+        if cls in classes:  # by name or by class path (top1 and lilicorr_pl.heads.top1.Top1Selector): measured twice
+            raise ValueError(f"--selectors {spec!r} names a selector twice ({classes[cls]} and {name}); name it once")
+        classes[cls] = name
     if unknown:
         raise ValueError(
             f"unknown selector(s) {unknown} in --selectors {spec!r}; choose from {', '.join(SELECTOR_NAMES)} "
             "or give a Selector class path"
         )
-    if len(set(names)) != len(names):
-        raise ValueError(f"--selectors {spec!r} names a selector twice")
     return names
 
 
@@ -184,6 +186,9 @@ def run_bench(
             "target_weights": None,
             "target_weights_trained": None,
             "block_size": system.drafter.block_size,
+            # Where every arm and plain decoding stopped a generation before the token budget (the target's own stop
+            # tokens): another set of stops gives other outputs and another τ.
+            "stop_token_ids": sorted(int(t) for t in target.stop_token_ids()),
             "tau_includes_bonus_token": True,
             "synchronized_timing": timing,
             "interleaved": True,

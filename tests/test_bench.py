@@ -122,6 +122,10 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
     assert run["written_by"].startswith("lilicorr bench ")  # so a rerun may replace it, and nothing else
     assert run["chat_template"] is True  # wrapped as one user message in the tokenizer's chat template
     assert run["same_target_as_training"] is True and len(run["target_weights"]) == 16
+    from lilicorr_pl.target import FrozenTarget, TargetSpec
+
+    # The stops every arm decoded with, as the target states them (another set: other outputs, another τ)
+    assert run["stop_token_ids"] == FrozenTarget.from_spec(TargetSpec(run["target"], layer_ids=[1])).stop_token_ids()
     (png,) = plots.glob("*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from lilicorr_pl.bench import plot_path
@@ -430,6 +434,9 @@ def test_selectors_are_chosen_by_registered_name_never_by_substring():
     assert parse_selectors("Top1, lilicorr_pl.heads.DSparkHead") == ["top1", "lilicorr_pl.heads.DSparkHead"]
     with pytest.raises(ValueError, match=r"unknown selector\(s\) \['corr'\]"):
         parse_selectors("top1,corr")
+    # One selector by its name and its class path: it was measured twice, as two selectors
+    with pytest.raises(ValueError, match=r"names a selector twice \(top1 and lilicorr_pl.heads.top1.Top1Selector\)"):
+        parse_selectors("top1,lilicorr_pl.heads.top1.Top1Selector")
 
 
 def test_evaluate_arm_counts_match_the_generations_and_detect_a_mismatch(tiny_run):
