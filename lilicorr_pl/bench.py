@@ -56,6 +56,22 @@ def parse_selectors(spec: str | Sequence[str]) -> list[str]:
     return names
 
 
+def refuse_one_head_twice(names: Sequence[str], system: Any) -> None:
+    """Two ``--selectors`` that serve the checkpoint's one head (its class and a class it belongs to, such as
+    ``domino`` and ``lilicorr_pl.heads.corrector.CorrectorHead``): one line before the target loads (the head was
+    measured twice, as two selectors). A name the checkpoint cannot serve is left to :func:`selector_for`'s line."""
+    served: dict[int, str] = {}
+    for name in names:
+        try:
+            selector = selector_for(name, system)
+        except ValueError:
+            continue
+        if id(selector) in served:
+            raise UserInputError(f"--selectors {served[id(selector)]} and {name} are the checkpoint's one head "
+                                 f"({type(selector).__name__}); name it once")
+        served[id(selector)] = name
+
+
 def selector_for(name: str, system: Any) -> Any:
     """The selector registered as ``name`` (or at that class path): the checkpoint's own head when it is
     one, a fresh instance of a parameter-free selector (``top1``), else an error."""
@@ -622,6 +638,7 @@ def bench(
             check_context(prompts, max_new_tokens, SimpleNamespace(config=system.drafter.target_config))
         except (ValueError, ImportError) as err:
             raise UserInputError(str(err)) from None
+    refuse_one_head_twice(names, system)
     system.load_target()
     system.to(device)
 

@@ -434,6 +434,14 @@ def test_selectors_are_chosen_by_registered_name_never_by_substring():
     assert parse_selectors("Top1, lilicorr_pl.heads.DSparkHead") == ["top1", "lilicorr_pl.heads.DSparkHead"]
     with pytest.raises(ValueError, match=r"unknown selector\(s\) \['corr'\]"):
         parse_selectors("top1,corr")
+    # The checkpoint's one head by its class and a class it belongs to: measured twice, as two selectors
+    from lilicorr_pl.bench import refuse_one_head_twice
+    from lilicorr_pl.checkpoint import UserInputError
+
+    with pytest.raises(UserInputError, match=r"--selectors domino and lilicorr_pl.heads.corrector.CorrectorHead are "
+                                             r"the checkpoint's one head \(DominoHead\); name it once"):
+        refuse_one_head_twice(["top1", "domino", "lilicorr_pl.heads.corrector.CorrectorHead"], domino)
+    refuse_one_head_twice(["top1", "domino", "lilicorr"], domino)  # lilicorr: not this checkpoint's, said elsewhere
     # One selector by its name and its class path: it was measured twice, as two selectors
     with pytest.raises(ValueError, match=r"names a selector twice \(top1 and lilicorr_pl.heads.top1.Top1Selector\)"):
         parse_selectors("top1,lilicorr_pl.heads.top1.Top1Selector")

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -400,6 +401,17 @@ def test_the_validation_split_keeps_repeated_examples_on_one_side(tmp_path, trai
                                          "before copies were kept on one side: this run's split moves"):
         dm.load_state_dict(earlier)
     assert loader.resumed_at_epoch is None
+    # The way a resume takes it (Lightning sets the data up, loads the checkpoint's state, then asks for the loader):
+    # the earlier rule's position is not taken, this rule's is.
+    now = {**loader.state_dict(), "loader": {**loader.state_dict()["loader"], "_num_yielded": 2}}
+    for state, taken in ((earlier, None), (now, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+            dm.load_state_dict(state)
+            assert dm.train_dataloader().resumed_at_epoch == taken
+        said = [str(w.message) for w in caught if "before copies were kept on one side" in str(w.message)]
+        assert len(said) == (taken is None), said
 
     # Every example one copy: its set trains, or validates (nothing left to train on: refused in one line)
     same = write_jsonl(tmp_path / "same.jsonl", [records[1]] * 5)

@@ -149,3 +149,21 @@ def test_one_prompt_gives_no_interval_rather_than_a_zero_width_one():
     assert few_prompts_note(1).startswith("one prompt: no interval")
     assert few_prompts_note(4).startswith("intervals over 4 prompts: a bootstrap over so few reads narrower")
     assert few_prompts_note(10) == ""
+
+
+def test_one_prompt_that_counts_gives_no_interval_either_and_the_demo_shows_the_value_without_one(tmp_path):
+    """Prompts with no round in either arm add nothing to a resample: over one prompt that counts the interval was
+    zero-width too. The demo's Markdown table and ratio plot show such a ratio without an interval (they blanked it)."""
+    from lilicorr_pl.demo.run import format_table, markdown_table, plot_ratios
+
+    ratio, low, high = bootstrap_ratio([3.0, math.nan, math.nan], [4, 0, 0], [2.0, math.nan, math.nan], [6, 0, 0])
+    assert ratio == pytest.approx(1.5) and math.isnan(low) and math.isnan(high)
+    row = {"benchmark": "stdlib-heldout", "temperature": 0.0, "arm": "lilicorr", "tau": 3.0, "ratio_to_dflash": 1.5,
+           "ci_low": math.nan, "ci_high": math.nan, "per_position_acceptance": [0.5], "per_prompt_tau": [3.0]}
+    table = markdown_table([row])
+    assert "| 1.500 [no interval: one prompt] |" in table
+    assert table.endswith("One prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more "
+                          "for intervals.")
+    assert format_table([row]).splitlines()[-1].startswith("one prompt: no interval")
+    png = plot_ratios([row], tmp_path / "ratios.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -712,6 +712,7 @@ class DraftDataModule(L.LightningDataModule):
             return False
         rank_zero_warn(f"the checkpoint's run split its validation examples off the training files before copies were "
                        f"kept on one side: this run's split moves {self._copies_moved} examples, so val/* from here "
-                       "on reads another split than the steps before (none of its examples beside a training copy of "
-                       "itself) and this epoch starts from its first batch")
+                       "on reads another split than the steps before, still holding examples the checkpoint trained on "
+                       "(copies of them; a val/* of none needs a fresh fit), and this epoch starts from its first "
+                       "batch")
         return True

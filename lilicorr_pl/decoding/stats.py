@@ -89,7 +89,7 @@ def bootstrap_ratio_of_sums(
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     na, da, nb, db = (torch.as_tensor(x, dtype=torch.float64) for x in (num_a, den_a, num_b, den_b))
     ratio = (na.sum() / da.sum()) / (nb.sum() / db.sum())
-    if len(na) < 2:  # every resample is the one prompt: no interval (NaN; null in the JSON)
+    if int(((da > 0) | (db > 0)).sum()) < 2:  # every resample is the one prompt that counts: no interval (NaN)
         return float(ratio), math.nan, math.nan
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(na), (num_resamples, len(na)), generator=g)  # [R, n] prompt indices
@@ -139,7 +139,7 @@ def bootstrap_tau_over_median_round_time(
     half = torch.tensor(0.5, dtype=torch.float64)
     median = torch.nanquantile(per_prompt, half)
     ratio = (ca.sum() / ra.sum()) / (cb.sum() / rb.sum()) / median
-    if n < 2:  # every resample is the one prompt: no interval (NaN; null in the JSON)
+    if int(((ra > 0) | (rb > 0)).sum()) < 2:  # every resample is the one prompt that counts: no interval (NaN)
         return float(ratio), float(median), math.nan, math.nan
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (num_resamples, n), generator=g)  # [R, n] prompt indices

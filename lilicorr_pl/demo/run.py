@@ -858,15 +858,16 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
             drawn = 0
             for y, r in zip(ys, group):
                 v, lo, hi = r.get(value), r.get(low), r.get(high)
-                if _undefined(v, lo, hi):
+                if _undefined(v):
                     continue
                 colour = "C3" if r["arm"] == "lilicorr" else ("0.35" if r["arm"] == "dflash" else "C0")
                 # The interval as recorded, from its ends (a bar around the point could not show a point a rounding
-                # step outside it), and the point on it.
-                ax.errorbar((lo + hi) / 2, y, xerr=(hi - lo) / 2, fmt="none", ecolor=colour, capsize=3, lw=1.2)
+                # step outside it), and the point on it; over one prompt there is none: the point alone.
+                if not _undefined(lo, hi):
+                    ax.errorbar((lo + hi) / 2, y, xerr=(hi - lo) / 2, fmt="none", ecolor=colour, capsize=3, lw=1.2)
                 ax.plot([v], [y], "o", ms=4, color=colour)
-                ax.annotate(spec.format(v), (max(v, hi), y), xytext=(4, 0), textcoords="offset points", va="center",
-                            fontsize=7, color=colour)
+                ax.annotate(spec.format(v), (v if _undefined(lo, hi) else max(v, hi), y), xytext=(4, 0),
+                            textcoords="offset points", va="center", fontsize=7, color=colour)
                 drawn += 1
             if not drawn:  # an older results file without these fields, or nothing timed
                 ax.text(0.5, 0.5, "not in these results", transform=ax.transAxes, ha="center", va="center",
@@ -891,7 +892,7 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from lilicorr_pl.decoding.stats import interval_text
+    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, interval_text
 
     lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
              f"{'tok/s vs dflash [95% CI]':>24} {'by median round [95% CI]':>24} {'speedup':>8} {'round/step':>10} "
@@ -911,7 +912,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {ci:>22} {tps:>8} "
                      f"{tci:>24} {rci:>24} {sp:>8} {rc:>10} {hf:>6}")
-    return "\n".join(lines)
+    note = few_prompts_note(max((len(r.get("per_prompt_tau") or ()) for r in rows), default=FEW_PROMPTS))
+    return "\n".join(lines + ([note] if note else []))
 
 
 MARKDOWN_HEADER = (
@@ -924,13 +926,15 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The comparison as README.md shows it, one Markdown row per results row ("—" where a statistic is undefined
     or not measured, e.g. the oracle's timings): the demo writes it beside its JSON, and a test checks that
     README.md's table is this function of the JSON it cites."""
+    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, interval_text
+
     def number(value: Any, spec: str) -> str:
         return "—" if _undefined(value) else format(value, spec)
 
     def interval(value: Any, low: Any, high: Any, spec: str, unit: str = "") -> str:
-        if _undefined(value, low, high):
+        if _undefined(value):
             return "—"
-        return f"{value:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
+        return f"{value:{spec}}{unit} " + interval_text(low, high, spec)  # one prompt: the value, without one
 
     lines = [MARKDOWN_HEADER]
     for r in rows:
@@ -946,7 +950,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  number(r.get("round_cost_ratio"), ".2f"),
                  "—" if _undefined(*split) else " / ".join(f"{v:.1f}" for v in split)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    note = few_prompts_note(max((len(r.get("per_prompt_tau") or ()) for r in rows), default=FEW_PROMPTS))
+    return "\n".join(lines) + (f"\n\n{note[0].upper()}{note[1:]}." if note else "")
 
 
 def markdown_images(plots: list[Path], folder: Path) -> str:
