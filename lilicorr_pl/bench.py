@@ -330,7 +330,8 @@ def format_table(run: dict[str, Any]) -> str:
             parts.append(f"speedup {r['speedup_vs_target']:.2f}x "
                          + interval_text(r["speedup_ci_low"], r["speedup_ci_high"], ".2f"))
         if "ratio_to_reference" in r:
-            parts.append(f"tau / {ref} {r['ratio_to_reference']:.3f} " + interval_text(r["ci_low"], r["ci_high"], ".3f"))
+            parts.append(f"tau / {ref} {r['ratio_to_reference']:.3f} "
+                         + interval_text(r["ci_low"], r["ci_high"], ".3f"))
         if "tokens_per_s_ratio_to_reference" in r:
             parts.append(f"tok/s / {ref} {r['tokens_per_s_ratio_to_reference']:.3f} "
                          + interval_text(r["tps_ci_low"], r["tps_ci_high"], ".3f"))

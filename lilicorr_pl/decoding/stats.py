@@ -32,7 +32,8 @@ def few_prompts_note(num_prompts: int) -> str:
     if num_prompts >= FEW_PROMPTS:
         return ""
     if num_prompts < 2:
-        return "one prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more for intervals"
+        return ("one prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more for "
+                "intervals")
     return (f"intervals over {num_prompts} prompts: a bootstrap over so few reads narrower than the truth; decode 20 "
             "or more for intervals to lean on")
 
