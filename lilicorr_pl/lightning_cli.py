@@ -1040,6 +1040,11 @@ class LilicorrCLI(LightningCLI):
                           fix="name the same components in this run's config (-c or --model.*): the modules a run's "
                               "own config names are trusted")
         saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
+        recorded_template = (checkpoint.get("lilicorr") or {}).get("chat_template")
+        if isinstance(recorded_template, str) and saved_data.get("chat_template") is not None:
+            # The text the data was rendered with, not the path it was read from: a template file edited in place
+            # since renders another split, which the path alone took for the same one.
+            saved_data = {**saved_data, "chat_template": recorded_template}
         trained_on = ((checkpoint.get("lilicorr") or {}).get("data_files") or {}).get("train_files")
         self._resumed_step = checkpoint.get("global_step")
         del checkpoint

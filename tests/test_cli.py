@@ -2464,3 +2464,21 @@ def test_a_fit_with_the_default_optimizer_and_scheduler_resumes(tmp_path):
            "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
     assert main([*run, "--trainer.max_steps=2"]).trainer.global_step == 2
     assert main([*run, "--trainer.max_steps=3", "--ckpt_path=last"]).trainer.global_step == 3
+
+
+def test_a_chat_template_file_edited_since_the_checkpoint_is_another_split(tmp_path, capsys):
+    """The checkpoint's data settings name the template's path; compared by that path read again, a file edited in
+    place since passed as the same template, and a resume or validate took the split it renders for the old one."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    fit_tiny(tmp_path, f"--data.chat_template={template}", steps=1)
+    root = tmp_path / "runs" / "tiny"
+    argv = ["-c", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+            f"--data.chat_template={template}", "--trainer.enable_progress_bar=false"]
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}")  # edited in place
+    err = user_error(capsys, ["fit", *argv, "--ckpt_path=last", "--trainer.max_steps=2"])
+    assert "cannot resume --ckpt_path" in err and "with another validation split (data.chat_template: checkpoint" in err
+    err = user_error(capsys, ["validate", *argv, f"--ckpt_path={root / 'checkpoints' / 'last.ckpt'}"])
+    assert "trained beside another validation split of the same data.train_files (data.chat_template: checkpoint" in err
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # restored: the same split again
+    fit_tiny(tmp_path, f"--data.chat_template={template}", "--ckpt_path=last", steps=2)
