@@ -56,16 +56,12 @@ def parse_selectors(spec: str | Sequence[str]) -> list[str]:
     return names
 
 
-def refuse_one_head_twice(names: Sequence[str], system: Any) -> None:
-    """Two ``--selectors`` that serve the checkpoint's one head (its class and a class it belongs to, such as
-    ``domino`` and ``lilicorr_pl.heads.corrector.CorrectorHead``): one line before the target loads (the head was
-    measured twice, as two selectors). A name the checkpoint cannot serve is left to :func:`selector_for`'s line."""
+def refuse_one_head_twice(names: Sequence[str], chosen: Sequence[Any]) -> None:
+    """Two ``--selectors`` (``names``) that serve the checkpoint's one head (``chosen``: what each serves; its class
+    and a class it belongs to, such as ``domino`` and ``lilicorr_pl.heads.corrector.CorrectorHead``): one line before
+    any target is built or loaded (the head was measured twice, as two selectors)."""
     served: dict[int, str] = {}
-    for name in names:
-        try:
-            selector = selector_for(name, system)
-        except ValueError:
-            continue
+    for name, selector in zip(names, chosen):
         if id(selector) in served:
             raise UserInputError(f"--selectors {served[id(selector)]} and {name} are the checkpoint's one head "
                                  f"({type(selector).__name__}); name it once")
@@ -298,7 +294,7 @@ def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
 
 
 def format_table(run: dict[str, Any]) -> str:
-    from lilicorr_pl.decoding.stats import few_prompts_note, interval_text
+    from lilicorr_pl.decoding.stats import few_prompts_note, interval_text, prompts_counted
 
     rule = run.get("draft_sampling")
     lines = [
@@ -340,7 +336,8 @@ def format_table(run: dict[str, Any]) -> str:
                          + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         if parts:
             lines.append(f"{name:<10} " + ", ".join(parts))
-    note = few_prompts_note(int(run["num_prompts"]))
+    counted = prompts_counted([r.get("per_prompt_rounds") for r in run["selectors"].values()])
+    note = few_prompts_note(int(run["num_prompts"]) if counted is None else counted)
     if note:
         lines.append(note)
     return "\n".join(lines)
@@ -436,6 +433,7 @@ def _checked_system(path: Path, target: str | None, served: bool, first: Any, de
                                                  builtin_name=builtin_name_of)
     try:
         chosen = [selector_for(name, system) for name in names]
+        refuse_one_head_twice(names, chosen)
         serve_lattice(system.head, lattice_k, walk)  # first: a head that is not LiLiCorr has no lattice to serve
         if (lattice_k is not None or walk is not None) and not any(c is system.head for c in chosen):
             raise ValueError(f"--lattice_k and --walk set the checkpoint's trained head's decoding, and --selectors "
@@ -639,7 +637,6 @@ def bench(
             check_context(prompts, max_new_tokens, SimpleNamespace(config=system.drafter.target_config))
         except (ValueError, ImportError) as err:
             raise UserInputError(str(err)) from None
-    refuse_one_head_twice(names, system)
     system.load_target()
     system.to(device)
 

@@ -1040,11 +1040,11 @@ class LilicorrCLI(LightningCLI):
                           fix="name the same components in this run's config (-c or --model.*): the modules a run's "
                               "own config names are trusted")
         saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
-        recorded_template = (checkpoint.get("lilicorr") or {}).get("chat_template")
-        if isinstance(recorded_template, str) and saved_data.get("chat_template") is not None:
-            # The text the data was rendered with, not the path it was read from: a template file edited in place
-            # since renders another split, which the path alone took for the same one.
-            saved_data = {**saved_data, "chat_template": recorded_template}
+        data = plain_data(self.config[subcommand].get("data") or {})
+        if "chat_template" in saved_data:
+            saved_data = {**saved_data, "chat_template": _template_as_trained(
+                saved_data["chat_template"], (checkpoint.get("lilicorr") or {}).get("chat_template"),
+                data.get("chat_template"))}
         trained_on = ((checkpoint.get("lilicorr") or {}).get("data_files") or {}).get("train_files")
         self._resumed_step = checkpoint.get("global_step")
         del checkpoint
@@ -1052,7 +1052,6 @@ class LilicorrCLI(LightningCLI):
         refusal = first_form_refusal(saved.get("head"), current.get("head"), f"--ckpt_path {ckpt}")
         if refusal:
             raise UserInputError(refusal)
-        data = plain_data(self.config[subcommand].get("data") or {})
         if subcommand == "fit":
             # The comparison runs again in DraftSystem.on_load_checkpoint (there the changes are printed).
             check_resume_settings(saved, current)
@@ -1587,6 +1586,24 @@ def _training_files_against(trained_on: Any, saved_data: Mapping[str, Any],
         return {}
     changed = edited_files(trained_on, now)  # position by position: [] also where the lists differ in length
     return {"same_files": len(trained_on) == len(now) and not changed, "edited": changed if same_paths else []}
+
+
+def _template_as_trained(setting: Any, recorded: Any, now: Any) -> Any:
+    """The checkpoint's ``data.chat_template`` as its data was rendered with it, for the split comparison: the text it
+    recorded (``recorded``; older checkpoints record the setting) in place of the path it was read from (``setting``),
+    so a file edited in place since is another template; where this run names the same file, which no longer holds
+    that text, a value that says so (compared, it differs from every template)."""
+    if not isinstance(recorded, str) or setting is None:
+        return setting
+    named_again = isinstance(setting, str) and isinstance(now, str) and _resolved(setting) == _resolved(now)
+    if named_again and setting != recorded:
+        try:
+            same = resolve_chat_template(now) == recorded
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            return f"{setting} as the checkpoint read it (edited since)"
+    return recorded
 
 
 def _resolved(files: Any) -> Any:

@@ -440,8 +440,9 @@ def test_selectors_are_chosen_by_registered_name_never_by_substring():
 
     with pytest.raises(UserInputError, match=r"--selectors domino and lilicorr_pl.heads.corrector.CorrectorHead are "
                                              r"the checkpoint's one head \(DominoHead\); name it once"):
-        refuse_one_head_twice(["top1", "domino", "lilicorr_pl.heads.corrector.CorrectorHead"], domino)
-    refuse_one_head_twice(["top1", "domino", "lilicorr"], domino)  # lilicorr: not this checkpoint's, said elsewhere
+        names = ["top1", "domino", "lilicorr_pl.heads.corrector.CorrectorHead"]
+        refuse_one_head_twice(names, [selector_for(name, domino) for name in names])
+    refuse_one_head_twice(["top1", "domino"], [selector_for(name, domino) for name in ("top1", "domino")])
     # One selector by its name and its class path: it was measured twice, as two selectors
     with pytest.raises(ValueError, match=r"names a selector twice \(top1 and lilicorr_pl.heads.top1.Top1Selector\)"):
         parse_selectors("top1,lilicorr_pl.heads.top1.Top1Selector")

@@ -1973,8 +1973,8 @@ def test_another_model_under_the_targets_path_is_said_on_resume_and_on_export(tm
     from lilicorr_pl.bench import format_table
 
     assert math.isnan(run["selectors"]["top1"]["speedup_ci_low"])
-    assert "speedup" in format_table(run) and "[no interval: one prompt]" in format_table(run)
-    assert "one prompt: no interval" in format_table(run)
+    assert "speedup" in format_table(run) and "[no interval]" in format_table(run)
+    assert "one prompt with rounds: no interval" in format_table(run)
     with pytest.warns(UserWarning, match=r"is not the one this checkpoint trained against .*resuming trains this "
                                          r"drafter against another model"):
         fit_tiny(tmp_path, f"--model.target.name_or_path={target}", "--ckpt_path=last", steps=2)
@@ -2477,8 +2477,13 @@ def test_a_chat_template_file_edited_since_the_checkpoint_is_another_split(tmp_p
             f"--data.chat_template={template}", "--trainer.enable_progress_bar=false"]
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}")  # edited in place
     err = user_error(capsys, ["fit", *argv, "--ckpt_path=last", "--trainer.max_steps=2"])
-    assert "cannot resume --ckpt_path" in err and "with another validation split (data.chat_template: checkpoint" in err
+    said = f"(data.chat_template: checkpoint '{template} as the checkpoint read it (edited since)' vs now '{template}')"
+    assert "cannot resume --ckpt_path" in err and f"with another validation split {said}" in err
     err = user_error(capsys, ["validate", *argv, f"--ckpt_path={root / 'checkpoints' / 'last.ckpt'}"])
-    assert "trained beside another validation split of the same data.train_files (data.chat_template: checkpoint" in err
+    assert f"trained beside another validation split of the same data.train_files {said}" in err
+    # The same text under another path (a job's local copy): the same template
+    copy = tmp_path / "copy.jinja"
+    copy.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    fit_tiny(tmp_path, f"--data.chat_template={copy}", "--ckpt_path=last", steps=2)
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # restored: the same split again
-    fit_tiny(tmp_path, f"--data.chat_template={template}", "--ckpt_path=last", steps=2)
+    fit_tiny(tmp_path, f"--data.chat_template={template}", "--ckpt_path=last", steps=3)

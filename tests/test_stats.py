@@ -144,10 +144,10 @@ def test_one_prompt_gives_no_interval_rather_than_a_zero_width_one():
     assert ratio == pytest.approx(0.75) and median == pytest.approx(2.0) and math.isnan(low) and math.isnan(high)
     low, high = bootstrap_ratio([3.0, 2.0], [4, 4], [2.0, 2.0], [4, 4])[1:]  # two prompts: an interval
     assert low == pytest.approx(1.0) and high == pytest.approx(1.5)
-    assert interval_text(math.nan, math.nan, ".3f") == interval_text(None, None, ".3f") == "[no interval: one prompt]"
+    assert interval_text(math.nan, math.nan, ".3f") == interval_text(None, None, ".3f") == "[no interval]"
     assert interval_text(0.91, 1.2, ".2f") == "[0.91, 1.20]"
-    assert few_prompts_note(1).startswith("one prompt: no interval")
-    assert few_prompts_note(4).startswith("intervals over 4 prompts: a bootstrap over so few reads narrower")
+    assert few_prompts_note(1).startswith("one prompt with rounds: no interval")
+    assert few_prompts_note(4).startswith("intervals over 4 prompts with rounds: a bootstrap over so few reads")
     assert few_prompts_note(10) == ""
 
 
@@ -159,11 +159,12 @@ def test_one_prompt_that_counts_gives_no_interval_either_and_the_demo_shows_the_
     ratio, low, high = bootstrap_ratio([3.0, math.nan, math.nan], [4, 0, 0], [2.0, math.nan, math.nan], [6, 0, 0])
     assert ratio == pytest.approx(1.5) and math.isnan(low) and math.isnan(high)
     row = {"benchmark": "stdlib-heldout", "temperature": 0.0, "arm": "lilicorr", "tau": 3.0, "ratio_to_dflash": 1.5,
-           "ci_low": math.nan, "ci_high": math.nan, "per_position_acceptance": [0.5], "per_prompt_tau": [3.0]}
+           "ci_low": math.nan, "ci_high": math.nan, "per_position_acceptance": [0.5], "per_prompt_tau": [3.0],
+           "per_prompt_rounds": [2]}
     table = markdown_table([row])
-    assert "| 1.500 [no interval: one prompt] |" in table
-    assert table.endswith("One prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more "
-                          "for intervals.")
-    assert format_table([row]).splitlines()[-1].startswith("one prompt: no interval")
+    assert "| 1.500 [no interval] |" in table
+    assert table.endswith("One prompt with rounds: no interval (a bootstrap over one prompt resamples only it); "
+                          "decode 20 or more for intervals.")
+    assert format_table([row]).splitlines()[-1].startswith("one prompt with rounds: no interval")
     png = plot_ratios([row], tmp_path / "ratios.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

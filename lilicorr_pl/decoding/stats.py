@@ -21,10 +21,18 @@ FEW_PROMPTS = 10
 
 
 def interval_text(low: float | None, high: float | None, spec: str) -> str:
-    """``[low, high]`` in ``spec``, or what stands in for an interval one prompt cannot give (NaN; null in a JSON)."""
+    """``[low, high]`` in ``spec``, or ``[no interval]`` where there is none (NaN, null in a JSON: one prompt with
+    rounds; or a row without the fields)."""
     if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
-        return "[no interval: one prompt]"
+        return "[no interval]"
     return f"[{low:{spec}}, {high:{spec}}]"
+
+
+def prompts_counted(per_prompt_rounds: Sequence[Sequence[float]]) -> int | None:
+    """The fewest prompts with a round among arms' per-prompt rounds (what their intervals resample; None: none
+    given)."""
+    counts = [sum(1 for r in rounds if r and r > 0) for rounds in per_prompt_rounds if rounds is not None]
+    return min(counts) if counts else None
 
 
 def few_prompts_note(num_prompts: int) -> str:
@@ -32,10 +40,10 @@ def few_prompts_note(num_prompts: int) -> str:
     if num_prompts >= FEW_PROMPTS:
         return ""
     if num_prompts < 2:
-        return ("one prompt: no interval (a bootstrap over one prompt resamples only it); decode 20 or more for "
-                "intervals")
-    return (f"intervals over {num_prompts} prompts: a bootstrap over so few reads narrower than the truth; decode 20 "
-            "or more for intervals to lean on")
+        return ("one prompt with rounds: no interval (a bootstrap over one prompt resamples only it); decode 20 or "
+                "more for intervals")
+    return (f"intervals over {num_prompts} prompts with rounds: a bootstrap over so few reads narrower than the "
+            "truth; decode 20 or more for intervals to lean on")
 
 
 def _committed(per_prompt_tau: Sequence[float], per_prompt_rounds: Sequence[int]) -> torch.Tensor:
