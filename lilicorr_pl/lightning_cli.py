@@ -1705,7 +1705,9 @@ def online_wandb_loggers(trainer: Any) -> list[str]:
     online = []
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if isinstance(logger, WandbLogger):  # an instance, given by a caller of the CLI
-            if not getattr(logger, "_offline", False):
+            init = getattr(logger, "_wandb_init", None) or {}  # what its run will start with
+            mode = str(init.get("mode") or "").lower()
+            if not getattr(logger, "_offline", False) and not init.get("settings") and mode not in WANDB_OFFLINE_MODES:
                 online.append(f"{type(logger).__module__}.{type(logger).__name__}")
             continue
         if not isinstance(logger, (Namespace, Mapping)) or not logger.get("class_path"):

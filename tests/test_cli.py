@@ -2244,6 +2244,15 @@ def test_online_wandb_loggers_reads_the_parsed_logger_settings(monkeypatch):
     assert online_wandb_loggers(Namespace(logger=Namespace(class_path=wandb_path, init_args=Namespace(),
                                                            dict_kwargs={"settings": {"api_key": "c" * 40}}))) == []
     assert online_wandb_loggers(Namespace(logger=True)) == []  # Lightning's default logger
+    from lightning.pytorch.loggers import WandbLogger
+
+    instance = "lightning.pytorch.loggers.wandb.WandbLogger"  # a logger a caller built: judged by what it will start
+    assert online_wandb_loggers(Namespace(logger=WandbLogger(project="p"))) == [instance]
+    assert online_wandb_loggers(Namespace(logger=[WandbLogger(project="p", mode="disabled"),
+                                                  WandbLogger(project="p", settings={"api_key": "c" * 40})])) == []
+    assert "WANDB_MODE" not in os.environ  # not judged by the environment so far
+    assert online_wandb_loggers(Namespace(logger=WandbLogger(project="p", offline=True))) == []
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # Lightning's offline switch sets it
     assert online_wandb_loggers(Namespace(logger=None)) == []
     assert online_wandb_loggers(None) == []
     monkeypatch.setenv("WANDB_MODE", "offline")
