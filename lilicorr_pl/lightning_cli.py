@@ -1701,13 +1701,16 @@ def online_wandb_loggers(trainer: Any) -> list[str]:
     ``offline`` nor an offline ``mode`` set, and no offline ``WANDB_MODE`` in the environment)."""
     if trainer is None or os.environ.get("WANDB_MODE", "").lower() in WANDB_OFFLINE_MODES:
         return []
+    def logs_online(offline: Any, mode: Any, settings: Any) -> bool:
+        # wandb.Settings of its own (a key, a host, a mode): the run's start reads them, not this check
+        return not offline and not settings and str(mode or "").lower() not in WANDB_OFFLINE_MODES
+
     loggers = trainer.get("logger")
     online = []
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if isinstance(logger, WandbLogger):  # an instance, given by a caller of the CLI
             init = getattr(logger, "_wandb_init", None) or {}  # what its run will start with
-            mode = str(init.get("mode") or "").lower()
-            if not getattr(logger, "_offline", False) and not init.get("settings") and mode not in WANDB_OFFLINE_MODES:
+            if logs_online(getattr(logger, "_offline", False), init.get("mode"), init.get("settings")):
                 online.append(f"{type(logger).__module__}.{type(logger).__name__}")
             continue
         if not isinstance(logger, (Namespace, Mapping)) or not logger.get("class_path"):
@@ -1721,10 +1724,8 @@ def online_wandb_loggers(trainer: Any) -> list[str]:
             continue
         init = plain_data(logger.get("init_args") or {})
         extra = plain_data(logger.get("dict_kwargs") or {})
-        mode = str(extra.get("mode", init.get("mode", "")) or "").lower()
-        if init.get("settings") or extra.get("settings"):
-            continue  # wandb.Settings of its own (a key, a host, a mode): the run's start reads them, not this check
-        if not init.get("offline", False) and mode not in WANDB_OFFLINE_MODES:
+        if logs_online(init.get("offline", False), extra.get("mode", init.get("mode")),
+                       init.get("settings") or extra.get("settings")):
             online.append(str(logger["class_path"]))
     return online
 

@@ -388,7 +388,7 @@ class DraftDataModule(L.LightningDataModule):
                 and "val" not in self._splits() and self.val_fraction > 0):
             tokens = self._open("train", "tokens", self.cache_paths("train")["tokens"], verify="size")  # setup: sha256
             _, left, _, _ = self._validation_split(tokens)
-            self._refuse_an_empty_training_split(tokens.num_examples, len(left), copies_kept_together=True)
+            self._refuse_an_empty_training_split(tokens.num_examples, len(left))
         job = self.precompute_job()
         if job is not None:
             run_in_process(job, self.load_target(), progress=self.progress, written_by="prepare_data")
@@ -514,7 +514,7 @@ class DraftDataModule(L.LightningDataModule):
                                "kept on one side); drop the repeats, raise val_fraction, or give data.val_files")
                 val_indices = None
         if stage in (None, "fit"):
-            self._refuse_an_empty_training_split(n_train, len(indices), copies_kept_together=val_indices is not None)
+            self._refuse_an_empty_training_split(n_train, len(indices))
         self.train_dataset = self._dataset(train_paths, indices)
         if "val" in datasets:
             val_paths, n_val = datasets["val"]
@@ -554,12 +554,12 @@ class DraftDataModule(L.LightningDataModule):
                        "validates beside a copy of itself that trains; drop the repeats to train on each once")
         return np.flatnonzero(in_val), np.flatnonzero(~in_val), message, crossed
 
-    def _refuse_an_empty_training_split(self, n_train: int, left: int, copies_kept_together: bool = False) -> None:
+    def _refuse_an_empty_training_split(self, n_train: int, left: int) -> None:
         """A validation share that leaves none (``left``) of ``n_train`` training examples: Lightning would stop at once
-        and exit 0 with no checkpoint. ``copies_kept_together``: the split kept copies together, which can leave fewer
-        than the share's count."""
+        and exit 0 with no checkpoint. Where the share's own cut leaves some, the copies kept with the validation
+        examples took them."""
         if left == 0:
-            if copies_kept_together and n_train - self._validation_count(n_train) > 0:
+            if n_train - self._validation_count(n_train) > 0:
                 raise UserInputError(f"data: every one of the {n_train} training examples is a copy of one the "
                                      "validation split holds (copies are kept on one side); drop the repeats from the "
                                      "data, or give data.val_files")

@@ -891,8 +891,15 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
         plt.close(fig)
 
 
+def _few_prompts_note(rows: list[dict[str, Any]]) -> str:
+    """The line under the tables where their intervals are over few prompts with rounds ("" where none is owed)."""
+    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, prompts_counted
+
+    return few_prompts_note(prompts_counted([r.get("per_prompt_rounds") for r in rows]) or FEW_PROMPTS)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, interval_text, prompts_counted
+    from lilicorr_pl.decoding.stats import interval_text
 
     lines = [f"{'benchmark':<15} {'T':>3} {'arm':<24} {'tau':>6} {'vs dflash [95% CI]':>22} {'tok/s':>8} "
              f"{'tok/s vs dflash [95% CI]':>24} {'by median round [95% CI]':>24} {'speedup':>8} {'round/step':>10} "
@@ -912,7 +919,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         lines.append(f"{r['benchmark']:<15} {r['temperature']:>3g} {r['arm']:<24} {r['tau']:>6.2f} {ci:>22} {tps:>8} "
                      f"{tci:>24} {rci:>24} {sp:>8} {rc:>10} {hf:>6}")
-    note = few_prompts_note(prompts_counted([r.get("per_prompt_rounds") for r in rows]) or FEW_PROMPTS)
+    note = _few_prompts_note(rows)
     return "\n".join(lines + ([note] if note else []))
 
 
@@ -926,7 +933,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The comparison as README.md shows it, one Markdown row per results row ("—" where a statistic is undefined
     or not measured, e.g. the oracle's timings): the demo writes it beside its JSON, and a test checks that
     README.md's table is this function of the JSON it cites."""
-    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, interval_text, prompts_counted
+    from lilicorr_pl.decoding.stats import interval_text
 
     def number(value: Any, spec: str) -> str:
         return "—" if _undefined(value) else format(value, spec)
@@ -950,7 +957,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  number(r.get("round_cost_ratio"), ".2f"),
                  "—" if _undefined(*split) else " / ".join(f"{v:.1f}" for v in split)]
         lines.append("| " + " | ".join(cells) + " |")
-    note = few_prompts_note(prompts_counted([r.get("per_prompt_rounds") for r in rows]) or FEW_PROMPTS)
+    note = _few_prompts_note(rows)
     return "\n".join(lines) + (f"\n\n{note[0].upper()}{note[1:]}." if note else "")
 
 
