@@ -137,9 +137,9 @@ def run_bench(
     ``template``: the chat template the run was trained with (``data.chat_template``, Jinja text), None for the
     tokenizer's.
 
-    ``timing``: synchronise CUDA at every phase boundary, so the draft / head / verify split (and the head's
-    share) is device time rather than launch time; it adds the same few synchronisations per step to the
-    plain-decoding baseline and to every arm.
+    ``timing``: on CUDA, time the draft / head / verify split (and the head's share) with CUDA events, so it is
+    device time rather than launch time; the events are read once per generation, so timing adds no
+    synchronisation to plain decoding or to any arm (``phase_timing`` in the JSON).
     ``compile_mode``: ``torch.compile``'s mode for the compiled heads (``"reduce-overhead"``: in CUDA graphs).
     ``prompt_tokens``: the token budget of each standard-library prefix (the ``stdlib-*`` benchmarks).
     ``prompts``: the benchmark's prompts already read with the target's tokenizer and these settings (None: read here).
@@ -202,7 +202,9 @@ def run_bench(
             # tokens): another set of stops gives other outputs and another τ.
             "stop_token_ids": sorted(int(t) for t in target.stop_token_ids()),
             "tau_includes_bonus_token": True,
-            "synchronized_timing": timing,
+            # How the draft / head / verify split was timed: CUDA events (device time, no synchronisation added) or
+            # the host clock (a CPU's exact times; on CUDA untimed, launch times).
+            "phase_timing": "cuda_events" if timing and target.device.type == "cuda" else "host_clock",
             "interleaved": True,
             "compiled_selectors": compile,
             "compile_mode": compile_mode if compile else None,

@@ -126,6 +126,7 @@ def test_bench_chat_prompts_greedy_is_lossless_and_writes_json_and_plot(tiny_run
 
     # The stops every arm decoded with, as the target states them (another set: other outputs, another τ)
     assert run["stop_token_ids"] == FrozenTarget.from_spec(TargetSpec(run["target"], layer_ids=[1])).stop_token_ids()
+    assert run["phase_timing"] == "host_clock" and "synchronized_timing" not in run  # a CPU's exact clock; no syncs
     (png,) = plots.glob("*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from lilicorr_pl.bench import plot_path

@@ -699,6 +699,75 @@ def test_round_cost_split_is_computed_from_the_measured_phases(target, monkeypat
     assert r.draft_time_fraction == pytest.approx(2.0 / 5.75)
 
 
+class FakeCudaEvent:
+    """A CUDA event on the fake clock: ``record`` reads the clock, ``elapsed_time`` is in milliseconds as CUDA's."""
+
+    made: list["FakeCudaEvent"] = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "phase events must be made with enable_timing=True"
+        self.at, self.stream, self.waits = None, None, 0
+        FakeCudaEvent.made.append(self)
+
+    def record(self, stream=None):
+        self.at, self.stream = FakeCudaEvent.clock(), stream
+
+    def synchronize(self):
+        self.waits += 1
+
+    def elapsed_time(self, end):
+        assert self.at is not None and end.at is not None, "an event read before it was recorded"
+        return (end.at - self.at) * 1000.0
+
+
+def test_timed_cuda_phases_come_from_events_read_once_with_no_synchronisation(target, monkeypatch):
+    """Timed on CUDA the phase split is summed from CUDA events read once per generation: the clock synchronised the
+    device at every phase boundary (three waits a round, slowing the tokens/s measured beside the split)."""
+    import lilicorr_pl.decoding.speculative as spec
+
+    clock = FakeClock()
+    FakeCudaEvent.clock, FakeCudaEvent.made = clock, []
+    syncs = []
+    monkeypatch.setattr(spec.torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(spec.torch.cuda, "current_stream", lambda device=None: ("stream", str(device)))
+    monkeypatch.setattr(spec.torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+
+    class OnCuda(spec._Clock):  # the target is on the CPU here; its clock is told it is on CUDA
+        def __init__(self, device, timed=False):
+            super().__init__(torch.device("cuda", 0), timed)
+
+    monkeypatch.setattr(spec, "_Clock", OnCuda)
+    monkeypatch.setattr(spec.time, "perf_counter", lambda: 0.0)  # host time must not reach the phase split
+    monkeypatch.setattr(spec, "sample_tokens", clock.charge(spec.sample_tokens, 0.25e-3))
+    monkeypatch.setattr(target, "forward", clock.charge(target.forward, 3e-3))
+    drafter = real_drafter(target, block_size=4)
+    monkeypatch.setattr(drafter, "draft", clock.charge(drafter.draft, 2e-3))
+    selector = Top1Selector()
+    monkeypatch.setattr(selector, "select", clock.charge(selector.select, 0.5e-3))
+    prompt = random_prompts(target.output_rows, 1, seed=5)[0]
+
+    got = speculative_generate(target, drafter, selector, prompt, 9, stop_token_ids=[], timing=True)
+    assert got.num_rounds > 0 and syncs == []
+    assert [e.waits for e in FakeCudaEvent.made] == [0] * (len(FakeCudaEvent.made) - 1) + [1]  # the last, once
+    assert {e.stream for e in FakeCudaEvent.made} == {("stream", "cuda:0")}
+    assert len(FakeCudaEvent.made) == 2 + 4 * got.num_rounds + 1  # start, prefill, 4 a round (with the loop's start)
+    assert got.prefill == pytest.approx(3.25e-3)  # the prefill's forward and first sample
+    assert got.draft == pytest.approx(2e-3 * got.num_rounds)
+    assert got.head == pytest.approx(0.5e-3 * got.num_rounds)
+    assert got.verify == pytest.approx(3e-3 * got.num_rounds)
+    assert got.bookkeeping == pytest.approx(0.25e-3 * got.num_rounds)
+
+    FakeCudaEvent.made = []
+    plain = target_generate(target, prompt, 9, stop_token_ids=[], timing=True)
+    assert syncs == [] and sum(e.waits for e in FakeCudaEvent.made) == 1
+    assert plain.verify == pytest.approx(3e-3 * plain.num_steps)
+    assert plain.bookkeeping == pytest.approx(0.25e-3 * plain.num_steps)
+
+    FakeCudaEvent.made = []  # untimed: launch times on the host clock, no events
+    untimed = speculative_generate(target, drafter, selector, prompt, 9, stop_token_ids=[])
+    assert FakeCudaEvent.made == [] and untimed.draft == 0.0 and untimed.tokens == got.tokens
+
+
 @pytest.mark.parametrize("selector_name", ["top1", "lilicorr"])
 def test_round_cost_fields_are_present_positive_and_consistent(target, selector_name):
     from lilicorr_pl.decoding.benchmarks import PromptSet

@@ -195,7 +195,7 @@ def evaluate_arm(
             ``lossless`` says whether every output matched them token for token, and their measured
             step time gives ``plain_step_ms`` and ``round_cost_ratio``.
         record_examples: keep the first ``record_rounds`` rounds of this many leading prompts.
-        timing: on CUDA, synchronise at phase boundaries so the round split is exact (slower).
+        timing: on CUDA, time the round's phases with CUDA events (device time; no synchronisation added).
         stop_token_ids: where generation stops; None = the target's own (``default_stop_token_ids``).
         prompt_indices: each prompt's index in the whole set when ``prompts`` is a slice of it (one rank's share):
             prompt ``j`` samples with seed ``seed + j`` however the set is split. None: ``0, 1, …``.
