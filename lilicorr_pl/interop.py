@@ -360,20 +360,34 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     # What is written, and its checks (weights that are not finite), before any folder is made.
     cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
     created = [folder for folder in (output, *output.parents) if not folder.exists()]  # the deepest first
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except BaseException:  # failed or stopped part of the way down: the levels it made go again
+        _remove_made_folders(created)
+        raise
     # One export at a time into a folder: two at once would each publish their two files, and the folder could end
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
     with _held_alone(output):  # refused: the folder is another export's now, and stays
+        if not output.is_dir():  # another export that failed into it removed it, as one it had made, before we held it
+            raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
+                              "it failed and removed the folder it had made); run the export again")
         try:
             _check_contents(output, overwrite)  # again, held: another export may have finished into it since
             _export_into(cfg, state, output, extra)
         except BaseException:
-            for folder in created:  # the folders this call made, while empty: nothing else
-                if not folder.is_dir() or any(folder.iterdir()):
-                    break
-                folder.rmdir()
+            _remove_made_folders(created)
             raise
     return output
+
+
+def _remove_made_folders(created: list[Path]) -> None:
+    """Remove the folders an export made (``created``, the deepest first), while empty: nothing else."""
+    for folder in created:
+        if not os.path.lexists(folder):  # not made: a mkdir that failed part of the way down
+            continue
+        if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
+            break
+        folder.rmdir()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ and safetensors) rebuilds the head's scores, so the export is self-sufficient.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -608,6 +610,49 @@ def test_a_failed_export_removes_the_empty_folders_it_made_and_only_those(tiny_t
     with pytest.raises(OSError, match="No space left"):
         export_drafter(drafter, tmp_path / "empty")
     assert (tmp_path / "empty").is_dir()
+
+
+def test_an_export_whose_mkdir_fails_part_of_the_way_down_removes_the_levels_it_made(tiny_target, tmp_path,
+                                                                                     monkeypatch):
+    """``mkdir(parents=True)`` failing at a deeper level (a quota, a race) left the levels above it behind, empty."""
+    from pathlib import Path as _Path
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    (tmp_path / "mine").mkdir()
+    out, real_mkdir = tmp_path / "mine" / "a" / "b" / "c", _Path.mkdir
+
+    def fails_at_c(self, *args, **kwargs):
+        if self.name == "c" and self.parent.is_dir():  # "a" and "b" made, "c" refused
+            raise OSError(122, "Disk quota exceeded", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "mkdir", fails_at_c)
+    with pytest.raises(OSError, match="quota"):
+        export_drafter(drafter, out)
+    assert list((tmp_path / "mine").iterdir()) == []  # "a" and "b", made before "c" failed, are gone; "mine" stays
+
+
+def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(tiny_target, tmp_path, monkeypatch):
+    """Two exports into one new folder: the other one, failing, removed the folder it made (both saw it missing) before
+    this one could hold it: a FileNotFoundError deep in the export."""
+    import lilicorr_pl.interop as interop
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    out, real_held = tmp_path / "new", interop._held_alone
+
+    @contextlib.contextmanager
+    def removed_first(output):
+        output.rmdir()  # the other export's clean-up, between this export's mkdir and its hold
+        with real_held(output):
+            yield
+
+    monkeypatch.setattr(interop, "_held_alone", removed_first)
+    with pytest.raises(ExportError, match=r"the folder was removed as this export began .*; run the export again$"):
+        export_drafter(drafter, out)
+    assert not out.exists()
+    monkeypatch.undo()
+    assert (export_drafter(drafter, out) / "config.json").is_file()  # run again: it exports
 
 
 def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
