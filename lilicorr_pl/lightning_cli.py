@@ -558,14 +558,14 @@ def _same_setting(key: str, a: Any, b: Any) -> bool:
 
 
 def check_linked_options(args: Sequence[str], config: Any, subcommand: str | None,
-                         default: Callable[[str], Any]) -> None:
+                         default: Callable[[str], Any], sources: list[_Config] | None = None) -> None:
     """A config's value for an option a link sets (:data:`LINKS`) is refused where the link overwrote it without a word
     (``model.max_length: 5`` trained at ``data.max_length``). Passed: the value the link sets; null (unset); an
     interpolation (``${data.max_length}``); and a value equal to its source as that stood where the config was read (the
     source's last setting up to it, else its ``default(key)``): a later argument that changes the source carries the
-    linked option along, as a later argument wins anywhere."""
+    linked option along, as a later argument wins anywhere. ``sources``: ``args``' configs, already read."""
     section = config.get(subcommand) if subcommand else config
-    sources = _config_sources(args)
+    sources = _config_sources(args) if sources is None else sources
     for where in sources:
         for source, target in LINKS:
             given, final = _yaml_at(where.options, target), plain_data(section.get(source))
@@ -741,7 +741,7 @@ class LilicorrCLI(LightningCLI):
             except OmegaConfBaseException as err:  # a config's ${...} omegaconf cannot resolve: it was a traceback
                 raise UserInputError(interpolation_refusal(err, args)) from None
             check_linked_options(args, self.config, self.config.get("subcommand"),
-                                 self._default_of(self.config.get("subcommand")))
+                                 self._default_of(self.config.get("subcommand")), sources)
         subcommand = self.config.get("subcommand")
         config = self.config.get(subcommand) if subcommand else self.config
         try:

@@ -1555,6 +1555,19 @@ def test_a_linked_option_in_a_config_is_read_where_the_config_stands(tmp_path, c
             "data.max_length instead")
 
 
+def test_a_parse_reads_each_config_once_for_the_aliases_the_merge_and_the_link_check(tmp_path, capsys, monkeypatch):
+    """The link check read every config again itself, a third read after jsonargparse's and the aliases' one."""
+    import lilicorr_pl.lightning_cli as lcli
+
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model:\n  max_length: 128\n")  # not the value the link sets: the check reads the configs
+    reads, real = [], lcli._config_sources
+    monkeypatch.setattr(lcli, "_config_sources", lambda args: reads.append(list(args)) or real(args))
+    err = user_error(capsys, ["fit", "-c", TINY, "-c", str(overlay)])
+    assert f"model.max_length 128 in config file {overlay} would be overwritten by data.max_length" in err, err
+    assert len(reads) == 1, reads
+
+
 @pytest.mark.parametrize("value, refusal", [
     ("${data.max_length}", "Interpolation key 'data.max_length' not found; omegaconf resolves ${...} within each file: "
                            "name a key of the same file, or write the value"),
