@@ -714,6 +714,7 @@ class FakeCudaEvent:
 
     def synchronize(self):
         self.waits += 1
+        FakeCudaEvent.clock.now += 1.0  # a long wait for the device, on the host clock
 
     def elapsed_time(self, end):
         assert self.at is not None and end.at is not None, "an event read before it was recorded"
@@ -726,7 +727,8 @@ def test_timed_cuda_phases_come_from_events_read_once_with_no_synchronisation(ta
     import lilicorr_pl.decoding.speculative as spec
 
     clock = FakeClock()
-    FakeCudaEvent.clock, FakeCudaEvent.made = clock, []
+    monkeypatch.setattr(FakeCudaEvent, "clock", clock, raising=False)
+    monkeypatch.setattr(FakeCudaEvent, "made", [])
     syncs = []
     monkeypatch.setattr(spec.torch.cuda, "Event", FakeCudaEvent)
     monkeypatch.setattr(spec.torch.cuda, "current_stream", lambda device=None: ("stream", str(device)))
@@ -737,7 +739,7 @@ def test_timed_cuda_phases_come_from_events_read_once_with_no_synchronisation(ta
             super().__init__(torch.device("cuda", 0), timed)
 
     monkeypatch.setattr(spec, "_Clock", OnCuda)
-    monkeypatch.setattr(spec.time, "perf_counter", lambda: 0.0)  # host time must not reach the phase split
+    monkeypatch.setattr(spec.time, "perf_counter", clock)  # host time: the same fake clock
     monkeypatch.setattr(spec, "sample_tokens", clock.charge(spec.sample_tokens, 0.25e-3))
     monkeypatch.setattr(target, "forward", clock.charge(target.forward, 3e-3))
     drafter = real_drafter(target, block_size=4)
@@ -756,16 +758,19 @@ def test_timed_cuda_phases_come_from_events_read_once_with_no_synchronisation(ta
     assert got.head == pytest.approx(0.5e-3 * got.num_rounds)
     assert got.verify == pytest.approx(3e-3 * got.num_rounds)
     assert got.bookkeeping == pytest.approx(0.25e-3 * got.num_rounds)
+    phases = got.prefill + got.draft + got.head + got.verify + got.bookkeeping
+    assert got.total == pytest.approx(phases)  # host time, taken before the wait for the events (1 s here)
 
-    FakeCudaEvent.made = []
+    monkeypatch.setattr(FakeCudaEvent, "made", [])
     plain = target_generate(target, prompt, 9, stop_token_ids=[], timing=True)
     assert syncs == [] and sum(e.waits for e in FakeCudaEvent.made) == 1
     assert plain.verify == pytest.approx(3e-3 * plain.num_steps)
     assert plain.bookkeeping == pytest.approx(0.25e-3 * plain.num_steps)
 
-    FakeCudaEvent.made = []  # untimed: launch times on the host clock, no events
+    monkeypatch.setattr(FakeCudaEvent, "made", [])  # untimed: launch times on the host clock, no events
     untimed = speculative_generate(target, drafter, selector, prompt, 9, stop_token_ids=[])
-    assert FakeCudaEvent.made == [] and untimed.draft == 0.0 and untimed.tokens == got.tokens
+    assert FakeCudaEvent.made == [] and untimed.tokens == got.tokens
+    assert untimed.draft == pytest.approx(2e-3 * untimed.num_rounds)  # the host clock's launch times
 
 
 @pytest.mark.parametrize("selector_name", ["top1", "lilicorr"])
