@@ -416,21 +416,22 @@ class InUseError(ValueError):
 
 
 @contextlib.contextmanager
-def folder_held_alone(folder: Path, busy: str) -> Iterator[None]:
+def folder_held_alone(folder: Path, busy: str) -> Iterator[os.stat_result | None]:
     """Hold ``folder`` for this process alone while the block runs (:func:`hold_alone` on the folder itself: nothing
     is created in it), or raise ``InUseError(busy)`` at once when another process holds it. Where a folder cannot be
     opened (Windows, an unreadable folder) or locked (NFS, whose emulated locks need a file open for writing) nothing
-    is locked. Another open of the folder conflicts even in this process (a lock belongs to its open file)."""
+    is locked. Another open of the folder conflicts even in this process (a lock belongs to its open file). Yields the
+    held folder's ``stat`` (None where nothing is held), so a caller can tell it is still the one at ``folder``."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:  # Windows opens no folder; an unreadable folder, one removed meanwhile: nothing to lock
         fd = None
     if fd is None:
-        yield
+        yield None
         return
     try:
         hold_alone(fd, busy)
-        yield
+        yield os.fstat(fd)
     finally:
         os.close(fd)
 

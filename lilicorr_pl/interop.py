@@ -359,16 +359,11 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     output = check_output_dir(output, overwrite)
     # What is written, and its checks (weights that are not finite), before any folder is made.
     cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
-    created = [folder for folder in (output, *output.parents) if not folder.exists()]  # the deepest first
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except BaseException:  # failed or stopped part of the way down: the levels it made go again
-        _remove_made_folders(created)
-        raise
+    created = _make_folders(output)
     # One export at a time into a folder: two at once would each publish their two files, and the folder could end
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
-    with _held_alone(output):  # refused: the folder is another export's now, and stays
-        if not output.is_dir():  # another export that failed into it removed it, as one it had made, before we held it
+    with _held_alone(output) as held:  # refused: the folder is another export's now, and stays
+        if not _still_at(output, held):  # another export that failed into it removed it, as one it had made
             raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
                               "it failed and removed the folder it had made); run the export again")
         try:
@@ -380,23 +375,51 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     return output
 
 
-def _remove_made_folders(created: list[Path]) -> None:
-    """Remove the folders an export made (``created``, the deepest first), while empty: nothing else."""
-    for folder in created:
-        if not os.path.lexists(folder):  # not made: a mkdir that failed part of the way down
-            continue
+def _make_folders(output: Path) -> list[Path]:
+    """Make ``output`` and its missing parents one level at a time; returns the levels this call made, the deepest
+    first (a level another process made meanwhile is not ours, and never removed). A failure part of the way down
+    removes the levels made."""
+    made: list[Path] = []
+    try:
+        for folder in reversed([f for f in (output, *output.parents) if not os.path.lexists(f)]):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                continue  # made by another process since we looked
+            made.insert(0, folder)
+    except BaseException:
+        _remove_made_folders(made)
+        raise
+    return made
+
+
+def _still_at(output: Path, held: os.stat_result | None) -> bool:
+    """Whether the folder held (``held``: its stat; None, nothing held) is still the one at ``output``."""
+    try:
+        now = output.stat()
+    except OSError:
+        return False
+    return held is None or (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _remove_made_folders(made: list[Path]) -> None:
+    """Remove the folders an export made (``made``, the deepest first), while empty: nothing else."""
+    for folder in made:
         if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
             break
         folder.rmdir()
 
 
 @contextlib.contextmanager
-def _held_alone(output: Path) -> Iterator[None]:
-    """``output`` held by this export alone while the block runs, or one line saying another export holds it."""
+def _held_alone(output: Path) -> Iterator[os.stat_result | None]:
+    """``output`` held by this export alone while the block runs (yields its stat, None where it cannot be held), or
+    one line saying another export holds it."""
     try:
         with folder_held_alone(output, f"--output {output}: another lilicorr export is writing into it; wait for it "
-                                       "to finish, or choose another directory"):
-            yield
+                                       "to finish, or choose another directory") as held:
+            yield held
     except InUseError as err:
         raise ExportError(str(err)) from None
 

@@ -632,9 +632,12 @@ def test_an_export_whose_mkdir_fails_part_of_the_way_down_removes_the_levels_it_
     assert list((tmp_path / "mine").iterdir()) == []  # "a" and "b", made before "c" failed, are gone; "mine" stays
 
 
-def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(tiny_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("made_again", [False, True], ids=["removed", "removed-and-made-again"])
+def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(tiny_target, tmp_path, monkeypatch,
+                                                                              made_again):
     """Two exports into one new folder: the other one, failing, removed the folder it made (both saw it missing) before
-    this one could hold it: a FileNotFoundError deep in the export."""
+    this one could hold it: a FileNotFoundError deep in the export. Or after this one opened it, and a third export
+    made the folder again: this one held a removed folder and wrote into the third one's."""
     import lilicorr_pl.interop as interop
     from lilicorr_pl.interop import ExportError
 
@@ -642,17 +645,47 @@ def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(t
     out, real_held = tmp_path / "new", interop._held_alone
 
     @contextlib.contextmanager
-    def removed_first(output):
-        output.rmdir()  # the other export's clean-up, between this export's mkdir and its hold
-        with real_held(output):
-            yield
+    def removed_meanwhile(output):
+        if not made_again:
+            output.rmdir()  # the other export's clean-up, between this export's mkdir and its hold
+        with real_held(output) as held:
+            if made_again:  # the held folder goes (kept aside, so its inode is not reused) and another is made there
+                output.rename(tmp_path / "held")
+                output.mkdir()
+            yield held
 
-    monkeypatch.setattr(interop, "_held_alone", removed_first)
+    monkeypatch.setattr(interop, "_held_alone", removed_meanwhile)
     with pytest.raises(ExportError, match=r"the folder was removed as this export began .*; run the export again$"):
         export_drafter(drafter, out)
-    assert not out.exists()
+    assert (list(out.iterdir()) == []) if made_again else not out.exists()  # the third export's folder, untouched
     monkeypatch.undo()
+    shutil.rmtree(out, ignore_errors=True)
     assert (export_drafter(drafter, out) / "config.json").is_file()  # run again: it exports
+
+
+def test_an_export_never_removes_a_level_another_process_made_after_it_looked(tiny_target, tmp_path, monkeypatch):
+    """The levels an export removes on failure were those missing when it looked, before its mkdir: one another
+    process made in between (the user, a sibling export) went with them, if still empty."""
+    from pathlib import Path as _Path
+
+    import lilicorr_pl.interop as interop
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    theirs, out, real_mkdir = tmp_path / "theirs", tmp_path / "theirs" / "mine", _Path.mkdir
+
+    def another_process_first(self, *args, **kwargs):
+        if self == theirs and not theirs.exists():
+            real_mkdir(self)  # made by someone else, just before this export's mkdir of the same level
+        return real_mkdir(self, *args, **kwargs)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_Path, "mkdir", another_process_first)
+    monkeypatch.setattr(interop, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(drafter, out)
+    assert theirs.is_dir() and list(theirs.iterdir()) == []  # "mine" (this export's) gone; "theirs" kept
 
 
 def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
