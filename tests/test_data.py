@@ -138,6 +138,44 @@ def test_content_starting_like_the_template_is_masked_exactly(tok):
     assert masked_runs(tok, ids, mask) == ["<|im_end|> is how a turn ends\n<|im_end|>"]
 
 
+def test_the_masks_common_prefix_and_suffix_agree_with_a_character_walk():
+    """The assistant mask's diffs compare strings by halving (a character at a time took most of a long
+    conversation's mask): checked against the character walk on random strings, near-equal ones and limits."""
+    import random
+
+    from lilicorr_pl.data.formats import _common_prefix, _common_suffix
+
+    def walk_prefix(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    def walk_suffix(a, b, limit):
+        i = 0
+        while i < min(len(a), len(b), limit) and a[-1 - i] == b[-1 - i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        base = "".join(rng.choice("ab\u2603<|>\n") for _ in range(rng.randrange(0, 60)))
+        other = list(base)
+        for _ in range(rng.randrange(0, 3)):  # a few edits: replace, insert or delete a character
+            at, op = rng.randrange(0, len(other) + 1), rng.randrange(3)
+            if op == 0 and at < len(other):
+                other[at] = rng.choice("ab\u2603")
+            elif op == 1:
+                other.insert(at, rng.choice("ab\u2603"))
+            elif at < len(other):
+                del other[at]
+        a, b = (base, "".join(other)) if rng.random() < 0.5 else ("".join(other), base)
+        assert _common_prefix(a, b) == walk_prefix(a, b), (a, b)
+        for limit in (0, 1, rng.randrange(0, 70), 10**6):
+            assert _common_suffix(a, b, limit) == walk_suffix(a, b, limit), (a, b, limit)
+    assert _common_suffix("abc", "abc", -3) == 0  # a limit below zero, as a rendering shorter than its prefix gives
+
+
 def test_thinking_flag_reaches_the_template(tmp_path, tok):
     template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

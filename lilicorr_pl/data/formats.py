@@ -30,7 +30,9 @@ text as the turn itself (an empty turn and the empty placeholder) tells nothing 
 turn supervises nothing (it supervised everything after it: the tool's output, the next role headers).
 Tokens that *start* inside that span are supervised, plus the special token the template closes the turn
 with (``<|im_end|>``, ``<|eot_id|>``): the drafter must learn to predict the end of a turn. The template's
-own scaffolding (role headers, the empty think block) is never supervised.
+own scaffolding (role headers, the empty think block) is never supervised. The cost is two renderings of the
+whole conversation per assistant turn, quadratic in the turns: a 64-turn conversation of 33 k tokens takes about
+0.3 s to mask (0.6 s while the diffs walked a character at a time), once, when its store is written.
 
 An OpenAI message's ``tool_calls``, ``tool_call_id``, ``name`` and ``reasoning_content`` reach the template
 with its role and content (they were dropped, so a tool-calling conversation trained on a text the target
@@ -402,19 +404,34 @@ def render_chat(
 
 
 def _common_prefix(a: str, b: str) -> int:
+    """The length of ``a`` and ``b``'s common prefix, by halving: string comparisons in C over O(n) characters in all
+    (a character at a time in Python took most of a long conversation's mask, twice per assistant turn)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _common_suffix(a: str, b: str, limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[-1 - i] == b[-1 - i]:
-        i += 1
-    return i
+    """The length of ``a`` and ``b``'s common suffix, at most ``limit``, by halving as :func:`_common_prefix`."""
+    n, la, lb = max(0, min(len(a), len(b), limit)), len(a), len(b)
+    if a[la - n:] == b[lb - n:]:
+        return n
+    lo, hi = 0, n  # the last lo characters agree; the last hi do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[la - mid:la - lo] == b[lb - mid:lb - lo]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 _PLACEHOLDERS = ("", "\u2603\u2603")  # differ at their first character from each other and from EOT
