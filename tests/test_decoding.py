@@ -668,13 +668,11 @@ class FakeClock:
         return wrapped
 
 
-def test_round_cost_split_is_computed_from_the_measured_phases(target, monkeypatch):
-    """Charge each phase a known time on a fake clock: the fields must report exactly those times."""
+def charged_phases(clock: FakeClock, target, monkeypatch):
+    """A drafter and a top-1 selector, each phase charged a known time on ``clock`` (the host's clock too):
+    drafter 2 ms, selector 0.5 ms, target forward 3 ms, sampling 0.25 ms."""
     import lilicorr_pl.decoding.speculative as spec
-    from lilicorr_pl.decoding.benchmarks import PromptSet
-    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
 
-    clock = FakeClock()
     monkeypatch.setattr(spec.time, "perf_counter", clock)
     monkeypatch.setattr(spec, "sample_tokens", clock.charge(spec.sample_tokens, 0.25e-3))
     monkeypatch.setattr(target, "forward", clock.charge(target.forward, 3e-3))
@@ -682,6 +680,17 @@ def test_round_cost_split_is_computed_from_the_measured_phases(target, monkeypat
     monkeypatch.setattr(drafter, "draft", clock.charge(drafter.draft, 2e-3))
     selector = Top1Selector()
     monkeypatch.setattr(selector, "select", clock.charge(selector.select, 0.5e-3))
+    return drafter, selector
+
+
+def test_round_cost_split_is_computed_from_the_measured_phases(target, monkeypatch):
+    """Charge each phase a known time on a fake clock: the fields must report exactly those times."""
+    import lilicorr_pl.decoding.speculative as spec
+    from lilicorr_pl.decoding.benchmarks import PromptSet
+    from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
+
+    clock = FakeClock()
+    drafter, selector = charged_phases(clock, target, monkeypatch)
     ids = random_prompts(target.output_rows, 2, seed=5)
     prompts = PromptSet("random", ids, [""] * len(ids), False, False)
 
@@ -739,13 +748,7 @@ def test_timed_cuda_phases_come_from_events_read_once_with_no_synchronisation(ta
             super().__init__(torch.device("cuda", 0), timed)
 
     monkeypatch.setattr(spec, "_Clock", OnCuda)
-    monkeypatch.setattr(spec.time, "perf_counter", clock)  # host time: the same fake clock
-    monkeypatch.setattr(spec, "sample_tokens", clock.charge(spec.sample_tokens, 0.25e-3))
-    monkeypatch.setattr(target, "forward", clock.charge(target.forward, 3e-3))
-    drafter = real_drafter(target, block_size=4)
-    monkeypatch.setattr(drafter, "draft", clock.charge(drafter.draft, 2e-3))
-    selector = Top1Selector()
-    monkeypatch.setattr(selector, "select", clock.charge(selector.select, 0.5e-3))
+    drafter, selector = charged_phases(clock, target, monkeypatch)  # host time: the same fake clock
     prompt = random_prompts(target.output_rows, 1, seed=5)[0]
 
     got = speculative_generate(target, drafter, selector, prompt, 9, stop_token_ids=[], timing=True)
