@@ -685,7 +685,6 @@ def charged_phases(clock: FakeClock, target, monkeypatch):
 
 def test_round_cost_split_is_computed_from_the_measured_phases(target, monkeypatch):
     """Charge each phase a known time on a fake clock: the fields must report exactly those times."""
-    import lilicorr_pl.decoding.speculative as spec
     from lilicorr_pl.decoding.benchmarks import PromptSet
     from lilicorr_pl.decoding.evaluate import evaluate_arm, run_target_baseline
 
