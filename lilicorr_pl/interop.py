@@ -364,6 +364,7 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
     with _held_alone(output) as held:  # refused: the folder is another export's now, and stays
         if not _still_at(output, held):  # another export that failed into it removed it, as one it had made
+            _remove_made_folders([folder for folder in created if folder != output])  # what is there now is not ours
             raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
                               "it failed and removed the folder it had made); run the export again")
         try:
@@ -381,18 +382,28 @@ def _make_folders(output: Path) -> list[Path]:
     removes the levels made."""
     made: list[Path] = []
     try:
-        for folder in reversed([f for f in (output, *output.parents) if not os.path.lexists(f)]):
+        for _ in range(_MKDIR_TRIES):
             try:
-                folder.mkdir()
-            except FileExistsError:
-                if not folder.is_dir():
-                    raise
-                continue  # made by another process since we looked
-            made.insert(0, folder)
+                for folder in reversed([f for f in (output, *output.parents) if not os.path.lexists(f)]):
+                    try:
+                        folder.mkdir()
+                    except FileExistsError:
+                        if not folder.is_dir():
+                            raise
+                        continue  # made by another process since we looked
+                    if folder not in made:  # made again on a later try
+                        made.insert(0, folder)
+                return made
+            except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
+                continue
+        raise ExportError(f"--output {output}: its parent folders kept being removed while this export made them "
+                          "(another process cleaning up); run the export again")
     except BaseException:
         _remove_made_folders(made)
         raise
-    return made
+
+
+_MKDIR_TRIES = 5
 
 
 def _still_at(output: Path, held: os.stat_result | None) -> bool:
@@ -405,11 +416,15 @@ def _still_at(output: Path, held: os.stat_result | None) -> bool:
 
 
 def _remove_made_folders(made: list[Path]) -> None:
-    """Remove the folders an export made (``made``, the deepest first), while empty: nothing else."""
-    for folder in made:
-        if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
-            break
-        folder.rmdir()
+    """Remove the folders an export made (``made``, the deepest first), while empty: nothing else. Called on a failure:
+    a folder that cannot be read or removed stops it, and the failure that called it is the one raised."""
+    try:
+        for folder in made:
+            if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager

@@ -642,7 +642,7 @@ def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(t
     from lilicorr_pl.interop import ExportError
 
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
-    out, real_held = tmp_path / "new", interop._held_alone
+    out, real_held = tmp_path / "parent" / "new", interop._held_alone
 
     @contextlib.contextmanager
     def removed_meanwhile(output):
@@ -657,10 +657,39 @@ def test_an_export_whose_new_folder_another_export_removed_says_so_in_one_line(t
     monkeypatch.setattr(interop, "_held_alone", removed_meanwhile)
     with pytest.raises(ExportError, match=r"the folder was removed as this export began .*; run the export again$"):
         export_drafter(drafter, out)
-    assert (list(out.iterdir()) == []) if made_again else not out.exists()  # the third export's folder, untouched
+    if made_again:  # the third export's folder, untouched, and so the parent this export made, which holds it
+        assert list(out.iterdir()) == []
+    else:  # the parent this export made, empty, goes too
+        assert not out.parent.exists()
     monkeypatch.undo()
     shutil.rmtree(out, ignore_errors=True)
     assert (export_drafter(drafter, out) / "config.json").is_file()  # run again: it exports
+
+
+def test_an_export_whose_parent_is_removed_while_it_makes_the_folders_makes_them_again(tiny_target, tmp_path,
+                                                                                      monkeypatch):
+    """A level above removed between the look and the mkdir (another export's clean-up) was a FileNotFoundError
+    traceback; the export makes the levels again, and after a few such tries says so in one line."""
+    from pathlib import Path as _Path
+
+    import lilicorr_pl.interop as interop
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    real_mkdir, removals = _Path.mkdir, {"out": tmp_path / "a" / "b", "left": 1}
+
+    def parent_removed(self, *args, **kwargs):
+        if self == removals["out"] and removals["left"]:
+            removals["left"] -= 1
+            self.parent.rmdir()  # made by this export a moment ago, removed by someone else
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "mkdir", parent_removed)
+    assert (export_drafter(drafter, tmp_path / "a" / "b") / "config.json").is_file()
+    removals.update(out=tmp_path / "x" / "c", left=interop._MKDIR_TRIES)
+    with pytest.raises(ExportError, match=r"its parent folders kept being removed .*; run the export again$"):
+        export_drafter(drafter, tmp_path / "x" / "c")
+    assert not (tmp_path / "x").exists()  # nothing of the failed export is left
 
 
 def test_an_export_never_removes_a_level_another_process_made_after_it_looked(tiny_target, tmp_path, monkeypatch):
