@@ -377,10 +377,10 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
 
 
 def _make_folders(output: Path) -> list[Path]:
-    """Make ``output`` and its missing parents one level at a time; returns the levels this call made, the deepest
-    first (a level another process made meanwhile is not ours, and never removed). A failure part of the way down
-    removes the levels made."""
-    made: list[Path] = []
+    """Make ``output`` and its missing parents one level at a time; returns the levels this call made and that are still
+    the folders it made (by device and inode), the deepest first: a level another process made, or removed and made
+    again, is not ours and never removed. A failure part of the way down removes the levels made."""
+    made: dict[Path, tuple[int, int]] = {}
     try:
         for _ in range(_MKDIR_TRIES):
             try:
@@ -389,18 +389,36 @@ def _make_folders(output: Path) -> list[Path]:
                         folder.mkdir()
                     except FileExistsError:
                         if not folder.is_dir():
-                            raise
+                            raise ExportError(f"--output {output}: {folder} is a file, so the folder cannot be made; "
+                                              "choose another path") from None
                         continue  # made by another process since we looked
-                    if folder not in made:  # made again on a later try
-                        made.insert(0, folder)
-                return made
+                    made[folder] = _identity(folder)
+                return _still_ours(made)
             except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
-                continue
+                broken = next((f for f in output.parents if f.is_symlink() and not f.exists()), None)
+                if broken is not None:
+                    raise ExportError(f"--output {output}: {broken} is a broken symbolic link (to "
+                                      f"{os.readlink(broken)}); choose another path, or create what it points to"
+                                      ) from None
         raise ExportError(f"--output {output}: its parent folders kept being removed while this export made them "
                           "(another process cleaning up); run the export again")
     except BaseException:
-        _remove_made_folders(made)
+        _remove_made_folders(_still_ours(made))
         raise
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    try:
+        st = folder.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _still_ours(made: dict[Path, tuple[int, int]]) -> list[Path]:
+    """The folders in ``made`` still the ones made (the same device and inode), the deepest first."""
+    return sorted((f for f, ident in made.items() if ident is not None and _identity(f) == ident),
+                  key=lambda f: len(f.parts), reverse=True)
 
 
 _MKDIR_TRIES = 5

@@ -692,6 +692,79 @@ def test_an_export_whose_parent_is_removed_while_it_makes_the_folders_makes_them
     assert not (tmp_path / "x").exists()  # nothing of the failed export is left
 
 
+@pytest.mark.parametrize("case", ["theirs-again", "ours-deeper"])
+def test_after_a_retry_an_export_removes_only_the_levels_still_its_own_deepest_first(tiny_target, tmp_path,
+                                                                                     monkeypatch, case):
+    """The levels made on one try stayed "ours" after another process removed them and made them again (a clean-up
+    then removed a folder it had not made), and a retry listed them out of depth order (the clean-up stopped early)."""
+    from pathlib import Path as _Path
+
+    import lilicorr_pl.interop as interop
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    a = tmp_path / "a"
+    out = a / "b" if case == "theirs-again" else a / "b" / "c"
+    if case == "ours-deeper":
+        a.mkdir()  # the user's, removed by another process below: whatever this export makes there later is its own
+    real_mkdir, state = _Path.mkdir, {"step": 0}
+
+    def racing(self, *args, **kwargs):
+        if case == "theirs-again":
+            if self == out and state["step"] == 0:  # this export made "a"; another process moves it away
+                state["step"] = 1
+                a.rename(tmp_path / "gone")
+            elif self == a and state["step"] == 1:  # and makes "a" again (a new folder) just before the retry's mkdir
+                state["step"] = 2
+                real_mkdir(a)
+        elif self == out and state["step"] == 0:  # "a/b" made by this export; "a/b" and "a" moved away by another
+            state["step"] = 1
+            a.rename(tmp_path / "gone")
+        return real_mkdir(self, *args, **kwargs)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_Path, "mkdir", racing)
+    monkeypatch.setattr(interop, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(drafter, out)
+    assert (tmp_path / "gone").is_dir()  # moved away by the other process, never touched
+    if case == "theirs-again":
+        assert a.is_dir() and list(a.iterdir()) == []  # the other process's "a" kept; this export's "a/b" gone
+    else:
+        assert not a.exists()  # "a", "a/b" and "a/b/c" all made by this export's retry: all gone, deepest first
+
+
+def test_a_level_turned_into_a_file_or_a_broken_link_while_the_export_makes_it_is_one_line(tiny_target, tmp_path,
+                                                                                           monkeypatch):
+    """A file put where a level goes was a FileExistsError traceback; a parent link whose target went away meanwhile,
+    five pointless tries and a message blaming a clean-up."""
+    from pathlib import Path as _Path
+
+    from lilicorr_pl.interop import ExportError
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    real_mkdir = _Path.mkdir
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+
+    def meanwhile(self, *args, **kwargs):
+        if self == tmp_path / "f" and not (tmp_path / "f").exists():
+            (tmp_path / "f").write_text("a user's file")  # put there after the look, before this mkdir
+        if self == tmp_path / "link" / "y" and (tmp_path / "real").exists():
+            (tmp_path / "real").rmdir()  # the link's target goes away after the look
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "mkdir", meanwhile)
+    with pytest.raises(ExportError, match=r"f/x/out: .*/f is a file, so the folder cannot be made; choose another path$"):
+        export_drafter(drafter, tmp_path / "f" / "x" / "out")
+    assert (tmp_path / "f").read_text() == "a user's file"
+    with pytest.raises(ExportError, match=r"/link is a broken symbolic link \(to .*/real\); choose another path, or "
+                                          r"create what it points to$"):
+        export_drafter(drafter, tmp_path / "link" / "y" / "z")
+    assert (tmp_path / "link").is_symlink()
+
+
 def test_an_export_never_removes_a_level_another_process_made_after_it_looked(tiny_target, tmp_path, monkeypatch):
     """The levels an export removes on failure were those missing when it looked, before its mkdir: one another
     process made in between (the user, a sibling export) went with them, if still empty."""
