@@ -692,14 +692,27 @@ def test_an_export_whose_parent_is_removed_while_it_makes_the_folders_makes_them
     assert not (tmp_path / "x").exists()  # nothing of the failed export is left
 
 
+def export_failing_on_a_full_disk(monkeypatch, drafter, out, mkdir) -> None:
+    """Export ``drafter`` to ``out`` with ``mkdir`` in place of ``Path.mkdir`` and a disk that fills on the weights."""
+    from pathlib import Path as _Path
+
+    import lilicorr_pl.interop as interop
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_Path, "mkdir", mkdir)
+    monkeypatch.setattr(interop, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(drafter, out)
+
+
 @pytest.mark.parametrize("case", ["theirs-again", "ours-deeper"])
 def test_after_a_retry_an_export_removes_only_the_levels_still_its_own_deepest_first(tiny_target, tmp_path,
                                                                                      monkeypatch, case):
     """The levels made on one try stayed "ours" after another process removed them and made them again (a clean-up
     then removed a folder it had not made), and a retry listed them out of depth order (the clean-up stopped early)."""
     from pathlib import Path as _Path
-
-    import lilicorr_pl.interop as interop
 
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
     a = tmp_path / "a"
@@ -721,13 +734,7 @@ def test_after_a_retry_an_export_removes_only_the_levels_still_its_own_deepest_f
             a.rename(tmp_path / "gone")
         return real_mkdir(self, *args, **kwargs)
 
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(_Path, "mkdir", racing)
-    monkeypatch.setattr(interop, "save_file", full_disk)
-    with pytest.raises(OSError, match="No space left"):
-        export_drafter(drafter, out)
+    export_failing_on_a_full_disk(monkeypatch, drafter, out, racing)
     assert (tmp_path / "gone").is_dir()  # moved away by the other process, never touched
     if case == "theirs-again":
         assert a.is_dir() and list(a.iterdir()) == []  # the other process's "a" kept; this export's "a/b" gone
@@ -770,8 +777,6 @@ def test_an_export_never_removes_a_level_another_process_made_after_it_looked(ti
     process made in between (the user, a sibling export) went with them, if still empty."""
     from pathlib import Path as _Path
 
-    import lilicorr_pl.interop as interop
-
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
     theirs, out, real_mkdir = tmp_path / "theirs", tmp_path / "theirs" / "mine", _Path.mkdir
 
@@ -780,13 +785,7 @@ def test_an_export_never_removes_a_level_another_process_made_after_it_looked(ti
             real_mkdir(self)  # made by someone else, just before this export's mkdir of the same level
         return real_mkdir(self, *args, **kwargs)
 
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(_Path, "mkdir", another_process_first)
-    monkeypatch.setattr(interop, "save_file", full_disk)
-    with pytest.raises(OSError, match="No space left"):
-        export_drafter(drafter, out)
+    export_failing_on_a_full_disk(monkeypatch, drafter, out, another_process_first)
     assert theirs.is_dir() and list(theirs.iterdir()) == []  # "mine" (this export's) gone; "theirs" kept
 
 
