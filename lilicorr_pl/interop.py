@@ -426,11 +426,8 @@ _MKDIR_TRIES = 5
 
 def _still_at(output: Path, held: os.stat_result | None) -> bool:
     """Whether the folder held (``held``: its stat; None, nothing held) is still the one at ``output``."""
-    try:
-        now = output.stat()
-    except OSError:
-        return False
-    return held is None or (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+    now = _identity(output)
+    return now is not None and (held is None or now == (held.st_dev, held.st_ino))
 
 
 def _remove_made_folders(made: list[Path]) -> None:
