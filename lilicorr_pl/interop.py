@@ -364,7 +364,7 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
     with _held_alone(output) as held:  # refused: the folder is another export's now, and stays
         if not _still_at(output, held):  # another export that failed into it removed it, as one it had made
-            _remove_made_folders([folder for folder in created if folder != output])  # what is there now is not ours
+            _remove_made_folders({f: i for f, i in created.items() if f != output})  # what is there now is not ours
             raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
                               "it failed and removed the folder it had made); run the export again")
         try:
@@ -376,10 +376,10 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     return output
 
 
-def _make_folders(output: Path) -> list[Path]:
+def _make_folders(output: Path) -> dict[Path, tuple[int, int]]:
     """Make ``output`` and its missing parents one level at a time; returns the levels this call made and that are still
-    the folders it made (by device and inode), the deepest first: a level another process made, or removed and made
-    again, is not ours and never removed. A failure part of the way down removes the levels made."""
+    the folders it made, each with its identity (device and inode), the deepest first: a level another process made,
+    or removed and made again, is not ours and never removed. A failure part of the way down removes the levels made."""
     made: dict[Path, tuple[int, int]] = {}
     try:
         for _ in range(_MKDIR_TRIES):
@@ -393,7 +393,7 @@ def _make_folders(output: Path) -> list[Path]:
                                               "choose another path") from None
                         continue  # made by another process since we looked
                     made[folder] = _identity(folder)
-                return _still_ours(made)
+                return {folder: made[folder] for folder in _still_ours(made)}
             except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
                 broken = next((f for f in output.parents if f.is_symlink() and not f.exists()), None)
                 if broken is not None:
@@ -403,7 +403,7 @@ def _make_folders(output: Path) -> list[Path]:
         raise ExportError(f"--output {output}: its parent folders kept being removed while this export made them "
                           "(another process cleaning up); run the export again")
     except BaseException:
-        _remove_made_folders(_still_ours(made))
+        _remove_made_folders(made)
         raise
 
 
@@ -430,11 +430,13 @@ def _still_at(output: Path, held: os.stat_result | None) -> bool:
     return now is not None and (held is None or now == (held.st_dev, held.st_ino))
 
 
-def _remove_made_folders(made: list[Path]) -> None:
-    """Remove the folders an export made (``made``, the deepest first), while empty: nothing else. Called on a failure:
-    a folder that cannot be read or removed stops it, and the failure that called it is the one raised."""
+def _remove_made_folders(made: dict[Path, tuple[int, int]]) -> None:
+    """Remove the folders an export made (``made``: each with the identity it had when made), the deepest first, while
+    empty and still the folder made (a level another process removed and made again since, even while this export
+    wrote, is not ours): nothing else. Called on a failure: a folder that cannot be read or removed stops it, and the
+    failure that called it is the one raised."""
     try:
-        for folder in made:
+        for folder in _still_ours(made):
             if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
                 break
             folder.rmdir()

@@ -789,6 +789,27 @@ def test_an_export_never_removes_a_level_another_process_made_after_it_looked(ti
     assert theirs.is_dir() and list(theirs.iterdir()) == []  # "mine" (this export's) gone; "theirs" kept
 
 
+def test_a_failing_export_leaves_levels_replaced_after_it_held_the_folder(tiny_target, tmp_path, monkeypatch):
+    """The clean-up after a failure while writing removed the levels made, by path: levels another process moved away
+    and made again meanwhile (new, empty folders at the same paths) were removed as this export's own."""
+    import lilicorr_pl.interop as interop
+
+    drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
+    a = tmp_path / "a"
+    out = a / "b"
+
+    def replaced_then_full(*args, **kwargs):
+        a.rename(tmp_path / "gone")  # another process moves this export's levels away, writing and all
+        out.mkdir(parents=True)  # and makes its own at the same paths
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(interop, "save_file", replaced_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(drafter, out)
+    assert out.is_dir() and list(out.iterdir()) == []  # the other process's folders, kept
+    assert (tmp_path / "gone" / "b").is_dir()  # this export's, moved away: not touched
+
+
 def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
     """DraftSystem.from_export (bench --ckpt DIR) built the drafter with the target's MLP width and heads, so a drafter
     exported with its own was refused, naming settings the user never set; a config.json without its sizes was a
