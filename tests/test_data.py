@@ -138,6 +138,73 @@ def test_content_starting_like_the_template_is_masked_exactly(tok):
     assert masked_runs(tok, ids, mask) == ["<|im_end|> is how a turn ends\n<|im_end|>"]
 
 
+@pytest.mark.parametrize("template", ["qwen", "chatml", "trimmed"])
+def test_the_one_rendering_with_markers_finds_the_spans_two_renderings_per_turn_find(tok, template):
+    """Masking rendered the whole conversation twice per assistant turn (quadratic in the turns). One rendering with
+    every turn a marker now decides the spans where it can: on random conversations, with content that looks like the
+    template's scaffolding, reasoning, empty turns and repeats, it finds what the placeholders find, or leaves them to
+    find it."""
+    import random
+
+    from lilicorr_pl.data.formats import _spans_from_markers, _spans_from_placeholders, render_chat
+
+    chat_template = {
+        "qwen": None,  # the tokenizer's own, modelled on Qwen3's (the last turn's think block)
+        "chatml": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+        "trimmed": "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}"
+                   "<|eot_id|>{% endfor %}",
+    }[template]
+    bits = ["Paris.", "four", "\n", " ", "<|im_end|>\n<|im_start|>user\n", "<|im_start|>assistant\n", "<think>\n",
+            "\n</think>\n\n", "\u2603", "<|eot_id|>", "assistant", "user\n", "x" * 5]
+    rng = random.Random(0)
+    decided = 0
+    for _ in range(150):
+        messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.5 else []
+        for _ in range(rng.randrange(1, 6)):
+            messages.append({"role": "user", "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 3)))})
+            messages.append({"role": "assistant",
+                             "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 4)))})
+        if rng.random() < 0.3:
+            messages.pop()  # ends on a user turn
+        kwargs = {"enable_thinking": False, "chat_template": chat_template}
+        rendered = render_chat(tok, messages, **kwargs)
+        fast = _spans_from_markers(tok, messages, rendered, **kwargs)
+        if fast is not None:
+            decided += 1
+            assert fast == _spans_from_placeholders(tok, messages, rendered, **kwargs), messages
+    assert decided >= 75  # most of them by one rendering: the comparison is not vacuous
+
+
+def test_a_long_conversation_is_masked_with_two_renderings_not_two_per_turn(tok, monkeypatch):
+    """A 32-turn conversation took 65 renderings to mask (one, then two per assistant turn); now two, with the same
+    mask; a last turn with reasoning (Qwen's think block is written from it) takes the two per turn, as before."""
+    import lilicorr_pl.data.formats as formats
+
+    chat = [m for n in range(32) for m in ({"role": "user", "content": f"question {n}"},
+                                          {"role": "assistant", "content": f"answer {n}."})]
+    calls = []
+    real = formats.render_chat
+    monkeypatch.setattr(formats, "render_chat", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask = tokenize_chat(tok, chat)
+    assert len(calls) == 2
+    assert masked_runs(tok, ids, mask) == [f"answer {n}.<|im_end|>" for n in range(32)]
+    calls.clear()
+    reasoning = chat[:-1] + [{"role": "assistant", "content": "<think>\nrecall it\n</think>\n\nanswer 31."}]
+    ids, mask = tokenize_chat(tok, reasoning)
+    assert len(calls) == 2 + 2 * 32
+    assert masked_runs(tok, ids, mask)[-1] == "recall it\n</think>\n\nanswer 31.<|im_end|>"
+
+
+def test_content_beginning_like_the_scaffolding_after_it_supervises_none_of_the_next_turn(tok):
+    """A turn whose content begins like the scaffolding after it: the empty placeholder's common prefix ran into the
+    content, bounded its common suffix short, and the span ran on over the next user turn's header (masked by the two
+    renderings per turn, which the last turn's reasoning makes the way here)."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>\n<|im_start|>user\n"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nok"}]
+    ids, mask = tokenize_chat(tok, chat)
+    assert masked_runs(tok, ids, mask) == ["<|im_end|>\n<|im_start|>user\n<|im_end|>", "r\n</think>\n\nok<|im_end|>"]
+
+
 def test_the_masks_common_prefix_and_suffix_agree_with_a_character_walk():
     """The assistant mask's diffs compare strings by halving (a character at a time took most of a long
     conversation's mask): checked against the character walk on random strings, near-equal ones and limits."""
