@@ -10,7 +10,7 @@ import hashlib
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -131,6 +131,7 @@ def run_bench(
     compile_mode: str = "default",
     prompt_tokens: int = 64,
     prompts: Any = None,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Benchmark several selectors on one loaded system; one result dict per temperature.
 
@@ -143,6 +144,7 @@ def run_bench(
     ``compile_mode``: ``torch.compile``'s mode for the compiled heads (``"reduce-overhead"``: in CUDA graphs).
     ``prompt_tokens``: the token budget of each standard-library prefix (the ``stdlib-*`` benchmarks).
     ``prompts``: the benchmark's prompts already read with the target's tokenizer and these settings (None: read here).
+    ``on_run``: called with each temperature's result as it is finished (before the next temperature decodes).
     ``draft_sampling`` sets the T > 0 rule (``"proposal"``, ``"point_mass"``, or ``"both"``: τ under
     the proposal rule, and under the point-mass rule in each selector's ``"point_mass"`` entry).
     """
@@ -275,6 +277,8 @@ def run_bench(
         out["plain_per_prompt_seconds"] = [float(r.total) for r in reference]
         add_intervals(out, seed=seed)
         runs.append(out)
+        if on_run is not None:
+            on_run(out)
     return runs
 
 
@@ -296,7 +300,7 @@ def add_intervals(run: dict[str, Any], seed: int = 0) -> None:
 
 
 def format_table(run: dict[str, Any]) -> str:
-    from lilicorr_pl.decoding.stats import few_prompts_note, interval_text, prompts_counted
+    from lilicorr_pl.decoding.stats import interval_text, rounds_note
 
     rule = run.get("draft_sampling")
     lines = [
@@ -338,8 +342,7 @@ def format_table(run: dict[str, Any]) -> str:
                          + interval_text(r["tps_robust_ci_low"], r["tps_robust_ci_high"], ".3f"))
         if parts:
             lines.append(f"{name:<10} " + ", ".join(parts))
-    counted = prompts_counted([r.get("per_prompt_rounds") for r in run["selectors"].values()])
-    note = few_prompts_note(int(run["num_prompts"]) if counted is None else counted)
+    note = rounds_note([r.get("per_prompt_rounds") for r in run["selectors"].values()], int(run["num_prompts"]))
     if note:
         lines.append(note)
     return "\n".join(lines)
@@ -358,7 +361,11 @@ def plot_path(directory: str | Path, ckpt: str | Path, benchmark: str, temperatu
     ckpt = Path(ckpt)
     # The absolute path, links not followed: a `last.ckpt` link moved to each newer checkpoint keeps its plot.
     key = hashlib.sha256(os.path.abspath(ckpt).encode()).hexdigest()[:8]
-    return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{Path(str(benchmark)).stem}_T{temperature}{decoding}.png"
+    name = str(benchmark)
+    if name.endswith(".jsonl"):  # a prompts file by its name and a hash of its absolute path, as the checkpoint: two
+        # folders' test.jsonl, or a humaneval.jsonl of the user's and the built-in humaneval, never share a plot
+        name = f"{Path(name).stem}-{hashlib.sha256(os.path.abspath(name).encode()).hexdigest()[:8]}"
+    return Path(directory) / f"acceptance_{ckpt.stem}-{key}_{name}_T{temperature}{decoding}.png"
 
 
 def plot_acceptance(run: dict[str, Any], directory: str | Path, ckpt: str | Path) -> Path:
@@ -642,29 +649,44 @@ def bench(
     system.load_target()
     system.to(device)
 
-    try:
-        runs = run_bench(
-            system, benchmark, names, temperatures, num_prompts, max_new_tokens,
-            chat_template=chat, enable_thinking=thinking, seed=seed,
-            timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
-            draft_sampling=draft_sampling, compile=compile, compile_mode=compile_mode,
-            template=template, prompt_tokens=prompt_tokens, prompts=prompts,
-        )
-    except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
-        raise UserInputError(str(err)) from None
-    for run in runs:  # what produced the numbers: the file, its weights' checksum and step, the head's serving options
+    finished: list[dict[str, Any]] = []
+    written = 0  # of them in --output
+
+    def finish(run: dict[str, Any]) -> None:
+        """One temperature's result as it ends: printed, and ``--output`` written with every temperature finished so
+        far (a failure or Ctrl-C at a later temperature lost the finished ones; before the plots, so a plotting
+        failure loses nothing either)."""
+        # What produced the numbers: the file, its weights' checksum and step, the head's serving options.
         run["checkpoint"] = {"path": os.path.abspath(path), "state_sha256": meta.get(CHECKSUM_KEY),
                              "global_step": system.checkpoint_step}
         if served:  # no training checksum: which weights, by their file's digest (a later --overwrite is told apart)
             run["checkpoint"]["weights_sha256"] = weights_digest
         run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
         run["target_dtype"] = str(resolve_dtype(system.target_spec.dtype)).removeprefix("torch.")  # bf16: bfloat16
+        nonlocal written
         print(format_table(run))
-    if output:  # before the plots: a plotting failure must not lose what was measured
-        payload = runs[0] if len(runs) == 1 else {"runs": runs}
-        out = Path(output)
-        write_results_json(out, payload, "bench")
-        print(f"results: {out}")
+        finished.append(run)
+        if output:
+            write_results_json(Path(output), finished[0] if len(temperatures) == 1 else {"runs": finished}, "bench")
+            written = len(finished)
+
+    try:
+        runs = run_bench(
+            system, benchmark, names, temperatures, num_prompts, max_new_tokens,
+            chat_template=chat, enable_thinking=thinking, seed=seed,
+            timing=torch.device(device).type == "cuda",  # without it, CUDA phase times are launch times
+            draft_sampling=draft_sampling, compile=compile, compile_mode=compile_mode,
+            template=template, prompt_tokens=prompt_tokens, prompts=prompts, on_run=finish,
+        )
+    except (ValueError, ImportError) as err:  # prompt loading: bad file, template, missing package
+        raise UserInputError(str(err)) from None
+    except BaseException:
+        if written and written < len(temperatures):
+            print(f"[lilicorr] bench: stopped at T = {temperatures[written]}; the finished temperatures "
+                  f"({', '.join(str(r['temperature']) for r in finished[:written])}) are in {output}", file=sys.stderr)
+        raise
+    if output:
+        print(f"results: {output}")
     if plot:
         for run in runs:
             print(f"plot: {plot_acceptance(run, plot, path)}")

@@ -169,6 +169,48 @@ def test_a_failing_plot_does_not_lose_the_measured_results(tiny_run, tmp_path, m
     assert json.loads(out.read_text())["selectors"]["top1"]["lossless"] is True
 
 
+def test_a_failure_at_a_later_temperature_keeps_the_finished_ones(tiny_run, tmp_path, monkeypatch, capsys):
+    """--output was written once every temperature had decoded: a failure or Ctrl-C while T = 1 decoded lost the
+    finished T = 0 results, table and all."""
+    import lilicorr_pl.decoding.evaluate as evaluate
+
+    _, ckpt = tiny_run
+    out = tmp_path / "results.json"
+    real, calls = evaluate.evaluate_arms, []
+
+    def fails_the_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_arms", fails_the_second_time)
+    prompts = write(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C: the CLI's exit status 130
+        cli_main(["bench", "--ckpt", str(ckpt), "--benchmark", prompts, "--num-prompts", "1", "--max-new-tokens", "4",
+                  "--temperature", "0", "1", "--selectors", "top1", "--chat-template", "no", "--output", str(out)])
+    assert stopped.value.code == 130
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["temperature"] == 0.0 and run["selectors"]["top1"]["lossless"] is True
+    err = capsys.readouterr().err
+    assert f"stopped at T = 1.0; the finished temperatures (0.0) are in {out}" in err
+
+
+def test_two_prompt_files_of_one_name_never_share_a_plot(tmp_path):
+    """A plot was named by the prompts file's stem: a second folder's test.jsonl, or a humaneval.jsonl of the user's,
+    replaced the first's plot or the built-in benchmark's."""
+    from lilicorr_pl.bench import plot_path
+
+    ckpt = tmp_path / "last.ckpt"
+    names = {plot_path(tmp_path, ckpt, b, 0.0).name for b in (
+        str(tmp_path / "a" / "test.jsonl"), str(tmp_path / "b" / "test.jsonl"), "humaneval",
+        str(tmp_path / "humaneval.jsonl"))}
+    assert len(names) == 4
+    assert plot_path(tmp_path, ckpt, "humaneval", 0.0).name.endswith("_humaneval_T0.0.png")  # a built-in by its name
+    assert plot_path(tmp_path, ckpt, "a/test.jsonl", 0.0) == plot_path(tmp_path, ckpt, str(Path("a/test.jsonl").resolve()),
+                                                                        0.0)  # one file, relative or absolute
+
+
 def test_bench_prompts_jsonl_through_the_cli_at_two_temperatures(tiny_run, tmp_path, capsys):
     _, ckpt = tiny_run
     prompts = tmp_path / "prompts.jsonl"

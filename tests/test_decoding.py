@@ -862,3 +862,18 @@ def test_the_lattice_oracle_knows_the_targets_tokens_past_the_budget_and_a_stop(
     out = evaluate_oracle(SimpleNamespace(target=target, drafter=drafter), SimpleNamespace(input_ids=prompts),
                           reference, 18, target.output_rows)
     assert out["per_prompt_tau"] == [5.0, 5.0, 5.0] and out["tau"] == 5.0
+
+
+def test_a_ranks_recorded_examples_are_named_by_their_index_in_the_whole_set(target):
+    """With the prompts split over ranks (AcceptanceEval gives rank r the prompts r, r + W, …), each recorded
+    example's prompt_index was its place in the rank's share: rank 1's prompts 1 and 3 were named 0 and 1."""
+    from lilicorr_pl.decoding.benchmarks import PromptSet
+    from lilicorr_pl.decoding.evaluate import evaluate_arm
+
+    ids = random_prompts(target.output_rows, 4, seed=3)
+    texts = [f"prompt {i}" for i in range(4)]
+    world, rank = 2, 1
+    share = PromptSet("random", ids[rank::world], texts[rank::world], False, False)
+    r = evaluate_arm(target, real_drafter(target, block_size=4), Top1Selector(), share, 6, record_examples=2,
+                     stop_token_ids=[], prompt_indices=range(rank, 4, world))
+    assert [(ex["prompt"], ex["prompt_index"]) for ex in r.examples] == [("prompt 1", 1), ("prompt 3", 3)]

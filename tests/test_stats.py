@@ -151,6 +151,18 @@ def test_one_prompt_gives_no_interval_rather_than_a_zero_width_one():
     assert few_prompts_note(10) == ""
 
 
+def test_no_prompt_with_a_round_is_said_so_not_called_one_prompt():
+    """With no verify round on any prompt (a budget of one token), bench's table said "one prompt with rounds: ...
+    decode 20 or more" under 20 prompts decoded; the demo's said nothing. Both read the rounds through one helper."""
+    from lilicorr_pl.decoding.stats import FEW_PROMPTS, rounds_note
+
+    assert rounds_note([[0] * 20, [0] * 20], 20).startswith("no prompt had a verify round")
+    assert rounds_note([[0] * 20, None], FEW_PROMPTS).startswith("no prompt had a verify round")
+    assert rounds_note([[1] * 20, [2, 0, 0, 0] * 5], 20).startswith("intervals over 5 prompts")  # the fewest that count
+    assert rounds_note([[1] * 20], 20) == ""
+    assert rounds_note([None], 3).startswith("intervals over 3 prompts") and rounds_note([], FEW_PROMPTS) == ""
+
+
 def test_one_prompt_that_counts_gives_no_interval_either_and_the_demo_shows_the_value_without_one(tmp_path):
     """Prompts with no round in either arm add nothing to a resample: over one prompt that counts the interval was
     zero-width too. The demo's Markdown table and ratio plot show such a ratio without an interval (they blanked it)."""

@@ -213,7 +213,8 @@ def evaluate_arm(
         )
         for i, (ids, j) in enumerate(zip(prompts.input_ids, indices))
     ]
-    return _arm_result(results, prompts, drafter.num_slots, temperature, draft_sampling, reference, record_examples)
+    return _arm_result(results, prompts, drafter.num_slots, temperature, draft_sampling, reference, record_examples,
+                       indices)
 
 
 def evaluate_arms(
@@ -312,8 +313,10 @@ def _arm_result(
     draft_sampling: DraftSamplingRule,
     reference: Sequence[GenerationResult] | None,
     record_examples: int = 0,
+    prompt_indices: Sequence[int] | None = None,
 ) -> ArmResult:
-    """Pool one arm's per-prompt results (in prompt order) into its :class:`ArmResult`."""
+    """Pool one arm's per-prompt results (in prompt order) into its :class:`ArmResult` (``prompt_indices``: each
+    prompt's index in the whole set, where ``prompts`` is one rank's share; its examples are named by it)."""
     # Process-local: callers that shard prompts over ranks sum the histograms themselves.
     metric = AcceptanceMetrics(num_slots=num_slots, sync_on_compute=False)
     metric.update([], 0, 0.0)  # defined (NaN) statistics even for an empty prompt slice
@@ -355,8 +358,8 @@ def _arm_result(
         slot1_later_rounds=sum(acc > 0 for acc in later) / len(later) if later else math.nan,
         per_prompt_tokens=[len(r.tokens) for r in results],
         per_prompt_seconds=[float(r.total) for r in results],
-        examples=[{"prompt": prompts.texts[i][-200:], "prompt_index": i, "rounds": r.rounds}
-                  for i, r in enumerate(results[:max(record_examples, 0)])],
+        examples=[{"prompt": prompts.texts[i][-200:], "prompt_index": i if prompt_indices is None else prompt_indices[i],
+                   "rounds": r.rounds} for i, r in enumerate(results[:max(record_examples, 0)])],
         round_ms=round_ms,
         draft_ms=per_round_ms(draft),
         head_ms=per_round_ms(head),

@@ -35,10 +35,21 @@ def prompts_counted(per_prompt_rounds: Sequence[Sequence[float]]) -> int | None:
     return min(counts) if counts else None
 
 
+def rounds_note(per_prompt_rounds: Sequence[Sequence[float] | None], otherwise: int) -> str:
+    """The line under a table of arms (each arm's per-prompt rounds, None where a row has none): by the fewest prompts
+    with a round (:func:`few_prompts_note`), or by ``otherwise`` where no arm says (the prompts decoded; rows of an
+    older JSON)."""
+    counted = prompts_counted(per_prompt_rounds)
+    return few_prompts_note(otherwise if counted is None else counted)
+
+
 def few_prompts_note(num_prompts: int) -> str:
     """A line under results whose intervals are over few prompts ("" from :data:`FEW_PROMPTS` on)."""
     if num_prompts >= FEW_PROMPTS:
         return ""
+    if num_prompts == 0:
+        return ("no prompt had a verify round (each output ended at its prefill token): no τ or τ interval to read; "
+                "raise the token budget")
     if num_prompts < 2:
         return ("one prompt with rounds: no interval (a bootstrap over one prompt resamples only it); decode 20 or "
                 "more for intervals")

@@ -893,9 +893,9 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, about: dict[str, str] | 
 
 def _few_prompts_note(rows: list[dict[str, Any]]) -> str:
     """The line under the tables where their intervals are over few prompts with rounds ("" where none is owed)."""
-    from lilicorr_pl.decoding.stats import FEW_PROMPTS, few_prompts_note, prompts_counted
+    from lilicorr_pl.decoding.stats import FEW_PROMPTS, rounds_note
 
-    return few_prompts_note(prompts_counted([r.get("per_prompt_rounds") for r in rows]) or FEW_PROMPTS)
+    return rounds_note([r.get("per_prompt_rounds") for r in rows], FEW_PROMPTS)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
