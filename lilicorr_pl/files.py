@@ -25,12 +25,15 @@ from typing import IO, Any, Callable, Iterable, Iterator
 
 def cache_root() -> Path:
     """``$LILICORR_CACHE``, else ``$XDG_CACHE_HOME/lilicorr_pl``, else ``~/.cache/lilicorr_pl``: built targets,
-    built-in data files, file digests."""
+    built-in data files, file digests. Absolute, a relative setting taken from the working folder: a path into it is
+    handed to processes that run elsewhere (the demo's stages, each in its run folder) and recorded in checkpoints."""
     if os.environ.get("LILICORR_CACHE"):
-        return Path(os.environ["LILICORR_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lilicorr_pl"
-    return Path.home() / ".cache" / "lilicorr_pl"
+        root = Path(os.environ["LILICORR_CACHE"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lilicorr_pl"
+    else:
+        root = Path.home() / ".cache" / "lilicorr_pl"
+    return Path(os.path.abspath(root))
 
 
 def file_state(path: str | os.PathLike) -> tuple[int, int, int, int]:

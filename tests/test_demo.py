@@ -1233,3 +1233,45 @@ def test_the_demo_reads_no_small_targets_last_layer(tmp_path, layers, ids):
                 num_key_value_heads=1, head_dim=8, vocab_size=64, max_position_embeddings=512).save_pretrained(tmp_path)
     said = [o for o in target_overrides(str(tmp_path)) if o.startswith("--model.target.layer_ids=")]
     assert said == ([f"--model.target.layer_ids=[{', '.join(map(str, ids))}]"] if ids else [])
+
+
+def test_regenerated_records_a_killed_run_appended_before_sealing_them_are_the_demos_own(tmp_path):
+    """A run killed after regenerating a record (appended to the data file) and before sealing the file left bytes
+    past the seal; the next run, with nothing left to regenerate, refused the demo's own data as an edit."""
+    from lilicorr_pl.checkpoint import UserInputError
+    from lilicorr_pl.demo.run import check_before_regenerating, check_regenerated, file_digest
+
+    record, data = tmp_path / "data.json", tmp_path / "regenerated.jsonl"
+    data.write_text('{"id": "train-0"}\n{"id": "train-1"}\n')
+    check_regenerated(record, data, "key", regenerated_now=True)  # a first run, one record failed: sealed without it
+    with open(data, "a") as fh:  # the rerun regenerates it, and is killed before sealing
+        fh.write('{"id": "train-2"}\n')
+    check_before_regenerating(record, data, "key")  # the sealed part is as sealed
+    assert check_regenerated(record, data, "key", regenerated_now=False) == file_digest(data)  # nothing new: sealed
+    assert json.loads(record.read_text())["bytes"] == data.stat().st_size
+    data.write_text('{"id": "train-1"}\n{"id": "train-0"}\n{"id": "train-2"}\n')  # an edit of sealed records: refused
+    with pytest.raises(UserInputError, match="is not the file it regenerated"):
+        check_before_regenerating(record, data, "key")
+    with pytest.raises(UserInputError, match="is not the file it regenerated"):
+        check_regenerated(record, data, "key", regenerated_now=False)
+
+
+@pytest.mark.parametrize("folder", ["w a, b", "run #2"])
+def test_a_workdir_with_a_comma_or_a_hash_reaches_a_stage_as_one_data_file(tmp_path, monkeypatch, folder):
+    """The data file was pasted into the stage's --data.train_files=[...] unquoted: a workdir holding ", " was read as
+    two files and one holding " #" as a comment, and every stage failed after the data had been regenerated."""
+    from jsonargparse import ArgumentParser
+
+    import lilicorr_pl.lightning_cli as lightning_cli
+    from lilicorr_pl.demo import run as demo_run
+
+    seen = []
+    monkeypatch.setattr(lightning_cli, "run_lightning", lambda args, **kwargs: seen.append(args))
+    monkeypatch.setattr(demo_run, "target_overrides", lambda target_dir: [])
+    workdir = tmp_path / folder
+    data_file = workdir / "data" / "k" / "regenerated.jsonl"
+    demo_run.fit("dflash-k", ["base.yaml"], [], workdir, 2, 0, str(tmp_path / "target"), data_file)
+    (value,) = [a.split("=", 1)[1] for a in seen[0] if a.startswith("--data.train_files=")]
+    parser = ArgumentParser(parser_mode="omegaconf")  # the mode lilicorr's parser reads options in
+    parser.add_argument("--data.train_files", type=list[str])
+    assert parser.parse_args([f"--data.train_files={value}"]).data.train_files == [str(data_file)]

@@ -383,3 +383,16 @@ def test_a_damaged_builtin_data_file_is_written_again_not_trained_on(tmp_path, m
                                              r"builtin:stdlib-train:40; move it out of the cache folder"):
         builtin.resolve_data_file("builtin:stdlib-train:40")
     assert shared.read_text() == '{"text": "my own"}\n' and data.is_symlink()
+
+
+def test_a_relative_cache_setting_is_taken_from_the_working_folder_once(tmp_path, monkeypatch):
+    """A relative LILICORR_CACHE gave relative target paths, which the demo's stages (each run in its run folder) and
+    the checkpoints recording them read elsewhere: every --jobs 2 stage failed."""
+    from lilicorr_pl.files import cache_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LILICORR_CACHE", "cache")
+    assert cache_root() == tmp_path / "cache" and cache_root().is_absolute()
+    monkeypatch.delenv("LILICORR_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", "xdg")
+    assert cache_root() == tmp_path / "xdg" / "lilicorr_pl"

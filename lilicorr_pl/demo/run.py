@@ -318,7 +318,8 @@ def fit(name: str, configs: list[str], extra: list[str], workdir: Path, steps: i
     args += [
         f"--seed_everything={seed}",
         f"--model.target.name_or_path={target_dir}",
-        f"--data.train_files=[{data_file}]",
+        # A JSON list: a path holding ", " or " #" pasted into [...] was read as two files, or cut at a comment.
+        f"--data.train_files={json.dumps([str(data_file)])}",
         # The stores by the code too, as every stage key is: a stage retrained after an upgrade read the stores the
         # old code wrote (their keys hold the data, the target and the store format, not the code that computes them).
         f"--data.cache_dir={workdir / 'cache' / code_fingerprint()}",
@@ -409,12 +410,17 @@ def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: 
     """Refuse regenerated data changed since the demo wrote it (``regenerate`` resumes by record index, so an edited
     file counted as "already done" and every stage trained on it, its results published as the target's): the
     file's checksum is sealed in ``record`` after each regeneration that wrote to it, and checked on every rerun.
-    Returns that checksum (the shared stage's key holds it)."""
+    Returns that checksum (the shared stage's key holds it). Bytes after the sealed ones, whose sealed part
+    :func:`check_before_regenerating` checked before this run regenerated, are a regeneration's appends, sealed now: a
+    run killed after regenerating a record and before sealing it left them, and the next run, with nothing left to
+    regenerate, refused the demo's own records as an edit."""
     digest = file_digest(data_file)
     previous = _previous_meta(record, key)
-    if previous is not None and not regenerated_now and previous.get("data_file") != digest:
+    sealed = previous.get("bytes") if previous is not None else None
+    appended = isinstance(sealed, int) and data_file.stat().st_size > sealed
+    if previous is not None and not (regenerated_now or appended) and previous.get("data_file") != digest:
         raise UserInputError(_not_regenerated(data_file))
-    if previous is None or regenerated_now:
+    if previous is None or regenerated_now or appended:
         _write_json(record, {"key": key, "data_file": digest, "bytes": data_file.stat().st_size})
     return digest
 
