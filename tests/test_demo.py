@@ -1244,11 +1244,22 @@ def test_regenerated_records_a_killed_run_appended_before_sealing_them_are_the_d
     record, data = tmp_path / "data.json", tmp_path / "regenerated.jsonl"
     data.write_text('{"id": "train-0"}\n{"id": "train-1"}\n')
     check_regenerated(record, data, "key", regenerated_now=True)  # a first run, one record failed: sealed without it
-    with open(data, "a") as fh:  # the rerun regenerates it, and is killed before sealing
+    assert check_before_regenerating(record, data, "key") is False  # the rerun: the run before it ended
+    with open(data, "a") as fh:  # it regenerates the record, and is killed before sealing
         fh.write('{"id": "train-2"}\n')
-    check_before_regenerating(record, data, "key")  # the sealed part is as sealed
-    assert check_regenerated(record, data, "key", regenerated_now=False) == file_digest(data)  # nothing new: sealed
-    assert json.loads(record.read_text())["bytes"] == data.stat().st_size
+    assert check_before_regenerating(record, data, "key") is True  # the sealed part is as sealed; that run was killed
+    assert check_regenerated(record, data, "key", regenerated_now=False, after_a_kill=True) == file_digest(data)
+    sealed = json.loads(record.read_text())
+    assert sealed["bytes"] == data.stat().st_size and "regenerating" not in sealed
+    # A record added by hand past the seal of a run that ended looks the same, and is refused: it counted as done.
+    with open(data, "a") as fh:
+        fh.write('{"id": "train-3"}\n')
+    assert check_before_regenerating(record, data, "key") is False
+    for _ in range(2):  # and again on the next run (the refused run's mark taken off: it was no kill)
+        with pytest.raises(UserInputError, match="is not the file it regenerated"):
+            check_regenerated(record, data, "key", regenerated_now=False, after_a_kill=False)
+        assert check_before_regenerating(record, data, "key") is False
+    data.write_text(data.read_text().rsplit('{"id": "train-3"}', 1)[0])
     data.write_text('{"id": "train-1"}\n{"id": "train-0"}\n{"id": "train-2"}\n')  # an edit of sealed records: refused
     with pytest.raises(UserInputError, match="is not the file it regenerated"):
         check_before_regenerating(record, data, "key")
@@ -1275,3 +1286,13 @@ def test_a_workdir_with_a_comma_or_a_hash_reaches_a_stage_as_one_data_file(tmp_p
     parser = ArgumentParser(parser_mode="omegaconf")  # the mode lilicorr's parser reads options in
     parser.add_argument("--data.train_files", type=list[str])
     assert parser.parse_args([f"--data.train_files={value}"]).data.train_files == [str(data_file)]
+
+
+def test_the_demos_background_stages_read_the_cache_by_its_absolute_path(tmp_path, monkeypatch):
+    """A relative LILICORR_CACHE reached each stage's process as it was, read there against its run folder: each stage
+    kept its file-digest memos under runs/<stage>/<relative path>."""
+    from lilicorr_pl.demo.run import Background
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LILICORR_CACHE", "cache")
+    assert Background(1)._env["LILICORR_CACHE"] == str(tmp_path / "cache")

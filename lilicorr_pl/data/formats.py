@@ -25,9 +25,9 @@ not), so rendering prefixes and diffing is fragile. Instead, for each assistant 
 whole conversation twice more with that turn replaced by a bare assistant message holding one of two
 different placeholders; the characters where the real rendering differs from both are exactly where the
 template placed that turn's content, tool calls and reasoning (whatever it did to them: stripping, moving
-the reasoning into a think block, dropping the reasoning of old turns). A placeholder that renders the same
-text as the turn itself (an empty turn and the empty placeholder) tells nothing and is left out, so an empty
-turn supervises nothing (it supervised everything after it: the tool's output, the next role headers).
+the reasoning into a think block, dropping the reasoning of old turns). An empty turn supervises nothing (it
+supervised everything after it: the tool's output, the next role headers), and a placeholder that renders the same
+text as the turn itself tells nothing and is left out.
 Tokens that *start* inside that span are supervised, plus the special token the template closes the turn
 with (``<|im_end|>``, ``<|eot_id|>``): the drafter must learn to predict the end of a turn. The template's
 own scaffolding (role headers, the empty think block) is never supervised.
@@ -36,9 +36,14 @@ Two renderings per assistant turn are quadratic in the turns (a 64-turn conversa
 mask). So first every assistant turn is replaced at once by a bare message holding a marker of its own, and the
 conversation rendered once: where the template writes each marker once, in order, the text between the markers is its
 scaffolding, and where the real rendering splits into that scaffolding and one stretch per turn in exactly one way,
-those stretches are the turns' spans, as the two placeholders would find them (one rendering in all, linear in the
-turns: a 64-turn conversation of 35 k tokens masks in 0.036 s against 0.27 s). A template that writes a turn's scaffolding by what its content holds (Qwen's think block for the last turn's
-reasoning), or writes a turn twice, or no split or more than one: the two renderings per turn, as before.
+those stretches are the turns' spans (one rendering in all, linear in the turns: a 64-turn conversation of 35 k tokens
+masks in 0.036 s against 0.27 s). Where the template writes each turn on its own, these are the spans the two
+placeholders find (neither placeholder is empty, as no marker is, so scaffolding written only around content that is
+not empty is scaffolding to both). Where what it writes for one turn hangs on another (a banner before the first
+tool call only, a prefix from the turn before), the placeholders' spans run on across the turns between, the user's
+included, and the markers' do not. A template that writes a turn's scaffolding by what its content holds (Qwen's think
+block for the last turn's reasoning), or writes a turn twice, or no split or more than one: the two renderings per
+turn.
 
 An OpenAI message's ``tool_calls``, ``tool_call_id``, ``name`` and ``reasoning_content`` reach the template
 with its role and content (they were dropped, so a tool-calling conversation trained on a text the target
@@ -441,7 +446,10 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
     return lo
 
 
-_PLACEHOLDERS = ("", "\u2603\u2603")  # differ at their first character from each other and from EOT
+# Differ from each other at their first and last characters. Neither is empty: a template that writes scaffolding only
+# around content that is not empty (GLM's "\n" before an answer) wrote it for neither, as for a marker (the same
+# answer masked alike by either way here).
+_PLACEHOLDERS = ("\u2603\u2603", "\ue002\ue002")
 
 
 #: Each assistant turn's marker in the one rendering of them all: private-use characters around its index.
@@ -533,7 +541,7 @@ def _spans_from_placeholders(tokenizer: Any, messages: list[dict[str, str]], ren
                   for alt in alts)
         if end > start:
             spans.append((start, end))
-    return spans
+    return sorted(spans)  # in the rendering's order: a template may write the turns in another (tokenize_chat walks it)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

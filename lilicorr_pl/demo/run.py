@@ -52,7 +52,7 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveInt
 from lilicorr_pl.allocator import policy as malloc_policy
 from lilicorr_pl.checkpoint import StoppedBySignal, UserInputError, stop_on_sigterm
 from lilicorr_pl.command import shipped_configs
-from lilicorr_pl.files import InUseError, atomic_file, check_plot_files, hold_alone, save_figure
+from lilicorr_pl.files import InUseError, atomic_file, cache_root, check_plot_files, hold_alone, save_figure
 from lilicorr_pl.progress import progress_bar
 
 CONFIG_DIR = shipped_configs()  # the configs/ shipped inside the package (also in an installed wheel)
@@ -406,39 +406,48 @@ def data_stage_key(target_dir: str, cfg: Mapping[str, Any], seed: int,
                      prefix_tokens=cfg["prefix_tokens"], new_tokens=cfg["new_tokens"], seed=seed, **precision)
 
 
-def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool) -> str:
+def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: bool,
+                      after_a_kill: bool = False) -> str:
     """Refuse regenerated data changed since the demo wrote it (``regenerate`` resumes by record index, so an edited
     file counted as "already done" and every stage trained on it, its results published as the target's): the
     file's checksum is sealed in ``record`` after each regeneration that wrote to it, and checked on every rerun.
-    Returns that checksum (the shared stage's key holds it). Bytes after the sealed ones, whose sealed part
-    :func:`check_before_regenerating` checked before this run regenerated, are a regeneration's appends, sealed now: a
-    run killed after regenerating a record and before sealing it left them, and the next run, with nothing left to
-    regenerate, refused the demo's own records as an edit."""
+    Returns that checksum (the shared stage's key holds it). ``after_a_kill`` (from :func:`check_before_regenerating`:
+    the run before this one was stopped while it regenerated): bytes after the sealed ones, whose sealed part was
+    checked before this run regenerated, are that regeneration's appends, sealed now (the next run, with nothing left
+    to regenerate, refused the demo's own records as an edit). Bytes past the seal of a run that ended are refused:
+    records added by hand counted as regenerated."""
     digest = file_digest(data_file)
     previous = _previous_meta(record, key)
     sealed = previous.get("bytes") if previous is not None else None
-    appended = isinstance(sealed, int) and data_file.stat().st_size > sealed
+    appended = after_a_kill and isinstance(sealed, int) and data_file.stat().st_size > sealed
     if previous is not None and not (regenerated_now or appended) and previous.get("data_file") != digest:
+        if previous.get("regenerating") is True:  # this run's mark, taken off: the next run is not "after a kill"
+            _write_json(record, {k: v for k, v in previous.items() if k not in (SEAL_KEY, "regenerating")})
         raise UserInputError(_not_regenerated(data_file))
     if previous is None or regenerated_now or appended:
         _write_json(record, {"key": key, "data_file": digest, "bytes": data_file.stat().st_size})
     return digest
 
 
-def check_before_regenerating(record: Path, data_file: Path, key: str) -> None:
+def check_before_regenerating(record: Path, data_file: Path, key: str) -> bool:
     """The sealed part of the regenerated data (:func:`check_regenerated`), checked before a regeneration appends to
     it: a rerun that regenerated a missing record sealed the file whole, an edit of the records before it included (a
     hand-edited record was trained on and sealed as regenerated). An interrupted regeneration appends after the
-    sealed bytes, which stay as sealed."""
+    sealed bytes, which stay as sealed. Returns whether the run before this one was stopped while it regenerated (its
+    appends not sealed), and marks this one as regenerating until :func:`check_regenerated` seals the file."""
     previous = _previous_meta(record, key)
     sealed = previous.get("bytes") if previous is not None else None  # seals of earlier versions hold no size
     if not isinstance(sealed, int) or not data_file.is_file():
-        return
+        return False
     digest = hashlib.sha256()
     with open(data_file, "rb") as fh:
         digest.update(fh.read(sealed))
     if data_file.stat().st_size < sealed or digest.hexdigest()[:16] != previous.get("data_file"):
         raise UserInputError(_not_regenerated(data_file))
+    killed = previous.get("regenerating") is True
+    if not killed:
+        _write_json(record, {**{k: v for k, v in previous.items() if k != SEAL_KEY}, "regenerating": True})
+    return killed
 
 
 def _not_regenerated(data_file: Path) -> str:
@@ -647,7 +656,9 @@ class Background:
 
         self.slots = slots
         self.running: dict[str, _Process] = {}
-        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # The cache by its absolute path: a relative LILICORR_CACHE was read again in each stage's own folder.
+        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                     "LILICORR_CACHE": str(cache_root())}
         # SIGTERM unwinds like Ctrl-C while stages run: every `finally` runs and no stage is left behind.
         self._sigterm = stop_on_sigterm()
 
@@ -1155,7 +1166,7 @@ def demo(
                 raise UserInputError(f"{err} (the demo's --prompts {cfg['prompts']}, --docstring-prompts "
                                      f"{cfg['docstring_prompts']}: lower them)") from None
         # Batches of 64: the same tokens as batches of 16 (checked on 128 prompts) in 0.55x the time on 2 CPU cores.
-        check_before_regenerating(data_dir / "data.json", data_file, data_key)
+        after_a_kill = check_before_regenerating(data_dir / "data.json", data_file, data_key)
         try:
             with stop_on_sigterm():  # a SIGTERM here ended the demo without a word (exit 143)
                 stats = regenerate(target_dir, prompts_file, data_file, max_new_tokens=cfg["new_tokens"],
@@ -1164,7 +1175,7 @@ def demo(
             raise UserInputError(f"the demo's training data: {err}") from None
         log(f"   regeneration: {stats.succeeded} new, {stats.skipped} already done, {stats.failed} failed ({data_dir})")
         data_digest = check_regenerated(data_dir / "data.json", data_file, data_key,
-                                        regenerated_now=stats.succeeded > 0)
+                                        regenerated_now=stats.succeeded > 0, after_a_kill=after_a_kill)
         timings["regenerate"] = time.time() - t0
 
         log(f"3/4 training: a shared DFlash stage of {cfg['base_steps']} steps, then each arm: {cfg['steps']} steps "
