@@ -359,10 +359,9 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     output = check_output_dir(output, overwrite)
     # What is written, and its checks (weights that are not finite), before any folder is made.
     cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
-    created = _make_folders(output)
     # One export at a time into a folder: two at once would each publish their two files, and the folder could end
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
-    with _held_alone(output) as held:  # refused: the folder is another export's now, and stays
+    with _folders_made(output) as created, _held_alone(output) as held:  # refused: the folder is another export's
         if not _still_at(output, held):  # another export that failed into it removed it, as one it had made
             _remove_made_folders({f: i for f, i in created.items() if f != output})  # what is there now is not ours
             raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
@@ -376,10 +375,24 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     return output
 
 
-def _make_folders(output: Path) -> dict[Path, tuple[int, int]]:
+@contextlib.contextmanager
+def _folders_made(output: Path) -> Iterator[dict[Path, tuple[int, int]]]:
+    """:func:`_make_folders`, each level made held open while the block runs: a folder removed meanwhile keeps its
+    inode number to itself, so one made again at its path (which a file system may give the freed number) is never
+    taken for it."""
+    opened: list[int] = []
+    try:
+        yield _make_folders(output, opened)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _make_folders(output: Path, opened: list[int] | None = None) -> dict[Path, tuple[int, int]]:
     """Make ``output`` and its missing parents one level at a time; returns the levels this call made and that are still
     the folders it made, each with its identity (device and inode), the deepest first: a level another process made,
-    or removed and made again, is not ours and never removed. A failure part of the way down removes the levels made."""
+    or removed and made again, is not ours and never removed. A failure part of the way down removes the levels made.
+    ``opened``: a descriptor of each level made is added to it, for the caller to close (:func:`_folders_made`)."""
     made: dict[Path, tuple[int, int]] = {}
     try:
         for _ in range(_MKDIR_TRIES):
@@ -393,6 +406,8 @@ def _make_folders(output: Path) -> dict[Path, tuple[int, int]]:
                                               "choose another path") from None
                         continue  # made by another process since we looked
                     made[folder] = _identity(folder)
+                    if opened is not None:
+                        _hold_open(folder, opened)
                 return {folder: made[folder] for folder in _still_ours(made)}
             except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
                 broken = next((f for f in output.parents if f.is_symlink() and not f.exists()), None)
@@ -405,6 +420,14 @@ def _make_folders(output: Path) -> dict[Path, tuple[int, int]]:
     except BaseException:
         _remove_made_folders(made)
         raise
+
+
+def _hold_open(folder: Path, opened: list[int]) -> None:
+    """A descriptor of ``folder`` added to ``opened`` (nothing where the system cannot open a folder)."""
+    try:
+        opened.append(os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+    except OSError:
+        pass
 
 
 def _identity(folder: Path) -> tuple[int, int] | None:

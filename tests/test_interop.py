@@ -810,6 +810,24 @@ def test_a_failing_export_leaves_levels_replaced_after_it_held_the_folder(tiny_t
     assert (tmp_path / "gone" / "b").is_dir()  # this export's, moved away: not touched
 
 
+def test_levels_removed_and_made_again_under_their_old_inode_numbers_are_not_the_exports(tmp_path):
+    """A folder removed frees its inode number, which a file system (ext4) gives the next folder made: levels another
+    process removed and made again at the same paths had the identities the export recorded, and its clean-up removed
+    them as its own. Held open while the export runs, the removed levels keep their numbers."""
+    import shutil
+
+    from lilicorr_pl.interop import _folders_made, _remove_made_folders
+
+    a = tmp_path / "a"
+    out = a / "b"
+    with _folders_made(out) as made:
+        assert set(made) == {a, out}
+        shutil.rmtree(a)  # another process removes the levels
+        out.mkdir(parents=True)  # and makes its own at the same paths
+        _remove_made_folders(made)  # the export's clean-up after a failure
+    assert out.is_dir()  # the other process's folders, kept
+
+
 def test_a_served_directory_is_rebuilt_with_its_own_widths_and_a_config_lacking_sizes_is_one_line(tmp_path, monkeypatch):
     """DraftSystem.from_export (bench --ckpt DIR) built the drafter with the target's MLP width and heads, so a drafter
     exported with its own was refused, naming settings the user never set; a config.json without its sizes was a
