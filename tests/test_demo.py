@@ -1251,6 +1251,10 @@ def test_regenerated_records_a_killed_run_appended_before_sealing_them_are_the_d
     assert check_regenerated(record, data, "key", regenerated_now=False, after_a_kill=True) == file_digest(data)
     sealed = json.loads(record.read_text())
     assert sealed["bytes"] == data.stat().st_size and "regenerating" not in sealed
+    # A rerun with nothing to regenerate takes its mark off: the run after it was not stopped while regenerating.
+    assert check_before_regenerating(record, data, "key") is False
+    check_regenerated(record, data, "key", regenerated_now=False, after_a_kill=False)
+    assert "regenerating" not in json.loads(record.read_text())
     # A record added by hand past the seal of a run that ended looks the same, and is refused: it counted as done.
     with open(data, "a") as fh:
         fh.write('{"id": "train-3"}\n')

@@ -424,7 +424,7 @@ def check_regenerated(record: Path, data_file: Path, key: str, regenerated_now: 
         if previous.get("regenerating") is True:  # this run's mark, taken off: the next run is not "after a kill"
             _write_json(record, {k: v for k, v in previous.items() if k not in (SEAL_KEY, "regenerating")})
         raise UserInputError(_not_regenerated(data_file))
-    if previous is None or regenerated_now or appended:
+    if previous is None or regenerated_now or appended or previous.get("regenerating") is True:  # the mark off too
         _write_json(record, {"key": key, "data_file": digest, "bytes": data_file.stat().st_size})
     return digest
 
