@@ -656,6 +656,7 @@ def bench(
         """One temperature's result as it ends: printed, and ``--output`` written with every temperature finished so
         far (a failure or Ctrl-C at a later temperature lost the finished ones; before the plots, so a plotting
         failure loses nothing either)."""
+        nonlocal written
         # What produced the numbers: the file, its weights' checksum and step, the head's serving options.
         run["checkpoint"] = {"path": os.path.abspath(path), "state_sha256": meta.get(CHECKSUM_KEY),
                              "global_step": system.checkpoint_step}
@@ -663,7 +664,6 @@ def bench(
             run["checkpoint"]["weights_sha256"] = weights_digest
         run["serve_options"] = {"lattice_k": lattice_k, "walk": walk}
         run["target_dtype"] = str(resolve_dtype(system.target_spec.dtype)).removeprefix("torch.")  # bf16: bfloat16
-        nonlocal written
         print(format_table(run))
         finished.append(run)
         if output:

@@ -388,7 +388,7 @@ def _folders_made(output: Path) -> Iterator[dict[Path, tuple[int, int]]]:
             os.close(fd)
 
 
-def _make_folders(output: Path, opened: list[int] | None = None) -> dict[Path, tuple[int, int]]:
+def _make_folders(output: Path, opened: list[int]) -> dict[Path, tuple[int, int]]:
     """Make ``output`` and its missing parents one level at a time; returns the levels this call made and that are still
     the folders it made, each with its identity (device and inode), the deepest first: a level another process made,
     or removed and made again, is not ours and never removed. A failure part of the way down removes the levels made.
@@ -406,8 +406,7 @@ def _make_folders(output: Path, opened: list[int] | None = None) -> dict[Path, t
                                               "choose another path") from None
                         continue  # made by another process since we looked
                     made[folder] = _identity(folder)
-                    if opened is not None:
-                        _hold_open(folder, opened)
+                    _hold_open(folder, opened)
                 return {folder: made[folder] for folder in _still_ours(made)}
             except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
                 broken = next((f for f in output.parents if f.is_symlink() and not f.exists()), None)
