@@ -636,7 +636,7 @@ def bench(
     prompts = None
     try:
         tokenizer = tokenizer_of(str(system.target_path), "--target", system.target_spec.trust_remote_code,
-                                 required=False)
+                                 required=False, load_kwargs=system.target_spec.load_kwargs)
     except Exception:  # noqa: BLE001 - a hub name not on this machine, a package it needs: the load says so below
         tokenizer = None
     if tokenizer is not None:

@@ -7,7 +7,8 @@ goes through :func:`read_checkpoint`:
   ``__reduce__`` could run anything) is refused before it is built;
 - a SHA-256 of the trainable state recorded at save time is checked, and another of the records (hyper-parameters,
   data settings, the training record), so a flipped byte is refused instead of being benchmarked, exported or
-  trained on;
+  trained on; a resumed fit also checks a third, of the training state it restores (the optimizer's moments, the
+  loops', callbacks' and data loader's positions, the random streams);
 - every name a checkpoint gives that jsonargparse would import (``class_path`` of drafter, head, losses, optimizer,
   scheduler, and any other dotted name in their options) must live in trusted packages: naming a module makes
   jsonargparse import it, which runs its code;
@@ -131,6 +132,73 @@ def record_checksum(checkpoint: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+TRAINING_CHECKSUM_KEY = "training_state_sha256"
+# Besides the weights and records: the Lightning version that wrote the file, which Lightning's migration of an older
+# checkpoint rewrites in memory (noting the old one under the legacy key).
+_LEGACY_VERSION = "legacy_pytorch-lightning_version"
+_NOT_TRAINING_STATE = frozenset({"state_dict", *_RECORDS, "pytorch-lightning_version", _LEGACY_VERSION})
+
+
+def training_state_checksum(checkpoint: Mapping[str, Any]) -> str:
+    """SHA-256 over what a resumed fit restores besides the weights and the records: every other entry of the
+    checkpoint (the loops' and callbacks' states, the optimizers' and schedulers', the data module's loader position,
+    the random streams, the epoch and step), in a canonical form that reads the same before a save and after a
+    weights-only load (tensors by dtype, shape and bytes; containers by their items, keys sorted; plain values by
+    their ``repr``)."""
+    digest = hashlib.sha256()
+    for key in sorted((k for k in checkpoint if k not in _NOT_TRAINING_STATE), key=repr):
+        _feed(digest, key)
+        _feed(digest, checkpoint[key])
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        digest.update(f"T{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, Mapping):
+        digest.update(f"{{{len(value)}|".encode())
+        for key in sorted(value, key=repr):
+            _feed(digest, key)
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):  # (one form: a container's kind is not state)
+        digest.update(f"[{len(value)}|".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        text = repr(value).encode("utf-8", "surrogatepass")
+        digest.update(f"r{len(text)}|".encode() + text)
+
+
+def verify_training_state(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
+    """Raise when the training state a resumed fit restores differs from the checksum recorded at save time
+    (:func:`training_state_checksum`; a checkpoint written before it was recorded, or one Lightning has migrated from
+    an older version's form in memory, is not checked: the file itself is, before Lightning reads it)."""
+    recorded = _lilicorr_record(checkpoint, path).get(TRAINING_CHECKSUM_KEY)
+    if recorded is None or _LEGACY_VERSION in checkpoint or training_state_checksum(checkpoint) == recorded:
+        return  # (migrated by Lightning from an older version's form: what is read is no longer what was written)
+    where = f"checkpoint {path}" if path is not None else "the checkpoint"
+    raise CheckpointError(
+        f"{where} is corrupted: its training state (the optimizer's moments, the loops', callbacks' and data "
+        "loader's positions, the random streams) does not match the checksum recorded when it was saved; resume from "
+        "another checkpoint, or export its weights (lilicorr export, which checks them) and start a new run from them "
+        "(--model.init_drafter_from)"
+    )
+
+
+def _lilicorr_record(checkpoint: Mapping[str, Any], path: str | Path | None) -> Mapping[str, Any]:
+    """The checkpoint's ``lilicorr`` record (empty where it has none), or one line naming a record of another form."""
+    record = checkpoint.get("lilicorr")
+    if record is None:
+        return {}
+    if not isinstance(record, Mapping):
+        where = f"checkpoint {path}" if path is not None else "the checkpoint"
+        raise CheckpointError(f"{where} is not a lilicorr fit checkpoint: its lilicorr record is a "
+                              f"{type(record).__name__}, not a mapping; pass a .ckpt that lilicorr fit wrote")
+    return record
+
+
 def not_a_checkpoint_file(path: Path) -> str:
     """The message for a ``--ckpt`` that exists and is no file: a run's folder, a served export, or anything else."""
     if (path / "config.json").is_file():
@@ -224,16 +292,21 @@ def _verified_already(expected: Any) -> bool:
         return False
 
 
-def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None, records: bool = False) -> None:
+def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = None, records: bool = False,
+                    training: bool = False) -> None:
     """Raise when the state dict differs from the checksum recorded at save time (unless it is the file a command
     verified when it first opened it, unchanged since: :func:`verified_first`); with ``records``, also when the
     checkpoint's records do (:func:`record_checksum`; a checkpoint as read from its file: Lightning's
-    ``load_from_checkpoint`` writes its keyword arguments into the hyper-parameters before the hooks see them)."""
-    expected = (checkpoint.get("lilicorr") or {}).get(CHECKSUM_KEY)
+    ``load_from_checkpoint`` writes its keyword arguments into the hyper-parameters before the hooks see them); with
+    ``training``, also when the training state a resumed fit restores does (:func:`verify_training_state`)."""
+    record = _lilicorr_record(checkpoint, path)
+    expected = record.get(CHECKSUM_KEY)
     if _verified_already(expected):
         return
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
-    recorded = (checkpoint.get("lilicorr") or {}).get(RECORD_CHECKSUM_KEY)  # absent: written before it was recorded
+    recorded = record.get(RECORD_CHECKSUM_KEY)  # absent: written before it was recorded
+    if training:
+        verify_training_state(checkpoint, path)
     if records and recorded is not None and record_checksum(checkpoint) != recorded:
         raise CheckpointError(
             f"{where} is corrupted: its recorded settings (hyper-parameters, data settings or training record: the "

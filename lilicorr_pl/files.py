@@ -418,6 +418,94 @@ class InUseError(ValueError):
     """Another process holds what this one would write (:func:`hold_alone`)."""
 
 
+MKDIR_TRIES = 5
+"""How many times :func:`folders_made` makes the missing levels again after one above was removed meanwhile."""
+
+
+@contextlib.contextmanager
+def folders_made(folder: Path, what: str, command: str,
+                 error: type[ValueError] = ValueError) -> Iterator[dict[Path, tuple[int, int]]]:
+    """``folder`` and its missing parents made one level at a time, each level made held open while the block runs.
+    Yields the levels made (and still the folders made) with their identity (device and inode), for
+    :func:`remove_made_folders` after a failure: a level another process made, or removed and made again, is not
+    ours and is never removed, and a level held open keeps its inode number to itself, so one removed and made again
+    at its path (which a file system may give a freed number) is never taken for it. ``what`` names the path in a
+    refusal (``--output X``), ``command`` the command that makes it, ``error`` the refusal's type. A failure part of
+    the way down removes the levels made."""
+    opened: list[int] = []
+    try:
+        yield _make_folders(folder, what, command, error, opened)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _make_folders(folder: Path, what: str, command: str, error: type[ValueError],
+                  opened: list[int]) -> dict[Path, tuple[int, int]]:
+    made: dict[Path, tuple[int, int]] = {}
+    try:
+        for _ in range(MKDIR_TRIES):
+            try:
+                for level in reversed([f for f in (folder, *folder.parents) if not os.path.lexists(f)]):
+                    try:
+                        level.mkdir()
+                    except FileExistsError:
+                        if not level.is_dir():
+                            raise error(f"{what}: {level} is a file, so the folder cannot be made; choose another "
+                                        "path") from None
+                        continue  # made by another process since we looked
+                    made[level] = folder_identity(level)
+                    _hold_open(level, opened)
+                return {level: made[level] for level in _still_ours(made)}
+            except FileNotFoundError:  # a level above was removed since we looked (another run's clean-up): again
+                broken = next((f for f in folder.parents if f.is_symlink() and not f.exists()), None)
+                if broken is not None:
+                    raise error(f"{what}: {broken} is a broken symbolic link (to {os.readlink(broken)}); choose "
+                                "another path, or create what it points to") from None
+        raise error(f"{what}: its parent folders kept being removed while this {command} made them (another "
+                    f"process cleaning up); run the {command} again")
+    except BaseException:
+        remove_made_folders(made)
+        raise
+
+
+def _hold_open(folder: Path, opened: list[int]) -> None:
+    """A descriptor of ``folder`` added to ``opened`` (nothing where the system cannot open a folder)."""
+    try:
+        opened.append(os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+    except OSError:
+        pass
+
+
+def folder_identity(folder: Path) -> tuple[int, int] | None:
+    """``folder``'s device and inode (None where it cannot be read)."""
+    try:
+        st = folder.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _still_ours(made: dict[Path, tuple[int, int]]) -> list[Path]:
+    """The folders in ``made`` still the ones made (the same device and inode), the deepest first."""
+    return sorted((f for f, ident in made.items() if ident is not None and folder_identity(f) == ident),
+                  key=lambda f: len(f.parts), reverse=True)
+
+
+def remove_made_folders(made: dict[Path, tuple[int, int]]) -> None:
+    """Remove the folders a command made (``made``, from :func:`folders_made`: each with the identity it had when
+    made), the deepest first, while empty and still the folder made (a level another process removed and made again
+    since, even while the command wrote, is not ours): nothing else. Called on a failure: a folder that cannot be read
+    or removed stops it, and the failure that called it is the one raised."""
+    try:
+        for folder in _still_ours(made):
+            if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+    except OSError:
+        pass
+
+
 @contextlib.contextmanager
 def folder_held_alone(folder: Path, busy: str) -> Iterator[os.stat_result | None]:
     """Hold ``folder`` for this process alone while the block runs (:func:`hold_alone` on the folder itself: nothing

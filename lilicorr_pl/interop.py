@@ -47,8 +47,11 @@ from lilicorr_pl.files import (
     InUseError,
     check_writable_dir,
     folder_held_alone,
+    folder_identity,
+    folders_made,
     new_file_mode,
     remove_gone_writers,
+    remove_made_folders,
     writer_tag,
 )
 from lilicorr_pl.heads.lilicorr import LiLiCorrHead
@@ -361,109 +364,25 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path, head: torch.nn.Mo
     cfg, state = drafter_config(drafter, head, dtype), export_state(drafter, head, dtype, head_mlp_names)
     # One export at a time into a folder: two at once would each publish their two files, and the folder could end
     # with one's config and the other's weights (a reader refuses that pair, but the folder holds neither).
-    with _folders_made(output) as created, _held_alone(output) as held:  # refused: the folder is another export's
+    with (folders_made(output, f"--output {output}", "export", ExportError) as created,
+          _held_alone(output) as held):  # refused: the folder is another export's
         if not _still_at(output, held):  # another export that failed into it removed it, as one it had made
-            _remove_made_folders({f: i for f, i in created.items() if f != output})  # what is there now is not ours
+            remove_made_folders({f: i for f, i in created.items() if f != output})  # what is there now is not ours
             raise ExportError(f"--output {output}: the folder was removed as this export began (another export into "
                               "it failed and removed the folder it had made); run the export again")
         try:
             _check_contents(output, overwrite)  # again, held: another export may have finished into it since
             _export_into(cfg, state, output, extra)
         except BaseException:
-            _remove_made_folders(created)
+            remove_made_folders(created)
             raise
     return output
 
 
-@contextlib.contextmanager
-def _folders_made(output: Path) -> Iterator[dict[Path, tuple[int, int]]]:
-    """:func:`_make_folders`, each level made held open while the block runs: a folder removed meanwhile keeps its
-    inode number to itself, so one made again at its path (which a file system may give the freed number) is never
-    taken for it."""
-    opened: list[int] = []
-    try:
-        yield _make_folders(output, opened)
-    finally:
-        for fd in opened:
-            os.close(fd)
-
-
-def _make_folders(output: Path, opened: list[int]) -> dict[Path, tuple[int, int]]:
-    """Make ``output`` and its missing parents one level at a time; returns the levels this call made and that are still
-    the folders it made, each with its identity (device and inode), the deepest first: a level another process made,
-    or removed and made again, is not ours and never removed. A failure part of the way down removes the levels made.
-    ``opened``: a descriptor of each level made is added to it, for the caller to close (:func:`_folders_made`)."""
-    made: dict[Path, tuple[int, int]] = {}
-    try:
-        for _ in range(_MKDIR_TRIES):
-            try:
-                for folder in reversed([f for f in (output, *output.parents) if not os.path.lexists(f)]):
-                    try:
-                        folder.mkdir()
-                    except FileExistsError:
-                        if not folder.is_dir():
-                            raise ExportError(f"--output {output}: {folder} is a file, so the folder cannot be made; "
-                                              "choose another path") from None
-                        continue  # made by another process since we looked
-                    made[folder] = _identity(folder)
-                    _hold_open(folder, opened)
-                return {folder: made[folder] for folder in _still_ours(made)}
-            except FileNotFoundError:  # a level above was removed since we looked (another export's clean-up): again
-                broken = next((f for f in output.parents if f.is_symlink() and not f.exists()), None)
-                if broken is not None:
-                    raise ExportError(f"--output {output}: {broken} is a broken symbolic link (to "
-                                      f"{os.readlink(broken)}); choose another path, or create what it points to"
-                                      ) from None
-        raise ExportError(f"--output {output}: its parent folders kept being removed while this export made them "
-                          "(another process cleaning up); run the export again")
-    except BaseException:
-        _remove_made_folders(made)
-        raise
-
-
-def _hold_open(folder: Path, opened: list[int]) -> None:
-    """A descriptor of ``folder`` added to ``opened`` (nothing where the system cannot open a folder)."""
-    try:
-        opened.append(os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
-    except OSError:
-        pass
-
-
-def _identity(folder: Path) -> tuple[int, int] | None:
-    try:
-        st = folder.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _still_ours(made: dict[Path, tuple[int, int]]) -> list[Path]:
-    """The folders in ``made`` still the ones made (the same device and inode), the deepest first."""
-    return sorted((f for f, ident in made.items() if ident is not None and _identity(f) == ident),
-                  key=lambda f: len(f.parts), reverse=True)
-
-
-_MKDIR_TRIES = 5
-
-
 def _still_at(output: Path, held: os.stat_result | None) -> bool:
     """Whether the folder held (``held``: its stat; None, nothing held) is still the one at ``output``."""
-    now = _identity(output)
+    now = folder_identity(output)
     return now is not None and (held is None or now == (held.st_dev, held.st_ino))
-
-
-def _remove_made_folders(made: dict[Path, tuple[int, int]]) -> None:
-    """Remove the folders an export made (``made``: each with the identity it had when made), the deepest first, while
-    empty and still the folder made (a level another process removed and made again since, even while this export
-    wrote, is not ours): nothing else. Called on a failure: a folder that cannot be read or removed stops it, and the
-    failure that called it is the one raised."""
-    try:
-        for folder in _still_ours(made):
-            if folder.is_symlink() or not folder.is_dir() or any(folder.iterdir()):
-                break
-            folder.rmdir()
-    except OSError:
-        pass
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lilicorr_pl import __version__, builtin
 from lilicorr_pl.checkpoint import (CHECKSUM_KEY, CheckpointError, StoppedBySignal, UserInputError, check_class_paths,
-                                    config_modules, first_line, read_verified, verified_first)
+                                    config_modules, first_line, read_verified, verified_first, verify_training_state)
 from lilicorr_pl.command import ShortUsage, config_arguments, constructor_reason, is_inline_config
 from lilicorr_pl.data.datamodule import DraftDataModule
 from lilicorr_pl.data.fingerprint import fingerprint_files
@@ -1028,6 +1028,8 @@ class LilicorrCLI(LightningCLI):
         # Verified now, before anything is built (Lightning would see it only after loading the target), and not
         # hashed again when Lightning restores it (_run_subcommand).
         checkpoint, self._verified_first = read_verified(ckpt)
+        if subcommand == "fit":  # what a resume restores besides the weights (not hashed again when Lightning reads it)
+            verify_training_state(checkpoint, ckpt)
         missing = [k for k in ("state_dict", "hyper_parameters", "pytorch-lightning_version") if k not in checkpoint]
         if missing:  # a bare state dict, or another tool's file: Lightning failed on it once the target was loaded
             raise UserInputError(

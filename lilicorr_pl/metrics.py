@@ -28,7 +28,8 @@ class LatticeMetrics(Metric):
     included) and ``exact_block_rate``; per-slot ``slot_coverage``, ``slot_accuracy`` (selected) and
     ``slot_accuracy_top1`` ``[S]``; ``off_top1_rate``, the share of supervised slots where the selector left the
     drafter's top-1 (0 for top-1; near 0 for a head that has collapsed onto the drafter's ranking); and
-    ``logfactor_spread`` when any update carried a lattice.
+    ``logfactor_spread`` (the reference's collapse signal) and ``logfactor_row_spread`` (the walk's) when any update
+    carried a lattice.
     """
 
     full_state_update = False
@@ -54,6 +55,7 @@ class LatticeMetrics(Metric):
         for key in _SLOT_SUMS:
             self.add_state(key, torch.zeros(num_slots, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("spread_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("row_spread_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("spread_blocks", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(
@@ -91,6 +93,7 @@ class LatticeMetrics(Metric):
         self.slot_off_top1 += d["off_top1"].sum(dim=0).to(f64)
         if "logfactor_spread" in d:
             self.spread_sum += d["logfactor_spread"].sum().to(f64)
+            self.row_spread_sum += d["logfactor_row_spread"].sum().to(f64)
             self.spread_blocks += valid.sum().to(f64)
 
     def compute(self) -> dict[str, torch.Tensor]:
@@ -113,4 +116,5 @@ class LatticeMetrics(Metric):
         }
         if self.spread_blocks > 0:
             out["logfactor_spread"] = self.spread_sum / self.spread_blocks
+            out["logfactor_row_spread"] = self.row_spread_sum / self.spread_blocks
         return {key: value.float() for key, value in out.items()}

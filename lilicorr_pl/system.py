@@ -35,6 +35,7 @@ from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters, 
 from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     RECORD_CHECKSUM_KEY,
+    TRAINING_CHECKSUM_KEY,
     CheckpointError,
     UserInputError,
     check_class_paths,
@@ -43,6 +44,7 @@ from lilicorr_pl.checkpoint import (
     read_verified,
     record_checksum,
     state_checksum,
+    training_state_checksum,
     verified_first,
     verify_checksum,
 )
@@ -776,6 +778,9 @@ class DraftSystem(L.LightningModule):
             "train_epoch_metrics": self._train_metrics_record(),
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
+            # Verified when a fit resumes from it: what it restores besides the weights (Adam's moments, the loops',
+            # callbacks' and loader's positions, the random streams; every callback wrote its entry before this hook).
+            TRAINING_CHECKSUM_KEY: training_state_checksum(checkpoint),
         }
         # The records too, last (Lightning calls this hook after writing the others): verified when a command reads
         # the file (a changed byte there changed the layer ids an export wrote for an engine).
@@ -875,11 +880,12 @@ class DraftSystem(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any weight is loaded, for resume and load_from_checkpoint alike.
-        verify_checksum(checkpoint)
+        fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+        verify_checksum(checkpoint, training=fitting)
         refusal = first_form_refusal((checkpoint.get("hyper_parameters") or {}).get("head"), self.head, "the checkpoint")
         if refusal:  # its tensors are not this head's, and the config that trained it names no other form
             raise StateMismatchError(refusal, keys=True)
-        if self._trainer is not None and self.trainer.state.fn == "fit":
+        if fitting:
             self._check_resume_settings(checkpoint.get("hyper_parameters") or {})
             self.warn_if_other_target(checkpoint, "resuming trains")
             self._record_resumed_target(checkpoint)
@@ -1261,7 +1267,8 @@ class DraftSystem(L.LightningModule):
                        diagnostics=diag)
         if on_step and measured:
             valid = diag["valid_block"]  # means over valid blocks only, as the lattice losses read them
-            for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread"):
+            for key in ("top1_prefix", "selected_prefix", "oracle_prefix", "oracle_gap", "logfactor_spread",
+                        "logfactor_row_spread"):
                 if key in diag:
                     self.log(f"{stage}/{key}", valid_block_mean(diag[key], valid), on_step=True, batch_size=batch_size)
             for key, prefix in (("sim_tau_top1", "top1_prefix"), ("sim_tau_selected", "selected_prefix")):

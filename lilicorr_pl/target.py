@@ -338,22 +338,34 @@ def load_causal_lm(name_or_path: str, setting: str, **kwargs: Any) -> nn.Module:
     return model
 
 
-def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = False, required: bool = True) -> Any:
+def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = False, required: bool = True,
+                 load_kwargs: Mapping[str, Any] | None = None) -> Any:
     """``AutoTokenizer.from_pretrained``, refusing the empty tokenizer transformers builds from a model directory that
     holds no tokenizer files (one token: every text tokenizes to nothing); ``required=False``: None instead, for a
-    caller that tokenizes nothing itself (what does tokenize asks for it with ``required=True``)."""
+    caller that tokenizes nothing itself (what does tokenize asks for it with ``required=True``). ``load_kwargs``: the
+    target's ``from_pretrained`` options; the tokenizer is read where they read the weights (the same ``revision``,
+    ``token``, ``cache_dir``, ``local_files_only``, and ``subfolder`` where it holds a tokenizer, else the model's
+    top folder): it was read from the hub's newest revision whatever the weights' pin."""
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except ValueError as err:  # a Llama/Mistral directory without tokenizer files: no backend to build one from
-        if "instantiate the backend tokenizer" not in str(err):  # another cause (a package it needs): its own words
-            raise
-        if not required:
-            return None
-        raise UserInputError(
-            f"{setting} {name_or_path} holds no tokenizer transformers can load ({first_line(err)}); save the "
-            "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)") from None
+    where = {k: v for k, v in (load_kwargs or {}).items() if k in WHERE_LOAD_KWARGS and v is not None}
+    tries = [where, {k: v for k, v in where.items() if k != "subfolder"}] if "subfolder" in where else [where]
+    for i, options in enumerate(tries):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **options)
+        except (OSError, ValueError) as err:
+            if i + 1 < len(tries):  # no tokenizer in the weights' subfolder: the model's top folder
+                continue
+            # A Llama/Mistral directory without tokenizer files: no backend to build one from
+            if not isinstance(err, ValueError) or "instantiate the backend tokenizer" not in str(err):
+                raise  # another cause (a package it needs, a file missing): its own words
+            if not required:
+                return None
+            raise UserInputError(
+                f"{setting} {name_or_path} holds no tokenizer transformers can load ({first_line(err)}); save the "
+                "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)") from None
+        if len(tokenizer) >= 2 or i + 1 == len(tries):
+            break
     if len(tokenizer) < 2:
         if not required:
             return None
@@ -498,7 +510,8 @@ class FrozenTarget(nn.Module):
             ) from err
         tokenizer = None
         if load_tokenizer:
-            tokenizer = tokenizer_of(name_or_path, "the target", trust_remote_code, required=False)
+            tokenizer = tokenizer_of(name_or_path, "the target", trust_remote_code, required=False,
+                                     load_kwargs=load_kwargs)
         return model, tokenizer
 
     # ------------------------------------------------------------------ structure

@@ -384,7 +384,9 @@ CELLS: list[tuple[str, str, list[str], str]] = [
         * Slots where the walk leaves rank 0 are where the drafter's independent per-slot marginals disagree with
           each other; a good head overrides them only when the target agrees (compare the two verify tables).
         * A pair matrix with nearly equal scores everywhere means the head has collapsed (training logs this as
-          `logfactor_spread`); a trained head has sharp rows.
+          `logfactor_spread`, the reference's signal, and `logfactor_row_spread`, which reads each row alone: rows
+          that each hold one score leave the walk nothing to choose, however much they differ); a trained head has
+          sharp rows.
         * Change `PROMPT_INDEX` (or `BENCHMARK`) and re-run from section 2 to walk another lattice.
         """),
 ]

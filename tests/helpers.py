@@ -234,14 +234,17 @@ RenamedLiLiCorrHead = _renamed_head()
 
 
 def save_edited(state: dict, path) -> None:
-    """Save a checkpoint whose records a test edited as ``lilicorr fit`` would have written those records: its record
-    checksum (when it has one) computed again, so what is tested is the edited setting, not the checksum that would
-    refuse a changed byte."""
+    """Save a checkpoint whose records or training state a test edited as ``lilicorr fit`` would have written them: its
+    record and training-state checksums (where it has them) computed again, so what is tested is the edited setting,
+    not the checksum that would refuse a changed byte."""
     import torch
 
-    from lilicorr_pl.checkpoint import RECORD_CHECKSUM_KEY, record_checksum
+    from lilicorr_pl.checkpoint import (RECORD_CHECKSUM_KEY, TRAINING_CHECKSUM_KEY, record_checksum,
+                                        training_state_checksum)
 
     record = state.get("lilicorr")
+    if isinstance(record, dict) and TRAINING_CHECKSUM_KEY in record:  # first: the record checksum covers it
+        record[TRAINING_CHECKSUM_KEY] = training_state_checksum(state)
     if isinstance(record, dict) and RECORD_CHECKSUM_KEY in record:
         record[RECORD_CHECKSUM_KEY] = record_checksum(state)
     torch.save(state, path)

@@ -81,6 +81,19 @@ def test_target_fingerprint_sees_new_weights_with_same_names_and_sizes(tmp_path)
     assert fingerprint_target(TargetSpec(a, dtype="bfloat16")) != fingerprint_target(TargetSpec(a))
 
 
+def test_a_remote_code_targets_key_reads_its_code(tmp_path):
+    """With trust_remote_code the model's own .py files compute its logits and features: an edit there kept the key,
+    and the stores of the old code were reused. A target without it keeps the key it had (no store is rebuilt)."""
+    a = Path(make_tiny_target_dir(tmp_path, name="a"))
+    plain = fingerprint_target(TargetSpec(str(a)))
+    (a / "modeling_custom.py").write_text("SCALE = 1.0\n")
+    assert fingerprint_target(TargetSpec(str(a))) == plain and "code" not in plain
+    remote = fingerprint_target(TargetSpec(str(a), trust_remote_code=True))
+    assert [name for name, _ in remote["code"]] == ["modeling_custom.py"]
+    (a / "modeling_custom.py").write_text("SCALE = 2.0\n")
+    assert fingerprint(fingerprint_target(TargetSpec(str(a), trust_remote_code=True))) != fingerprint(remote)
+
+
 def test_target_key_reads_a_subfolder_and_the_load_kwargs_that_change_the_model(tmp_path):
     a = make_tiny_target_dir(tmp_path, seed=0, name="a")
     plain = fingerprint_target(TargetSpec(a))
@@ -325,6 +338,52 @@ def test_a_finalize_racing_another_finalize_stands_down_without_error(tmp_path, 
     assert a.finalize(2) == dest and raced == [dest]
     assert sorted(p.name for p in dest.iterdir()) == ["manifest.json", shard_name(0), shard_name(1)]
     assert not a.partial.exists()
+    assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
+
+
+def test_a_finalize_that_loses_its_shards_to_another_mid_hash_stands_down(tmp_path, monkeypatch):
+    """A finalize hashes every shard (minutes for a feature store): another run sharing the cache that finished
+    meanwhile renamed the partial directory into place, and the next shard read was a FileNotFoundError traceback
+    beside a valid store."""
+    import lilicorr_pl.data.store as store_module
+
+    dest = tmp_path / "c"
+    a, b = StoreWriter(dest, "features", {"a": 1}), StoreWriter(dest, "features", {"a": 1})
+    a.write(0, (0, 2), {"features": FEATURES[:5]})
+    a.write(1, (2, 3), {"features": FEATURES[5:]})
+    real_sha, raced = store_module.file_sha256, []
+
+    def a_finishes_while_b_hashes(path):
+        digest = real_sha(path)
+        if not raced:  # (once: a's own finalize hashes through here too)
+            raced.append(None)
+            raced[0] = a.finalize(2)
+        return digest
+
+    monkeypatch.setattr(store_module, "file_sha256", a_finishes_while_b_hashes)
+    assert b.finalize(2) == dest and raced == [dest]
+    assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
+
+
+def test_a_shard_written_as_another_run_finalizes_leaves_no_partial_directory(tmp_path, monkeypatch):
+    """A writer looked (not finished), the other run then renamed the partial directory into place, and the writer's
+    mkdir made it anew for its shard: a partial directory (a feature shard: gigabytes) that nothing removed."""
+    dest = tmp_path / "c"
+    a, b = StoreWriter(dest, "features", {"a": 1}), StoreWriter(dest, "features", {"a": 1})
+    a.write(0, (0, 2), {"features": FEATURES[:5]})
+    a.write(1, (2, 3), {"features": FEATURES[5:]})
+    real = StoreWriter.finished_elsewhere
+
+    def finalized_right_after_the_look(self):
+        answer = real(self)
+        if self is b and not answer and not dest.exists():
+            a.finalize(2)
+        return answer
+
+    monkeypatch.setattr(StoreWriter, "finished_elsewhere", finalized_right_after_the_look)
+    b.write(1, (2, 3), {"features": FEATURES[5:]})
+    assert b.finalize(2) == dest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no .c.partial
     assert torch.equal(open_store(dest).get(1, "features"), FEATURES[5:])
 
 

@@ -273,6 +273,50 @@ def test_a_changed_byte_in_a_checkpoints_records_is_refused_like_one_in_its_weig
     assert read_checkpoint(good)["lilicorr"]["block_size"] == 8
 
 
+def test_a_changed_training_state_is_refused_by_a_resume_and_left_to_what_reads_only_weights(tiny_run, tmp_path,
+                                                                                            capsys):
+    """The checksums covered the weights and the records: Adam's moments, the loops' and the loader's positions and
+    the random streams were not, and a resume went on from a changed optimizer state without a word. A resume now
+    checks them; bench and export, which read the weights and records alone, still take the file."""
+    from lilicorr_pl.checkpoint import TRAINING_CHECKSUM_KEY, training_state_checksum
+
+    _, good = tiny_run
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    recorded = state["lilicorr"][TRAINING_CHECKSUM_KEY]
+    assert training_state_checksum(state) == recorded  # the same before the save and after a weights-only load
+    assert {"optimizer_states", "loops", "callbacks", "rng_states"} <= set(state)
+    moments = state["optimizer_states"][0]["state"][0]["exp_avg"]
+    moments.view(-1)[0] = moments.view(-1)[0] * 4 + 1  # a changed moment, every recorded checksum kept
+    bad = tmp_path / "moments.ckpt"
+    torch.save(state, bad)
+    assert training_state_checksum(torch.load(bad, weights_only=True)) != recorded
+    read_checkpoint(bad)  # the weights and records: as saved
+    message = (f"checkpoint {bad} is corrupted: its training state (the optimizer's moments, the loops', callbacks' "
+               "and data loader's positions, the random streams) does not match the checksum recorded when it was "
+               "saved; resume from another checkpoint, or export its weights")
+    with pytest.raises(SystemExit) as exit_info:
+        _resume(tmp_path, bad)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    cli_main(["export", "--ckpt", str(bad), "--output", str(tmp_path / "exported")])  # the weights: still good
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+    for key, edit in (("global_step", lambda st: st.update(global_step=st["global_step"] + 1)),
+                      ("rng_states", lambda st: st["rng_states"][0]["python"].update(gauss_next=0.5))):
+        state = torch.load(good, map_location="cpu", weights_only=True)
+        edit(state)
+        torch.save(state, tmp_path / f"{key}.ckpt")
+        with pytest.raises(SystemExit):
+            _resume(tmp_path, tmp_path / f"{key}.ckpt")
+        assert message.replace(str(bad), str(tmp_path / f"{key}.ckpt")) in capsys.readouterr().err, key
+    # A lilicorr record of another form: one line, where it was an AttributeError.
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    state["lilicorr"] = [state["lilicorr"]]
+    torch.save(state, tmp_path / "listed.ckpt")
+    with pytest.raises(CheckpointError, match=r"listed.ckpt is not a lilicorr fit checkpoint: its lilicorr record is a "
+                                              r"list, not a mapping; pass a .ckpt that lilicorr fit wrote$"):
+        read_checkpoint(tmp_path / "listed.ckpt")
+
+
 def test_an_instantiator_other_than_lightnings_is_refused_unimported(tiny_run, tmp_path):
     """The checkpoint's ``_instantiator`` is imported by Lightning when it rebuilds the system: only its own."""
     from lilicorr_pl.system import DraftSystem

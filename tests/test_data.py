@@ -138,6 +138,16 @@ def test_content_starting_like_the_template_is_masked_exactly(tok):
     assert masked_runs(tok, ids, mask) == ["<|im_end|> is how a turn ends\n<|im_end|>"]
 
 
+def random_chat(rng, bits: list[str], max_pairs: int) -> list[dict[str, str]]:
+    """A conversation of 1..``max_pairs`` user/assistant turn pairs (a system turn half the time), each turn's content
+    0-2 (user) or 0-3 (assistant) of ``bits``, drawn from ``rng``."""
+    messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.5 else []
+    for _ in range(rng.randrange(1, max_pairs + 1)):
+        messages.append({"role": "user", "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 3)))})
+        messages.append({"role": "assistant", "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 4)))})
+    return messages
+
+
 GLM_LIKE = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% set c = m.content %}"
             "{% if '</think>' in c %}\n<think>{{ c.split('</think>')[0].split('<think>')[-1] }}</think>"
             "{% set c = c.split('</think>')[-1] %}{% else %}\n<think></think>{% endif %}"
@@ -167,11 +177,7 @@ def test_the_one_rendering_with_markers_finds_the_spans_two_renderings_per_turn_
     rng = random.Random(0)
     decided = 0
     for _ in range(150):
-        messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.5 else []
-        for _ in range(rng.randrange(1, 6)):
-            messages.append({"role": "user", "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 3)))})
-            messages.append({"role": "assistant",
-                             "content": "".join(rng.choice(bits) for _ in range(rng.randrange(0, 4)))})
+        messages = random_chat(rng, bits, max_pairs=5)
         if rng.random() < 0.3:
             messages.pop()  # ends on a user turn
         kwargs = {"enable_thinking": False, "chat_template": chat_template}
@@ -181,6 +187,38 @@ def test_the_one_rendering_with_markers_finds_the_spans_two_renderings_per_turn_
             decided += 1
             assert fast == _spans_from_placeholders(tok, messages, rendered, **kwargs), messages
     assert decided >= 30  # a good share of them by one rendering (75 or more but for GLM's, 40): not vacuous
+
+
+# The masks a FORMAT_VERSION stands for: a digest of what the chat masks supervise on seeded random conversations.
+MASKS_OF_FORMAT_VERSION = {4: "81bdc35390be549d830e1edb6524758fab62523a1068d516a006f5a15a0431fc"}
+
+
+def test_the_masks_change_only_with_the_format_version(tok):
+    """Token stores are keyed by FORMAT_VERSION, not by the masking code: cd4243d changed what some templates' turns
+    supervise and left it at 3, so a store built at 1e2c796 was reused with its old masks. The masks of seeded
+    conversations on four templates are pinned to the version (as decoded text, not token ids: the test tokenizer's
+    merges are its own)."""
+    import hashlib
+    import random
+
+    from lilicorr_pl.data.formats import FORMAT_VERSION
+
+    bits = ["Paris.", "four", "\n", " ", "<|im_end|>\n<|im_start|>user\n", "<|im_start|>assistant\n", "<think>\n",
+            "\n</think>\n\n", "x" * 5, "<think>a</think>b"]
+    templates = [None, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+                 "{% for m in messages|reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+                 GLM_LIKE]
+    rng = random.Random(4)
+    digest = hashlib.sha256()
+    for _ in range(40):
+        messages = random_chat(rng, bits, max_pairs=3)
+        for template in templates:
+            ids, mask = tokenize_chat(tok, messages, chat_template=template)
+            digest.update(json.dumps([tok.decode(ids), masked_runs(tok, ids, mask)]).encode())
+    assert FORMAT_VERSION in MASKS_OF_FORMAT_VERSION, f"record the masks of FORMAT_VERSION {FORMAT_VERSION} here"
+    assert digest.hexdigest() == MASKS_OF_FORMAT_VERSION[FORMAT_VERSION], (
+        f"the masks changed (now {digest.hexdigest()}): raise FORMAT_VERSION, or stores tokenized with the old masks "
+        "are reused, and record the new digest here")
 
 
 def test_a_turn_is_masked_alike_whichever_way_its_conversation_is_masked(tok):

@@ -672,7 +672,7 @@ def test_an_export_whose_parent_is_removed_while_it_makes_the_folders_makes_them
     traceback; the export makes the levels again, and after a few such tries says so in one line."""
     from pathlib import Path as _Path
 
-    import lilicorr_pl.interop as interop
+    import lilicorr_pl.files as files
     from lilicorr_pl.interop import ExportError
 
     drafter = DFlashDrafter(num_layers=1, block_size=4).build(tiny_target.config, tiny_target.layer_ids)
@@ -686,7 +686,7 @@ def test_an_export_whose_parent_is_removed_while_it_makes_the_folders_makes_them
 
     monkeypatch.setattr(_Path, "mkdir", parent_removed)
     assert (export_drafter(drafter, tmp_path / "a" / "b") / "config.json").is_file()
-    removals.update(out=tmp_path / "x" / "c", left=interop._MKDIR_TRIES)
+    removals.update(out=tmp_path / "x" / "c", left=files.MKDIR_TRIES)
     with pytest.raises(ExportError, match=r"its parent folders kept being removed .*; run the export again$"):
         export_drafter(drafter, tmp_path / "x" / "c")
     assert not (tmp_path / "x").exists()  # nothing of the failed export is left
@@ -816,15 +816,15 @@ def test_levels_removed_and_made_again_under_their_old_inode_numbers_are_not_the
     them as its own. Held open while the export runs, the removed levels keep their numbers."""
     import shutil
 
-    from lilicorr_pl.interop import _folders_made, _remove_made_folders
+    from lilicorr_pl.files import folders_made, remove_made_folders
 
     a = tmp_path / "a"
     out = a / "b"
-    with _folders_made(out) as made:
+    with folders_made(out, f"--output {out}", "export") as made:
         assert set(made) == {a, out}
         shutil.rmtree(a)  # another process removes the levels
         out.mkdir(parents=True)  # and makes its own at the same paths
-        _remove_made_folders(made)  # the export's clean-up after a failure
+        remove_made_folders(made)  # the export's clean-up after a failure
     assert out.is_dir()  # the other process's folders, kept
 
 

@@ -231,9 +231,33 @@ def test_lattice_diagnostics_hand_computed():
     assert d["supervised"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
     assert d["covered"].tolist() == [[True] * 3, [True] * 3, [False] * 3]
     assert d["off_top1"].tolist() == [[True, False, False]] * 2 + [[False] * 3]  # rank 1 at slot 0; block 2 skipped
-    torch.testing.assert_close(d["logfactor_spread"], torch.tensor([1 / 5, 1 / 5, 0.0]))  # (1 + 0·4) / 5 rows
+    torch.testing.assert_close(d["logfactor_row_spread"], torch.tensor([1 / 5, 1 / 5, 0.0]))  # (1 + 0·4) / 5 rows
+    # The reference's form: (std of the start row, Bessel-corrected: √2; + the pair matrices' mean std: 0) / 2.
+    torch.testing.assert_close(d["logfactor_spread"], torch.tensor([2 ** 0.5 / 2, 2 ** 0.5 / 2, 0.0]))
     flat = Lattice(lattice.candidates, torch.zeros(3, 2), lattice.pair, lattice.candidate_logprobs)
-    assert lattice_diagnostics(flat, logits, labels, mask)["logfactor_spread"].abs().max() == 0
+    for key in ("logfactor_spread", "logfactor_row_spread"):
+        assert lattice_diagnostics(flat, logits, labels, mask)[key].abs().max() == 0
+
+
+def test_logfactor_spread_is_the_references_and_the_row_spread_sees_rows_that_cannot_choose():
+    """logfactor_spread took the std of every K-wide row and called it by the reference's name; the reference
+    (Model-Optimizer's lilicorr_logfactor_spread) takes the start row's std and each whole K x K pair matrix's, half
+    and half. Pair rows that each hold one value but differ from each other: the walk cannot choose in any of them
+    (row spread 0), while the reference's form reads them as spread."""
+    from lilicorr_pl.losses import logfactor_row_spread, logfactor_spread
+
+    start = torch.tensor([[1.0, 3.0, 5.0]])  # std (Bessel) 2
+    rows = torch.tensor([0.0, 3.0, 6.0]).view(3, 1).expand(3, 3)  # each row one value; the matrix's std: √(54/8)
+    pair = torch.stack([rows, 2 * rows]).unsqueeze(0)  # [M=1, S-1=2, K, K]: stds √6.75 and 2·√6.75
+    lattice = Lattice(torch.zeros(1, 3, 3, dtype=torch.long), start, pair, torch.zeros(1, 3, 3))
+    expected = (2 + 1.5 * 6.75 ** 0.5) / 2
+    torch.testing.assert_close(logfactor_spread(lattice), torch.tensor([expected]))
+    torch.testing.assert_close(logfactor_row_spread(lattice), torch.tensor([(8 / 3) ** 0.5 / 7]))  # flat pair rows
+    one_candidate = Lattice(torch.zeros(2, 3, 1, dtype=torch.long), torch.ones(2, 1), torch.ones(2, 2, 1, 1),
+                            torch.zeros(2, 3, 1))
+    assert logfactor_spread(one_candidate).tolist() == [0.0, 0.0]  # (the reference: 0, not NaN)
+    no_pair = Lattice(torch.zeros(1, 1, 3, dtype=torch.long), start, torch.zeros(1, 0, 3, 3), torch.zeros(1, 1, 3))
+    torch.testing.assert_close(logfactor_spread(no_pair), torch.tensor([1.0]))  # block 2: the start half alone
 
 
 def test_lattice_metrics_compute_and_no_lattice_mode():
@@ -249,14 +273,15 @@ def test_lattice_metrics_compute_and_no_lattice_mode():
     torch.testing.assert_close(out["slot_coverage"], torch.tensor([1.0, 1.0, 1.0]))
     torch.testing.assert_close(out["slot_accuracy"], torch.tensor([1 / 2, 1.0, 1 / 2]))
     torch.testing.assert_close(out["slot_accuracy_top1"], torch.tensor([1 / 2, 1.0, 1 / 2]))
-    assert out["logfactor_spread"].item() == pytest.approx(0.2)
+    assert out["logfactor_row_spread"].item() == pytest.approx(0.2)
+    assert out["logfactor_spread"].item() == pytest.approx(2 ** 0.5 / 2)
     assert out["off_top1_rate"].item() == pytest.approx(2 / 6)  # one slot of three left top-1, in each valid block
 
     plain = LatticeMetrics(num_slots=3, top_k=2)
     plain.update(None, logits, labels, mask)  # selected = top-1, oracle from the drafter's own top-2
     p = plain.compute()
     assert p["selected_prefix"] == p["top1_prefix"] and p["oracle_prefix"].item() == pytest.approx(3.0)
-    assert "logfactor_spread" not in p
+    assert "logfactor_spread" not in p and "logfactor_row_spread" not in p
     assert p["off_top1_rate"].item() == 0.0
     with pytest.raises(ValueError, match="built for 4 slots"):
         LatticeMetrics(num_slots=4).update(lattice, logits, labels, mask)

@@ -539,6 +539,27 @@ def test_a_refused_or_stopped_new_output_leaves_neither_file_nor_folders(target_
     assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
 
 
+def test_a_stopped_run_leaves_folders_another_process_replaced_meanwhile(target_dir, input_file, tmp_path,
+                                                                         monkeypatch):
+    """A run stopped before its first record removed its empty output and the folders it had made by path: when
+    another process had moved them away and made its own at the same paths meanwhile, the other process's file and
+    folders went as the run's own."""
+    a = tmp_path / "a"
+    out = a / "b" / "out.jsonl"
+
+    def replaced_then_interrupted(self, *args, **kwargs):
+        a.rename(tmp_path / "moved")  # another process moves this run's levels away, its empty output and all
+        out.parent.mkdir(parents=True)  # and makes its own at the same paths
+        out.touch()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", replaced_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(target_dir, input_file, out)
+    assert out.is_file()  # the other process's file and folders, kept
+    assert (tmp_path / "moved" / "b" / "out.jsonl").is_file()  # the run's own, moved away: not touched
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": float("nan")}, "finite number >= 0"),
     ({"limit": -1}, "limit must be >= 1"),

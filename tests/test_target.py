@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import save_tiny_target, tiny_qwen3_config
@@ -362,6 +364,45 @@ def test_a_llama_directory_without_tokenizer_files_is_one_line(tmp_path):
                                          r"the target's tokenizer beside its weights"):
         tokenizer_of(str(tmp_path / "llama"), "model.target.name_or_path")
     assert tokenizer_of(str(tmp_path / "llama"), "model.target.name_or_path", required=False) is None
+
+
+def test_the_tokenizer_is_read_where_the_weights_are(tmp_path, monkeypatch):
+    """The target's weights took model.target.load_kwargs (a pinned revision, a token, a subfolder) and its tokenizer
+    did not: beside a pinned revision's weights, the hub's newest tokenizer tokenized the data (keyed by the pin), and
+    a gated model's tokenizer was refused for want of the token. Now the tokenizer is read with them; a subfolder
+    without a tokenizer falls back to the model's top folder."""
+    import shutil
+
+    import transformers
+
+    from helpers import make_tiny_target_dir
+    from lilicorr_pl.data.datamodule import DraftDataModule
+    from lilicorr_pl.target import TargetSpec
+
+    path = Path(make_tiny_target_dir(tmp_path))
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def recording(name, *args, **kwargs):  # (a local folder has no revisions: the options are recorded, then dropped)
+        seen.append(kwargs)
+        return real(name, *args, **{k: v for k, v in kwargs.items() if k not in ("revision", "token")})
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    pinned = {"revision": "0123abc", "token": "hf_secret", "device_map": "cpu", "cache_dir": None}
+    assert len(tokenizer_of(str(path), "x", load_kwargs=pinned)) > 2
+    assert seen[-1] == {"trust_remote_code": False, "revision": "0123abc", "token": "hf_secret"}
+    dm = DraftDataModule(target=TargetSpec(str(path), layer_ids=[1, 2], load_kwargs={"revision": "0123abc"}),
+                         train_files=["unused.jsonl"])
+    assert len(dm.tokenizer) > 2 and seen[-1]["revision"] == "0123abc"
+    FrozenTarget.from_pretrained(str(path), num_features=2, revision="0123abc")  # its tokenizer too
+    assert seen[-1]["revision"] == "0123abc"
+    # The weights in a subfolder, the tokenizer in the top folder.
+    nested = tmp_path / "nested"
+    (nested / "weights").mkdir(parents=True)
+    for f in path.iterdir():
+        shutil.copy(f, nested / ("weights" if f.name in ("config.json", "model.safetensors") else "") / f.name)
+    assert len(tokenizer_of(str(nested), "x", load_kwargs={"subfolder": "weights"})) == len(tokenizer_of(str(path), "x"))
+    assert [s.get("subfolder") for s in seen[-3:-1]] == ["weights", None]
 
 
 def test_load_kwargs_the_load_cannot_take_are_one_line(tmp_path):

@@ -299,7 +299,8 @@ class DraftDataModule(L.LightningDataModule):
             from lilicorr_pl.target import tokenizer_of
 
             spec = self._spec()
-            self._tokenizer = tokenizer_of(spec.name_or_path, "model.target.name_or_path", spec.trust_remote_code)
+            self._tokenizer = tokenizer_of(spec.name_or_path, "model.target.name_or_path", spec.trust_remote_code,
+                                           load_kwargs=spec.load_kwargs)
         return self._tokenizer
 
     def _splits(self) -> dict[str, tuple[list[str], str]]:

@@ -252,8 +252,9 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
     """Target identity from a ``TargetSpec`` (or dict): config.json content, weight file names, sizes and
     content hashes (``file_hash``: :func:`content_sha256`, or :func:`sampled_sha256` to read an old
     checkpoint's record), the name or path, dtype, the ``load_kwargs`` that change the model (all but
-    :data:`READING_ONLY_LOAD_KWARGS`; none: the key of a target loaded without any) and (if ``include_layers``) the
-    feature layer ids.
+    :data:`READING_ONLY_LOAD_KWARGS`; none: the key of a target loaded without any), a local model's own code (its
+    ``.py`` files, with ``trust_remote_code``: an edit there changes the logits and features; a hub commit covers
+    them) and (if ``include_layers``) the feature layer ids.
 
     The logit cache does not depend on which layers feed the drafter, so it passes
     ``include_layers=False`` and survives a change of ``layer_ids``.
@@ -302,6 +303,9 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
                 for p in local.iterdir()
                 if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
             ) if local.is_dir() else []
+            if spec_d.get("trust_remote_code") and local.is_dir():  # the model's own code computes its logits
+                parts["code"] = sorted((p.name, file_sha256(p)) for p in local.iterdir()
+                                       if p.is_file() and p.suffix == ".py")
     if include_layers:
         parts["layer_ids"] = spec_d.get("layer_ids")
         if spec_d.get("layer_ids") is None:

@@ -63,8 +63,10 @@ from pathlib import Path
 from typing import Any
 
 #: Bump when tokenization or masking changes, so fingerprinted caches are rebuilt.
-FORMAT_VERSION = 3  # 2: empty assistant turns mask nothing; tool-call fields reach the template; 3: a turn whose
-# content begins like the scaffolding after it no longer supervises that scaffolding
+FORMAT_VERSION = 4  # 2: empty assistant turns mask nothing; tool-call fields reach the template; 3: a turn whose
+# content begins like the scaffolding after it no longer supervises that scaffolding; 4: a template writing text only
+# around an answer that is not empty (GLM-4.5's "\n"), or writing the turns in another order, masks every turn as
+# rendered (tests/test_data.py pins each version's masks)
 
 FORMATS = ("text", "prompt_completion", "messages", "sharegpt")
 ACCEPTED_FORMATS_HELP = (

@@ -52,7 +52,7 @@ from lilicorr_pl.data.fingerprint import (
     sampled_sha256,
     text_sha256,
 )
-from lilicorr_pl.files import hold_alone, write_json_atomic
+from lilicorr_pl.files import folders_made, hold_alone, remove_made_folders, write_json_atomic
 from lilicorr_pl.progress import progress_bar
 from lilicorr_pl.target import (
     DeviceName,
@@ -170,59 +170,48 @@ def _names(path: Path, fh: IO[Any]) -> bool:
         return False
 
 
-def _make_folders(folder: Path) -> list[Path]:
-    """``folder`` and its missing parents made; the ones made here (not by another process meanwhile), nearest first."""
-    made = []
-    for path in reversed([folder, *folder.parents]):
-        if path.is_dir():
-            continue
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            continue
-        made.append(path)
-    return made[::-1]
-
-
 @contextlib.contextmanager
 def _appending_alone(output: Path, written: list[Path]) -> Iterator[IO[str]]:
     """``output`` open for appending and locked for this run alone (:func:`hold_alone`). The empty file, its settings
     record and the folders a run made are removed again when it stops before writing a record (a refused setting, a
-    failed load, Ctrl-C), while it still holds the lock: a run refused by the lock removes nothing."""
+    failed load, Ctrl-C), while it still holds the lock: a run refused by the lock removes nothing, and a folder
+    another process made, or removed and made again, is never taken for this run's (:func:`folders_made`)."""
     output = output.resolve()  # a `..` in it names the folders that are made and removed
     busy = (f"another run is writing {output} (a lilicorr regenerate or demo); wait for it to finish, or write to "
             "another file (regenerate's --output)")
-    made_folders: list[Path] = []
-    for attempt in itertools.count():
-        made_folders += _make_folders(output.parent)
-        created = not output.exists()
-        try:
-            out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, once the lock's holder is known
-        except FileNotFoundError as err:  # its folder removed meanwhile by a run that failed: make it again, once
-            if attempt < 3:
-                continue
-            # A folder that exists and takes no new file (/proc, a mount that refuses it): it looped for ever.
-            raise ValueError(f"--output {output} cannot be created ({err.strerror}); write to another file") from None
-        try:
-            hold_alone(out, busy)
-            if _names(output, out):
-                break
-        except BaseException:
-            out.close()
-            raise
-        out.close()  # locked a file a failed run had just removed: open the path again
-    with out:
-        try:
-            yield out
-        except BaseException:
-            if created and out.tell() == 0 and os.fstat(out.fileno()).st_size == 0:
-                with contextlib.suppress(OSError):  # (Windows removes no open file: an empty output is a fresh one)
-                    output.unlink()
-                    for path in written:  # this run's settings record, if it got that far; never an earlier one's
-                        path.unlink(missing_ok=True)
-                    for folder in sorted(set(made_folders), key=lambda f: len(f.parts), reverse=True):
-                        folder.rmdir()
-            raise
+    with contextlib.ExitStack() as holding:
+        made_folders: dict[Path, tuple[int, int]] = {}
+        for attempt in itertools.count():
+            made_folders |= holding.enter_context(folders_made(output.parent, f"--output {output}", "regenerate"))
+            created = not output.exists()
+            try:
+                out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, once its lock is known
+            except FileNotFoundError as err:  # its folder removed meanwhile by a run that failed: make it again, once
+                if attempt < 3:
+                    continue
+                # A folder that exists and takes no new file (/proc, a mount that refuses it): it looped for ever.
+                raise ValueError(f"--output {output} cannot be created ({err.strerror}); write to another file"
+                                 ) from None
+            try:
+                hold_alone(out, busy)
+                if _names(output, out):
+                    break
+            except BaseException:
+                out.close()
+                raise
+            out.close()  # locked a file a failed run had just removed: open the path again
+        with out:
+            try:
+                yield out
+            except BaseException:
+                if created and out.tell() == 0 and os.fstat(out.fileno()).st_size == 0:
+                    if _names(output, out):  # a file another process put at the path since is not this run's
+                        with contextlib.suppress(OSError):  # (Windows removes no open file: an empty one is fresh)
+                            output.unlink()
+                            for path in written:  # this run's settings record, if it got that far; never an earlier
+                                path.unlink(missing_ok=True)
+                    remove_made_folders(made_folders)
+                raise
 
 TEMPLATE_OPTION = "--chat-template, or the target tokenizer's chat_template"
 

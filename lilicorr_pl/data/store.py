@@ -22,6 +22,7 @@ one-line ``CacheError`` naming the file and the fix: a cache is never used silen
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -171,6 +172,11 @@ class StoreWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        if self.finished_elsewhere():  # finalized between the look and the mkdir: this made a partial directory anew
+            (self.partial / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (while empty: another live writer's file keeps it for its own check)
+                self.partial.rmdir()
+            return False
         return True
 
     def finalize(self, num_shards: int, meta: Mapping[str, Any] | None = None,
@@ -179,18 +185,13 @@ class StoreWriter:
         if self.finished_elsewhere():  # an independent run sharing this cache completed it first
             open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
             return self.dest
-        shards, end = [], 0
-        for index in range(num_shards):
-            path = self.partial / shard_name(index)
-            if not self.done(index):
-                raise CacheError(f"shard {path} is missing or was written for other inputs; rerun the precompute")
-            header, _ = _header(path)
-            a, b = (int(x) for x in header["examples"].split(":"))
-            if a != end:
-                raise CacheError(f"shard {path} covers examples {a}:{b}, expected to start at {end}")
-            end = b
-            shards.append({"file": path.name, "examples": [a, b], "bytes": path.stat().st_size,
-                           "sha256": file_sha256(path)})
+        try:
+            shards, end = self._shard_list(num_shards)
+        except FileNotFoundError:  # another process finalized the store while this one hashed its shards (minutes)
+            if not self.finished_elsewhere():
+                raise
+            open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
+            return self.dest
         manifest = {
             "schema_version": SCHEMA_VERSION,
             "kind": self.kind,
@@ -214,6 +215,25 @@ class StoreWriter:
             shutil.rmtree(self.partial, ignore_errors=True)
             open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
         return self.dest
+
+    def _shard_list(self, num_shards: int) -> tuple[list[dict[str, Any]], int]:
+        """The manifest's entry of each of shards ``0..num_shards-1`` (checked: there, written for these inputs, the
+        examples in sequence), and the number of examples they hold."""
+        shards, end = [], 0
+        for index in range(num_shards):
+            path = self.partial / shard_name(index)
+            if not self.done(index):
+                if self.finished_elsewhere():
+                    raise FileNotFoundError(path)
+                raise CacheError(f"shard {path} is missing or was written for other inputs; rerun the precompute")
+            header, _ = _header(path)
+            a, b = (int(x) for x in header["examples"].split(":"))
+            if a != end:
+                raise CacheError(f"shard {path} covers examples {a}:{b}, expected to start at {end}")
+            end = b
+            shards.append({"file": path.name, "examples": [a, b], "bytes": path.stat().st_size,
+                           "sha256": file_sha256(path)})
+        return shards, end
 
 
 class Store:

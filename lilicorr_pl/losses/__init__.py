@@ -2,7 +2,7 @@
 
 from lilicorr_pl.losses.base import LossComponent, LossInputs, LossOutput, decay_weights
 from lilicorr_pl.losses.dflash import DFlashCE
-from lilicorr_pl.losses.diagnostics import lattice_diagnostics, logfactor_spread
+from lilicorr_pl.losses.diagnostics import lattice_diagnostics, logfactor_row_spread, logfactor_spread
 from lilicorr_pl.losses.forced import ForcedSlots, forced_slots
 from lilicorr_pl.losses.lattice import DistractorPenalty, MarginHinge, OraclePrefixCE
 
@@ -18,6 +18,7 @@ __all__ = [
     "decay_weights",
     "forced_slots",
     "lattice_diagnostics",
+    "logfactor_row_spread",
     "logfactor_spread",
 ]
 

@@ -16,11 +16,34 @@ from lilicorr_pl.heads.lattice import oracle_prefix, prefix_length
 
 
 def logfactor_spread(lattice: Lattice) -> torch.Tensor:
-    """Collapse signal: the mean, over every K-wide score row of a block, of the row's std.
+    """Collapse signal, as the reference's training code reads it (Model-Optimizer's ``lilicorr_logfactor_spread``):
+    half the std of the block's start row plus half the mean, over its slot pairs, of the std over each whole
+    ``K × K`` pair matrix (stds with Bessel's correction, on the log-potentials σ·cos; 0 where K is 1, and the pair
+    half 0 where the block has one slot). It goes to 0 when the chain degenerates to equal factors. The reference
+    averages it over every block; :func:`lattice_diagnostics` reads it on the valid blocks, as every diagnostic here.
+
+    A pair matrix whose rows each hold one value, but differ from each other, keeps this high while the walk cannot
+    tell a row's candidates apart: :func:`logfactor_row_spread` reads that.
+
+    Returns:
+        ``[M]``.
+    """
+    start, pair = lattice.start.detach().float(), lattice.pair.detach().float()
+    m, k = start.shape
+    if m == 0 or k < 2:  # a step with no block; one candidate per slot, which cannot spread
+        return start.new_zeros(m)
+    pairs = pair.reshape(m, -1, k * k)
+    pair_std = pairs.std(dim=-1).mean(dim=-1) if pairs.shape[1] else start.new_zeros(m)
+    return (start.std(dim=-1) + pair_std) / 2
+
+
+def logfactor_row_spread(lattice: Lattice) -> torch.Tensor:
+    """The walk's collapse signal: the mean, over every K-wide score row of a block, of the row's std.
 
     The rows are the start row and every pair row ``pair[s, i, :]``; the std is the population std
     over the row's K entries. It is 0 exactly when every row is flat (the head cannot tell candidates
-    apart, so the walk degenerates to rank order) and is at most σ.
+    apart, so the walk degenerates to rank order) and is at most σ. (Logged as ``logfactor_spread`` before
+    the reference's form took that name.)
 
     Returns:
         ``[M]``.
@@ -58,8 +81,8 @@ def lattice_diagnostics(
         Per block ``[M]``: ``valid_block`` (every slot supervised: the blocks the other values are
         read on), ``top1_prefix``, ``selected_prefix``, ``oracle_prefix``, ``oracle_gap``
         (oracle − selected), ``sim_tau_top1``, ``sim_tau_selected``, ``sim_tau_oracle``,
-        ``exact_block`` (valid block, every selected token right), and ``logfactor_spread`` when a
-        lattice is given. Per block and slot ``[M, S]`` bool: ``supervised`` (slots of valid blocks),
+        ``exact_block`` (valid block, every selected token right), and ``logfactor_spread`` and
+        ``logfactor_row_spread`` when a lattice is given. Per block and slot ``[M, S]`` bool: ``supervised`` (slots of valid blocks),
         ``covered`` (true token among the candidates), ``top1_correct``, ``selected_correct``, and
         ``off_top1`` (the selector chose something other than the drafter's top-1: a head that never
         does so is a per-slot argmax, whatever its score spread says).
@@ -103,8 +126,9 @@ def lattice_diagnostics(
         "off_top1": (selected_tokens != top1) & mask,
     }
     if lattice is not None:
-        spread = logfactor_spread(lattice)
-        out["logfactor_spread"] = torch.where(valid_block, spread, torch.zeros_like(spread))
+        for key, spread in (("logfactor_spread", logfactor_spread(lattice)),
+                            ("logfactor_row_spread", logfactor_row_spread(lattice))):
+            out[key] = torch.where(valid_block, spread, torch.zeros_like(spread))
     return out
 
 
