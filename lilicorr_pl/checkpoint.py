@@ -133,20 +133,27 @@ def record_checksum(checkpoint: Mapping[str, Any]) -> str:
 
 
 TRAINING_CHECKSUM_KEY = "training_state_sha256"
+TRAINING_KEYS_KEY = "training_state_keys"
+"""The record's list of the checkpoint entries :data:`TRAINING_CHECKSUM_KEY` covers."""
 # Besides the weights and records: the Lightning version that wrote the file, which Lightning's migration of an older
 # checkpoint rewrites in memory (noting the old one under the legacy key).
 _LEGACY_VERSION = "legacy_pytorch-lightning_version"
 _NOT_TRAINING_STATE = frozenset({"state_dict", *_RECORDS, "pytorch-lightning_version", _LEGACY_VERSION})
 
 
-def training_state_checksum(checkpoint: Mapping[str, Any]) -> str:
-    """SHA-256 over what a resumed fit restores besides the weights and the records: every other entry of the
-    checkpoint (the loops' and callbacks' states, the optimizers' and schedulers', the data module's loader position,
-    the random streams, the epoch and step), in a canonical form that reads the same before a save and after a
-    weights-only load (tensors by dtype, shape and bytes; containers by their items, keys sorted; plain values by
-    their ``repr``)."""
+def training_state_keys(checkpoint: Mapping[str, Any]) -> list[str]:
+    """The entries of ``checkpoint`` that hold what a resumed fit restores besides the weights and the records."""
+    return sorted((k for k in checkpoint if k not in _NOT_TRAINING_STATE), key=repr)
+
+
+def training_state_checksum(checkpoint: Mapping[str, Any], keys: Iterable[str] | None = None) -> str:
+    """SHA-256 over what a resumed fit restores besides the weights and the records: the entries ``keys`` (default:
+    :func:`training_state_keys`: the loops' and callbacks' states, the optimizers' and schedulers', the data module's
+    loader position, the random streams, the epoch and step), in a canonical form that reads the same before a save
+    and after a weights-only load, in any process (tensors by dtype, shape and bytes; mappings by their items, keys
+    sorted; sets by their items' sorted digests; other plain values by their ``repr``)."""
     digest = hashlib.sha256()
-    for key in sorted((k for k in checkpoint if k not in _NOT_TRAINING_STATE), key=repr):
+    for key in training_state_keys(checkpoint) if keys is None else keys:
         _feed(digest, key)
         _feed(digest, checkpoint[key])
     return digest.hexdigest()
@@ -156,7 +163,8 @@ def _feed(digest: Any, value: Any) -> None:
     if torch.is_tensor(value):
         t = value.detach().cpu().contiguous()
         digest.update(f"T{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())  # (its buffer: no copy)
     elif isinstance(value, Mapping):
         digest.update(f"{{{len(value)}|".encode())
         for key in sorted(value, key=repr):
@@ -166,6 +174,13 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"[{len(value)}|".encode())
         for item in value:
             _feed(digest, item)
+    elif isinstance(value, (set, frozenset)):  # its repr's order is the process's string hashing's
+        parts = []
+        for item in value:
+            part = hashlib.sha256()
+            _feed(part, item)
+            parts.append(part.hexdigest())
+        digest.update(f"<{len(parts)}|{''.join(sorted(parts))}".encode())
     else:
         text = repr(value).encode("utf-8", "surrogatepass")
         digest.update(f"r{len(text)}|".encode() + text)
@@ -173,11 +188,17 @@ def _feed(digest: Any, value: Any) -> None:
 
 def verify_training_state(checkpoint: Mapping[str, Any], path: str | Path | None = None) -> None:
     """Raise when the training state a resumed fit restores differs from the checksum recorded at save time
-    (:func:`training_state_checksum`; a checkpoint written before it was recorded, or one Lightning has migrated from
-    an older version's form in memory, is not checked: the file itself is, before Lightning reads it)."""
-    recorded = _lilicorr_record(checkpoint, path).get(TRAINING_CHECKSUM_KEY)
-    if recorded is None or _LEGACY_VERSION in checkpoint or training_state_checksum(checkpoint) == recorded:
-        return  # (migrated by Lightning from an older version's form: what is read is no longer what was written)
+    (:func:`training_state_checksum`). Not checked: a checkpoint written before it was recorded, one Lightning has
+    migrated from an older version's form in memory (the file itself is checked, before Lightning reads it), and one
+    whose strategy keeps entries the checksum covered outside the file (a sharded optimizer state)."""
+    record = _lilicorr_record(checkpoint, path)
+    recorded, keys = record.get(TRAINING_CHECKSUM_KEY), record.get(TRAINING_KEYS_KEY)
+    if recorded is None or _LEGACY_VERSION in checkpoint:
+        return
+    if keys is not None and (not isinstance(keys, list) or any(k not in checkpoint for k in keys)):
+        return
+    if training_state_checksum(checkpoint, keys) == recorded:
+        return
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
     raise CheckpointError(
         f"{where} is corrupted: its training state (the optimizer's moments, the loops', callbacks' and data "

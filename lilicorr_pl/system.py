@@ -36,6 +36,7 @@ from lilicorr_pl.checkpoint import (
     CHECKSUM_KEY,
     RECORD_CHECKSUM_KEY,
     TRAINING_CHECKSUM_KEY,
+    TRAINING_KEYS_KEY,
     CheckpointError,
     UserInputError,
     check_class_paths,
@@ -45,6 +46,7 @@ from lilicorr_pl.checkpoint import (
     record_checksum,
     state_checksum,
     training_state_checksum,
+    training_state_keys,
     verified_first,
     verify_checksum,
 )
@@ -778,10 +780,13 @@ class DraftSystem(L.LightningModule):
             "train_epoch_metrics": self._train_metrics_record(),
             # Verified whenever the checkpoint is opened (bench, export, resume, load_from_checkpoint).
             CHECKSUM_KEY: state_checksum(checkpoint.get("state_dict", {})),
+        }
+        if self._trainer is None or self.trainer.is_global_zero:  # (the file's writer: Adam's state hashed once)
             # Verified when a fit resumes from it: what it restores besides the weights (Adam's moments, the loops',
             # callbacks' and loader's positions, the random streams; every callback wrote its entry before this hook).
-            TRAINING_CHECKSUM_KEY: training_state_checksum(checkpoint),
-        }
+            keys = training_state_keys(checkpoint)
+            checkpoint["lilicorr"][TRAINING_KEYS_KEY] = keys
+            checkpoint["lilicorr"][TRAINING_CHECKSUM_KEY] = training_state_checksum(checkpoint, keys)
         # The records too, last (Lightning calls this hook after writing the others): verified when a command reads
         # the file (a changed byte there changed the layer ids an export wrote for an engine).
         checkpoint["lilicorr"][RECORD_CHECKSUM_KEY] = record_checksum(checkpoint)

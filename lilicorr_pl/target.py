@@ -348,24 +348,17 @@ def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = Fals
     top folder): it was read from the hub's newest revision whatever the weights' pin."""
     from transformers import AutoTokenizer
 
-    where = {k: v for k, v in (load_kwargs or {}).items() if k in WHERE_LOAD_KWARGS and v is not None}
-    tries = [where, {k: v for k, v in where.items() if k != "subfolder"}] if "subfolder" in where else [where]
-    for i, options in enumerate(tries):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **options)
-        except (OSError, ValueError) as err:
-            if i + 1 < len(tries):  # no tokenizer in the weights' subfolder: the model's top folder
-                continue
-            # A Llama/Mistral directory without tokenizer files: no backend to build one from
-            if not isinstance(err, ValueError) or "instantiate the backend tokenizer" not in str(err):
-                raise  # another cause (a package it needs, a file missing): its own words
-            if not required:
-                return None
-            raise UserInputError(
-                f"{setting} {name_or_path} holds no tokenizer transformers can load ({first_line(err)}); save the "
-                "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)") from None
-        if len(tokenizer) >= 2 or i + 1 == len(tries):
-            break
+    where = _tokenizer_where(name_or_path, load_kwargs or {})
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **where)
+    except ValueError as err:  # a Llama/Mistral directory without tokenizer files: no backend to build one from
+        if "instantiate the backend tokenizer" not in str(err):  # another cause (a package it needs): its own words
+            raise
+        if not required:
+            return None
+        raise UserInputError(
+            f"{setting} {name_or_path} holds no tokenizer transformers can load ({first_line(err)}); save the "
+            "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)") from None
     if len(tokenizer) < 2:
         if not required:
             return None
@@ -374,6 +367,26 @@ def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = Fals
             "target's tokenizer beside its weights (tokenizer.save_pretrained into that directory)"
         )
     return tokenizer
+
+
+def _tokenizer_where(name_or_path: str, load_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``from_pretrained`` options that say where a target's tokenizer is: those of its weights, but without their
+    ``subfolder`` where that holds no tokenizer files (the tokenizer in the model's top folder)."""
+    where = {k: v for k, v in load_kwargs.items() if k in WHERE_LOAD_KWARGS and v is not None}
+    subfolder = where.get("subfolder")
+    if not subfolder:
+        return where
+    from transformers.utils import cached_file
+
+    top = {k: v for k, v in where.items() if k != "subfolder"}
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        try:
+            if cached_file(name_or_path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False,
+                           **top):
+                return where
+        except (OSError, ValueError):  # no network, no access: the load says so in its own words
+            return where
+    return top
 
 
 def _configured_layers(name_or_path: str, trust_remote_code: bool, load_kwargs: dict[str, Any]) -> int | None:

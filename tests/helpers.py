@@ -244,7 +244,7 @@ def save_edited(state: dict, path) -> None:
 
     record = state.get("lilicorr")
     if isinstance(record, dict) and TRAINING_CHECKSUM_KEY in record:  # first: the record checksum covers it
-        record[TRAINING_CHECKSUM_KEY] = training_state_checksum(state)
+        record[TRAINING_CHECKSUM_KEY] = training_state_checksum(state, record.get("training_state_keys"))
     if isinstance(record, dict) and RECORD_CHECKSUM_KEY in record:
         record[RECORD_CHECKSUM_KEY] = record_checksum(state)
     torch.save(state, path)

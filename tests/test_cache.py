@@ -91,7 +91,11 @@ def test_a_remote_code_targets_key_reads_its_code(tmp_path):
     remote = fingerprint_target(TargetSpec(str(a), trust_remote_code=True))
     assert [name for name, _ in remote["code"]] == ["modeling_custom.py"]
     (a / "modeling_custom.py").write_text("SCALE = 2.0\n")
-    assert fingerprint(fingerprint_target(TargetSpec(str(a), trust_remote_code=True))) != fingerprint(remote)
+    edited = fingerprint_target(TargetSpec(str(a), trust_remote_code=True))
+    assert fingerprint(edited) != fingerprint(remote)
+    (a / "custom").mkdir()
+    (a / "custom" / "layers.py").write_text("X = 1\n")  # a package of its own
+    assert fingerprint(fingerprint_target(TargetSpec(str(a), trust_remote_code=True))) != fingerprint(edited)
 
 
 def test_target_key_reads_a_subfolder_and_the_load_kwargs_that_change_the_model(tmp_path):

@@ -308,6 +308,14 @@ def test_a_changed_training_state_is_refused_by_a_resume_and_left_to_what_reads_
         with pytest.raises(SystemExit):
             _resume(tmp_path, tmp_path / f"{key}.ckpt")
         assert message.replace(str(bad), str(tmp_path / f"{key}.ckpt")) in capsys.readouterr().err, key
+    # A strategy that keeps the optimizer's state outside the file (FSDP's sharded form) leaves it unchecked: its
+    # entries are not in the file, which is not corrupted for that (it was called so).
+    from lilicorr_pl.checkpoint import verify_training_state
+
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    assert "optimizer_states" in state["lilicorr"]["training_state_keys"]
+    del state["optimizer_states"]
+    verify_training_state(state)
     # A lilicorr record of another form: one line, where it was an AttributeError.
     state = torch.load(good, map_location="cpu", weights_only=True)
     state["lilicorr"] = [state["lilicorr"]]
@@ -315,6 +323,19 @@ def test_a_changed_training_state_is_refused_by_a_resume_and_left_to_what_reads_
     with pytest.raises(CheckpointError, match=r"listed.ckpt is not a lilicorr fit checkpoint: its lilicorr record is a "
                                               r"list, not a mapping; pass a .ckpt that lilicorr fit wrote$"):
         read_checkpoint(tmp_path / "listed.ckpt")
+
+
+def test_the_training_state_checksum_reads_a_set_alike_in_every_process():
+    """A set's repr orders its strings by the process's string hashing (PYTHONHASHSEED): a callback state holding one
+    would have read as corrupted when another process resumed it."""
+    import subprocess
+    import sys
+
+    code = ("from lilicorr_pl.checkpoint import training_state_checksum as c; "
+            "print(c({'callbacks': {'Cb': {'seen': {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}}}, 'epoch': 1}))")
+    sums = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(sums) == 1
 
 
 def test_an_instantiator_other_than_lightnings_is_refused_unimported(tiny_run, tmp_path):

@@ -560,6 +560,23 @@ def test_a_stopped_run_leaves_folders_another_process_replaced_meanwhile(target_
     assert (tmp_path / "moved" / "b" / "out.jsonl").is_file()  # the run's own, moved away: not touched
 
 
+def test_a_stopped_run_whose_folder_became_a_file_raises_what_stopped_it(target_dir, input_file, tmp_path,
+                                                                          monkeypatch):
+    """The clean-up's look at the output path raised NotADirectoryError when a level of it had become a file, and
+    that error replaced the Ctrl-C that stopped the run."""
+    out = tmp_path / "c" / "out.jsonl"
+
+    def replaced_by_a_file_then_interrupted(self, *args, **kwargs):
+        (tmp_path / "c").rename(tmp_path / "moved")
+        (tmp_path / "c").write_text("a file now")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "generate", replaced_by_a_file_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(target_dir, input_file, out)
+    assert (tmp_path / "c").read_text() == "a file now"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": float("nan")}, "finite number >= 0"),
     ({"limit": -1}, "limit must be >= 1"),

@@ -402,7 +402,12 @@ def test_the_tokenizer_is_read_where_the_weights_are(tmp_path, monkeypatch):
     for f in path.iterdir():
         shutil.copy(f, nested / ("weights" if f.name in ("config.json", "model.safetensors") else "") / f.name)
     assert len(tokenizer_of(str(nested), "x", load_kwargs={"subfolder": "weights"})) == len(tokenizer_of(str(path), "x"))
-    assert [s.get("subfolder") for s in seen[-3:-1]] == ["weights", None]
+    assert "subfolder" not in seen[-2]  # none in the weights' subfolder: the top folder's, in one load
+    for f in path.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, nested / "weights" / f.name)
+    tokenizer_of(str(nested), "x", load_kwargs={"subfolder": "weights"})
+    assert seen[-1]["subfolder"] == "weights"  # one there: the subfolder's
 
 
 def test_load_kwargs_the_load_cannot_take_are_one_line(tmp_path):

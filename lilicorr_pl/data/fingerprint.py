@@ -304,8 +304,8 @@ def fingerprint_target(spec: Any, include_layers: bool = True, file_hash: Any = 
                 if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
             ) if local.is_dir() else []
             if spec_d.get("trust_remote_code") and local.is_dir():  # the model's own code computes its logits
-                parts["code"] = sorted((p.name, file_sha256(p)) for p in local.iterdir()
-                                       if p.is_file() and p.suffix == ".py")
+                parts["code"] = sorted((p.relative_to(local).as_posix(), file_sha256(p)) for p in local.rglob("*.py")
+                                       if p.is_file())
     if include_layers:
         parts["layer_ids"] = spec_d.get("layer_ids")
         if spec_d.get("layer_ids") is None:

@@ -166,7 +166,7 @@ def _names(path: Path, fh: IO[Any]) -> bool:
     """Whether ``path`` still names the file open as ``fh``."""
     try:
         return os.path.samestat(os.fstat(fh.fileno()), os.stat(path))
-    except FileNotFoundError:
+    except OSError:  # removed, or a level of it replaced by a file
         return False
 
 
@@ -182,7 +182,7 @@ def _appending_alone(output: Path, written: list[Path]) -> Iterator[IO[str]]:
     with contextlib.ExitStack() as holding:
         made_folders: dict[Path, tuple[int, int]] = {}
         for attempt in itertools.count():
-            made_folders |= holding.enter_context(folders_made(output.parent, f"--output {output}", "regenerate"))
+            made_folders |= holding.enter_context(folders_made(output.parent, f"--output {output}", "regeneration"))
             created = not output.exists()
             try:
                 out = open(output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, once its lock is known
