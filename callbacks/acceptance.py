@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lilicorr_pl.checkpoint import first_line
 from lilicorr_pl.data.corpus import MIN_PREFIX_TOKENS
+from lilicorr_pl.data.formats import resolve_chat_template
 from lilicorr_pl.decoding.benchmarks import (
     PromptSet,
     ThinkingFlagUnknown,
@@ -87,9 +88,10 @@ class AcceptanceEval(L.Callback):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if num_prompts < 1 or max_new_tokens < 1:
+        if num_prompts < 1 or max_new_tokens < 2:  # 1: the prefill's token fills it, no round is drafted (τ NaN)
             raise ValueError(
-                f"AcceptanceEval needs num_prompts >= 1 and max_new_tokens >= 1, got {num_prompts} and {max_new_tokens}"
+                f"AcceptanceEval needs num_prompts >= 1 and max_new_tokens >= 2 (the token after the prompt is the "
+                f"target's own; drafting starts at the second), got {num_prompts} and {max_new_tokens}"
             )
         if every_n_train_steps is not None and every_n_train_steps < 0:
             raise ValueError(f"AcceptanceEval every_n_train_steps must be >= 0 or None, got {every_n_train_steps}")
@@ -153,6 +155,9 @@ class AcceptanceEval(L.Callback):
         config = getattr(getattr(pl_module, "drafter", None), "target_config", None)
         return getattr(config, "max_position_embeddings", None)
 
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        self._last_step = -1  # once per step within a run: a validate after a fit, at its last step, evaluates too
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
         step = trainer.global_step
         if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
@@ -184,6 +189,18 @@ class AcceptanceEval(L.Callback):
             )
         return bool(trained)
 
+    @staticmethod
+    def data_template(trainer: Any, pl_module: Any) -> str | None:
+        """The chat template the training data was rendered with: the data module's ``data.chat_template`` (None: the
+        tokenizer's), else, outside a fit, the one the checkpoint records; prompts through the chat template are
+        rendered with it, as ``lilicorr bench`` renders them (they were rendered with the tokenizer's own)."""
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "chat_template"):
+            template = datamodule.chat_template
+        else:
+            template = (getattr(pl_module, "checkpoint_meta", None) or {}).get("chat_template")
+        return resolve_chat_template(template, option="data.chat_template")
+
     def stop_token_ids(self, pl_module: Any) -> list[int]:
         """Where generation stops: the checkpoint's recorded stop ids, else the target's (one place for both)."""
         if self._stop_token_ids is None:
@@ -199,12 +216,14 @@ class AcceptanceEval(L.Callback):
             if tokenizer is None:
                 raise RuntimeError("AcceptanceEval needs the target's tokenizer, and the target's folder holds none; "
                                    "save the target's tokenizer beside its weights (tokenizer.save_pretrained)")
-            thinking = self.thinking_flag(trainer if trainer is not None else pl_module._trainer, pl_module)
+            trainer = trainer if trainer is not None else pl_module._trainer
+            thinking = self.thinking_flag(trainer, pl_module)
             self._tokenizer = tokenizer
             try:
                 prompts = load_prompts(
                     self.benchmark, tokenizer, self.num_prompts, chat_template=self.chat_template,
                     enable_thinking=thinking, seed=self.seed, prefix_tokens=self.prompt_tokens,
+                    template=self.data_template(trainer, pl_module),
                 )
             except ThinkingFlagUnknown:
                 raise ValueError(

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 
+from lilicorr_pl.checkpoint import first_line
 from lilicorr_pl.files import check_writable_dir, refuse_foreign, write_results_json, written_by_lilicorr
 
 COMMAND = "fit"
@@ -75,4 +77,8 @@ class ProgressFile(L.Callback):
                 pass
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        self._write(trainer, finished=True)
+        try:
+            self._write(trainer, finished=True)
+        except OSError as err:  # it raised past the ModelCheckpoint after it, whose end-of-training save was lost
+            rank_zero_warn(f"ProgressFile could not write {self.path} at the end of training ({first_line(err)}); "
+                           "the run's checkpoints are saved all the same")

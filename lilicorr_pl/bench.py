@@ -594,8 +594,9 @@ def bench(
         raise UserInputError(str(err)) from None
     if any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise UserInputError(f"--temperature values must be finite and >= 0, got {temperatures}")
-    if num_prompts < 1 or max_new_tokens < 1:
-        raise UserInputError(f"--num_prompts and --max_new_tokens must be >= 1, got {num_prompts} and {max_new_tokens}")
+    if num_prompts < 1 or max_new_tokens < 2:  # 1: the prefill's token fills it, no round is drafted (every τ NaN)
+        raise UserInputError(f"--num_prompts must be >= 1 and --max_new_tokens >= 2 (the token after the prompt is the "
+                             f"target's own; drafting starts at the second), got {num_prompts} and {max_new_tokens}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     first = None
     if target is not None:

@@ -213,6 +213,18 @@ def test_evaluate_logs_scalars_to_every_logger_and_skips_repeats(run):
     assert csv_logger.log_metrics.call_count == 1 and len(callback.history) == 1
 
 
+def test_a_validate_after_a_fit_at_its_last_step_evaluates_again(run):
+    """The once-per-step guard outlived the run: a trainer.validate after the fit, at the fit's last step, logged no
+    eval/tau (nothing for a monitor), and so did one after loading other weights at that step."""
+    callback = make_callback(num_prompts=1)
+    trainer = fake_trainer(4, [])
+    callback.evaluate(trainer, run.system)
+    trainer.callback_metrics.clear()
+    callback.setup(trainer, run.system, "validate")  # Lightning calls it as each run starts
+    callback.evaluate(trainer, run.system)
+    assert "eval/tau" in trainer.callback_metrics and len(callback.history) == 2
+
+
 def test_top1_head_logs_tau_top1_without_a_second_decode():
     system = make_system(head=None)  # vanilla DFlash: the head is per-slot top-1
     system.configure_model()
@@ -279,6 +291,26 @@ def test_thinking_flag_without_a_data_module_comes_from_the_checkpoint(chat_syst
         _chat_callback(prompts, enable_thinking=True).prompt_set(system, fake_trainer(1, []))
 
 
+def test_chat_prompts_are_rendered_with_the_training_datas_template(chat_system):
+    """The in-loop evaluation rendered chat prompts with the tokenizer's own template whatever data.chat_template the
+    run trained with, so eval/tau measured prompts unlike the training data's (and unlike what bench measures)."""
+    system, prompts = chat_system
+    tokenizer = system.target.tokenizer
+    custom = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}### assistant:{% endif %}")
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(enable_thinking=False, chat_template=custom))
+    ids = _chat_callback(prompts).prompt_set(system, trainer).input_ids[0]
+    assert tokenizer.decode(ids) == "### user: What is two plus two?\n### assistant:"
+    system.checkpoint_meta = {"enable_thinking": False, "chat_template": custom}  # outside a fit: the checkpoint's
+    try:
+        ids = _chat_callback(prompts).prompt_set(system, SimpleNamespace(datamodule=None)).input_ids[0]
+        assert tokenizer.decode(ids) == "### user: What is two plus two?\n### assistant:"
+    finally:
+        system.checkpoint_meta = {}
+    default = _chat_callback(prompts).prompt_set(system, fake_trainer(1, [])).input_ids[0]  # no template set
+    assert tokenizer.decode(default).startswith("<|im_start|>user\nWhat is two plus two?")
+
+
 def test_raw_code_prompts_need_no_thinking_flag(chat_system):
     """Code prefixes never go through the chat template: no data module and no checkpoint flag is fine."""
     system, _ = chat_system
@@ -334,7 +366,8 @@ def test_sampled_evaluation_uses_the_configured_draft_rule(rule):
     "kwargs, message",
     [
         ({"num_prompts": 0}, "num_prompts >= 1"),
-        ({"max_new_tokens": 0}, "max_new_tokens >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens >= 2"),
+        ({"max_new_tokens": 1}, r"max_new_tokens >= 2 \(the token after the prompt is the target's own"),  # τ NaN
         ({"every_n_train_steps": None, "on_validation_end": False}, "never run"),
         ({"temperature": -1.0}, "temperature"),
         ({"draft_sampling": "sampled"}, "draft_sampling must be one of"),

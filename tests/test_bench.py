@@ -353,6 +353,8 @@ def write(path: Path, text: str) -> str:
         ("output_is_a_users_json", r"config\.json exists and is not a results file lilicorr wrote"),
         ("plot_is_a_file", "--plot .* is a file"),
         ("cuda_without_cuda", "CUDA is not available"),
+        ("one_new_token", r"--max_new_tokens >= 2 \(the token after the prompt is the target's own; drafting starts "
+                          r"at the second\), got 16 and 1"),  # every τ NaN
         ("past_the_context", r"--max_new_tokens 100000 with prompts of up to \d+ tokens exceeds the target's "
                              r"max_position_embeddings 64; lower --max_new_tokens to at most [1-9]"),
         ("prompts_past_the_context", r"prompts of up to \d+ tokens leave no room in the target's "
@@ -413,12 +415,14 @@ def test_bench_rejects_bad_input_with_a_clear_message(tiny_run, tmp_path, capsys
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
         args["--device"] = "cuda"
+    elif case == "one_new_token":
+        args["--max-new-tokens"] = "1"
     elif case == "past_the_context":
         args["--max-new-tokens"] = "100000"
         args["--benchmark"] = write(tmp_path / "short.jsonl", json.dumps({"prompt": "def add(a, b):"}) + "\n")
         args["--chat-template"] = "no"
     elif case == "prompts_past_the_context":  # HumanEval's prompts alone are longer than the tiny target's context
-        args["--max-new-tokens"] = "1"
+        args["--max-new-tokens"] = "2"
     elif case == "lattice_k_too_wide":
         args["--lattice-k"] = "99"
         args["--selectors"] = "top1,lilicorr"

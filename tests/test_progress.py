@@ -133,3 +133,30 @@ def test_a_fit_without_max_steps_counts_batches_per_epoch_at_a_steady_rate(monke
     rates = [float(re.search(r"\| ([\d.]+) it/s", line).group(1)) for line in lines]
     assert max(rates) - min(rates) < 0.05  # steady, at one batch per clock second
     assert lines[-1].endswith("| left 0:00") and "| left 0:11" in lines[0]  # 11 batches to go after the first
+
+
+def test_a_progress_file_that_cannot_be_written_at_the_end_loses_no_checkpoint(tmp_path, monkeypatch):
+    """The last write's OSError (a full disk, a reader holding the file on Windows) raised out of on_train_end,
+    before the ModelCheckpoint after it saved the run's last steps: the fit failed and last.ckpt stayed steps behind."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import callbacks.progress as progress_callback
+    from callbacks import ModelCheckpoint, ProgressFile
+
+    real = progress_callback.write_results_json
+
+    def held_at_the_end(path, payload, command):
+        if payload["finished"]:
+            raise PermissionError(13, "The process cannot access the file because it is being used by another process")
+        real(path, payload, command)
+
+    monkeypatch.setattr(progress_callback, "write_results_json", held_at_the_end)
+    ckpt = ModelCheckpoint(every_n_train_steps=25, save_top_k=0, save_last=True)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=30, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, accelerator="cpu",
+                        callbacks=[ProgressFile(str(tmp_path / "progress.json")), ckpt])
+    with pytest.warns(UserWarning, match=r"ProgressFile could not write .*progress.json at the end of training"):
+        trainer.fit(BoringModel())
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == trainer.global_step == 30
