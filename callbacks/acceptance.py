@@ -275,6 +275,8 @@ class AcceptanceEval(L.Callback):
         if "top1" not in pooled and isinstance(pl_module.head, Top1Selector) and self.compare_top1:
             pooled["top1"] = pooled["head"]  # the head is top-1: same numbers, keeps dashboards comparable
         scalars = self._scalars(pooled)
+        for key in [k for k in trainer.callback_metrics if k.startswith("eval/acceptance") and k not in scalars]:
+            del trainer.callback_metrics[key]  # a position no round reached this time: not an earlier evaluation's rate
         for key, value in scalars.items():
             # Every rank holds the same pooled value, so ModelCheckpoint/EarlyStopping agree across ranks.
             trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)

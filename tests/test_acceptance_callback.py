@@ -225,6 +225,17 @@ def test_a_validate_after_a_fit_at_its_last_step_evaluates_again(run):
     assert "eval/tau" in trainer.callback_metrics and len(callback.history) == 2
 
 
+def test_a_position_no_round_reached_keeps_no_earlier_rate(run):
+    """A per-position rate is left out when no round reached the position, and the one an earlier evaluation set
+    stayed in trainer.callback_metrics, for monitors and the final printout, as if measured now."""
+    callback = make_callback(num_prompts=1)
+    trainer = fake_trainer(6, [])
+    trainer.callback_metrics["eval/acceptance/pos09"] = torch.tensor(0.5)  # an earlier evaluation's, past BLOCK
+    scalars = callback.evaluate(trainer, run.system)
+    assert "eval/acceptance/pos09" not in trainer.callback_metrics and "eval/acceptance/pos09" not in scalars
+    assert "eval/acceptance/pos01" in trainer.callback_metrics
+
+
 def test_top1_head_logs_tau_top1_without_a_second_decode():
     system = make_system(head=None)  # vanilla DFlash: the head is per-slot top-1
     system.configure_model()
