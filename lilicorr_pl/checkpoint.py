@@ -199,13 +199,17 @@ def verify_training_state(checkpoint: Mapping[str, Any], path: str | Path | None
         return
     if training_state_checksum(checkpoint, keys) == recorded:
         return
-    where = f"checkpoint {path}" if path is not None else "the checkpoint"
     raise CheckpointError(
-        f"{where} is corrupted: its training state (the optimizer's moments, the loops', callbacks' and data "
+        f"{_where(path)} is corrupted: its training state (the optimizer's moments, the loops', callbacks' and data "
         "loader's positions, the random streams) does not match the checksum recorded when it was saved; resume from "
         "another checkpoint, or export its weights (lilicorr export, which checks them) and start a new run from them "
         "(--model.init_drafter_from)"
     )
+
+
+def _where(path: str | Path | None) -> str:
+    """How a refusal names the checkpoint: by its path where it has one."""
+    return f"checkpoint {path}" if path is not None else "the checkpoint"
 
 
 def _lilicorr_record(checkpoint: Mapping[str, Any], path: str | Path | None) -> Mapping[str, Any]:
@@ -214,8 +218,7 @@ def _lilicorr_record(checkpoint: Mapping[str, Any], path: str | Path | None) -> 
     if record is None:
         return {}
     if not isinstance(record, Mapping):
-        where = f"checkpoint {path}" if path is not None else "the checkpoint"
-        raise CheckpointError(f"{where} is not a lilicorr fit checkpoint: its lilicorr record is a "
+        raise CheckpointError(f"{_where(path)} is not a lilicorr fit checkpoint: its lilicorr record is a "
                               f"{type(record).__name__}, not a mapping; pass a .ckpt that lilicorr fit wrote")
     return record
 
@@ -324,7 +327,7 @@ def verify_checksum(checkpoint: Mapping[str, Any], path: str | Path | None = Non
     expected = record.get(CHECKSUM_KEY)
     if _verified_already(expected):
         return
-    where = f"checkpoint {path}" if path is not None else "the checkpoint"
+    where = _where(path)
     recorded = record.get(RECORD_CHECKSUM_KEY)  # absent: written before it was recorded
     if training:
         verify_training_state(checkpoint, path)

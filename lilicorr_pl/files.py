@@ -50,6 +50,11 @@ resolved before its model loads (its ``config.json`` read for the layer check, a
 so that read sees the files the load will."""
 
 
+def where_load_kwargs(load_kwargs: Any) -> dict[str, Any]:
+    """The :data:`WHERE_LOAD_KWARGS` that ``load_kwargs`` sets (to a value: a None is not passed on)."""
+    return {k: v for k, v in (load_kwargs or {}).items() if k in WHERE_LOAD_KWARGS and v is not None}
+
+
 def jsonable(value: Any) -> Any:
     """NaN/inf (undefined statistics, e.g. a position no round reached) become JSON ``null``."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -20,7 +20,7 @@ from jsonargparse.typing import restricted_string_type
 from torch import nn
 
 from lilicorr_pl.checkpoint import UserInputError, first_line
-from lilicorr_pl.files import WHERE_LOAD_KWARGS
+from lilicorr_pl.files import WHERE_LOAD_KWARGS, where_load_kwargs
 
 _DTYPES = {
     "float32": torch.float32,
@@ -372,7 +372,7 @@ def tokenizer_of(name_or_path: str, setting: str, trust_remote_code: bool = Fals
 def _tokenizer_where(name_or_path: str, load_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The ``from_pretrained`` options that say where a target's tokenizer is: those of its weights, but without their
     ``subfolder`` where that holds no tokenizer files (the tokenizer in the model's top folder)."""
-    where = {k: v for k, v in load_kwargs.items() if k in WHERE_LOAD_KWARGS and v is not None}
+    where = where_load_kwargs(load_kwargs)
     subfolder = where.get("subfolder")
     if not subfolder:
         return where

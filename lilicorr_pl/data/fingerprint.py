@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lilicorr_pl.files import WHERE_LOAD_KWARGS
+from lilicorr_pl.files import where_load_kwargs
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -234,7 +234,7 @@ def hub_commit(name: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple
     files are not a hub snapshot. Reads ``config.json`` (a download of a few kB), never the weights."""
     from transformers.utils import cached_file
 
-    where = {k: v for k, v in (load_kwargs or {}).items() if k in WHERE_LOAD_KWARGS and v is not None}
+    where = where_load_kwargs(load_kwargs)
     subfolder = where.pop("subfolder", None) or None
     try:
         found = cached_file(name, "config.json", subfolder=subfolder or "", **where)

@@ -187,8 +187,8 @@ class StoreWriter:
             return self.dest
         try:
             shards, end = self._shard_list(num_shards)
-        except FileNotFoundError:  # another process finalized the store while this one hashed its shards (minutes)
-            if not self.finished_elsewhere():
+        except (FileNotFoundError, CacheError):  # another process finalized the store (its shards moved with it)
+            if not self.finished_elsewhere():  # while this one hashed them (minutes)
                 raise
             open_store(self.dest, expected_fingerprint=self.fingerprint, kind=self.kind, verify="size")
             return self.dest
@@ -223,8 +223,6 @@ class StoreWriter:
         for index in range(num_shards):
             path = self.partial / shard_name(index)
             if not self.done(index):
-                if self.finished_elsewhere():
-                    raise FileNotFoundError(path)
                 raise CacheError(f"shard {path} is missing or was written for other inputs; rerun the precompute")
             header, _ = _header(path)
             a, b = (int(x) for x in header["examples"].split(":"))
